@@ -1,0 +1,1 @@
+"""chatmesh.chat: ChatService, the turn state machine."""

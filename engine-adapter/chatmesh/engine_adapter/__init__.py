@@ -1,0 +1,1 @@
+"""chatmesh.engine_adapter: one engine replica (GenerateService) and its backends."""

@@ -1,0 +1,1 @@
+"""chatmesh.gateway: the REST/SSE edge."""

@@ -1,0 +1,76 @@
+"""`chatmesh serve SERVICE`, `chatmesh model fetch`, `chatmesh config table`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import sys
+from typing import Any
+
+from chatmesh.mesh import config, logs, settings
+from chatmesh.mesh.config import Config, Setting
+from chatmesh.model import assets
+from chatmesh.model import settings as model_settings
+
+# service name -> (module with `build(cfg) -> Service`, the setting holding its address)
+GRPC_SERVICES: dict[str, tuple[str, Setting[str]]] = {
+    "chat": ("chatmesh.chat.service", settings.CHAT_ADDRESS),
+    "store": ("chatmesh.store.service", settings.STORE_ADDRESS),
+    "router": ("chatmesh.router.service", settings.ROUTER_ADDRESS),
+    "engine": ("chatmesh.engine_adapter.service", settings.ENGINE_ADDRESS),
+    "moderation": ("chatmesh.moderation.service", settings.MODERATION_ADDRESS),
+}
+SERVICES = (*GRPC_SERVICES, "gateway")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run one service (the production unit)")
+    p.add_argument("service", choices=SERVICES)
+    config.add_flags(p)
+    p.set_defaults(handler=_serve)
+
+    p = sub.add_parser("model", help="model assets")
+    p.add_argument("action", choices=("fetch", "path"))
+    config.add_flags(p)
+    p.set_defaults(handler=_model)
+
+    p = sub.add_parser("config", help="show configuration")
+    p.add_argument("action", choices=("table",))
+    p.set_defaults(handler=lambda _args: print(config.markdown_table()) or 0)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    cfg = Config(flags=config.flags_of(args))
+    logs.configure(args.service, cfg[settings.LOG_LEVEL], cfg[settings.LOG_JSON])
+    if args.service == "gateway":
+        gateway = importlib.import_module("chatmesh.gateway.app")
+        result: int = gateway.run(cfg)
+        return result
+    module_name, address = GRPC_SERVICES[args.service]
+    module = importlib.import_module(module_name)
+    service = module.build(cfg)
+    listen = cfg[settings.LISTEN] or cfg[address]
+    asyncio.run(_run(service, listen, cfg[settings.SHUTDOWN_GRACE_S]))
+    return 0
+
+
+async def _run(service: Any, listen: str, grace_s: float) -> None:
+    from chatmesh.mesh.server import serve
+
+    await serve(service, listen, grace_s)
+
+
+def _model(args: argparse.Namespace) -> int:
+    cfg = Config(flags=config.flags_of(args))
+    model_dir = cfg[model_settings.MODEL_DIR]
+    if args.action == "fetch":
+        path = assets.fetch(model_dir)
+    else:
+        try:
+            path = assets.gguf_path(model_dir)
+        except assets.ModelMissing as err:
+            print(err, file=sys.stderr)
+            return 1
+    print(path)
+    return 0

@@ -1,0 +1,129 @@
+"""Configuration: every setting is a `CHATMESH_*` environment variable and a command-line flag.
+
+Each service declares its settings next to its code (a `settings.py` module listed in `SETTING_MODULES`);
+`all_settings()` collects them for the CLI and for the README's table (a test keeps the two in step).
+Precedence: flag, then environment, then the declared default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+SETTING_MODULES = (
+    "chatmesh.mesh.settings",
+    "chatmesh.model.settings",
+    "chatmesh.store.settings",
+    "chatmesh.router.settings",
+    "chatmesh.engine_adapter.settings",
+    "chatmesh.moderation.settings",
+    "chatmesh.chat.settings",
+    "chatmesh.gateway.settings",
+)
+
+_REGISTRY: dict[str, Setting[Any]] = {}
+
+
+def parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One setting: its environment variable, default, meaning, and how to parse its text."""
+
+    env: str
+    default: T
+    help: str
+    parse: Callable[[str], T]
+    choices: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.env.startswith("CHATMESH_"):
+            raise ValueError(f"setting {self.env} must start with CHATMESH_")
+        _REGISTRY[self.env] = self
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.env.removeprefix("CHATMESH_").lower().replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.env.removeprefix("CHATMESH_").lower()
+
+    def read(self, env: Mapping[str, str], flags: Mapping[str, str | None]) -> T:
+        raw = flags.get(self.dest)
+        if raw is None:
+            raw = env.get(self.env)
+        if raw is None:
+            return self.default
+        if self.choices and raw not in self.choices:
+            raise ValueError(f"{self.env} must be one of {', '.join(self.choices)}, got {raw!r}")
+        try:
+            return self.parse(raw)
+        except ValueError as err:
+            raise ValueError(f"{self.env}: {err}") from None
+
+
+def all_settings() -> list[Setting[Any]]:
+    for module in SETTING_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+    return sorted(_REGISTRY.values(), key=lambda s: s.env)
+
+
+class Config:
+    """Resolved values of every setting, read once at start-up."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, flags: Mapping[str, str | None] | None = None):
+        self._env = dict(os.environ if env is None else env)
+        self._flags = dict(flags or {})
+        self._cache: dict[str, Any] = {}
+
+    def __getitem__(self, setting: Setting[T]) -> T:
+        if setting.env not in self._cache:
+            self._cache[setting.env] = setting.read(self._env, self._flags)
+        value: T = self._cache[setting.env]
+        return value
+
+    def as_env(self, settings: Iterable[Setting[Any]]) -> dict[str, str]:
+        """The resolved values as environment variables, to hand to a child process."""
+        out = {k: v for k, v in self._env.items() if k.startswith("CHATMESH_")}
+        for s in settings:
+            raw = self._flags.get(s.dest)
+            if raw is not None:
+                out[s.env] = raw
+        return out
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("settings (each also a CHATMESH_* environment variable)")
+    for s in all_settings():
+        group.add_argument(s.flag, dest=s.dest, default=None, metavar="VALUE",
+                           help=f"{s.help} [env {s.env}, default {s.default!r}]")
+
+
+def flags_of(ns: argparse.Namespace) -> dict[str, str | None]:
+    return {s.dest: getattr(ns, s.dest, None) for s in all_settings()}
+
+
+def markdown_table() -> str:
+    rows = ["| variable | flag | default | meaning |", "|---|---|---|---|"]
+    for s in all_settings():
+        default = "" if s.default == "" else f"`{s.default}`"
+        rows.append(f"| `{s.env}` | `{s.flag}` | {default} | {s.help} |")
+    return "\n".join(rows)

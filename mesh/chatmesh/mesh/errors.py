@@ -1,0 +1,36 @@
+"""Typed core errors shared by every service.
+
+Cores raise these; each service's servicer maps them to gRPC status codes in exactly one place
+(`chatmesh.mesh.server.status_for`), and the edge maps gRPC codes to HTTP. A core never raises a bare
+`Exception` for a condition a caller can act on.
+"""
+
+from __future__ import annotations
+
+
+class CoreError(Exception):
+    """Base of every error a core raises on purpose. The message is safe to show a caller."""
+
+
+class InvalidArgument(CoreError):
+    """The request is malformed: a missing or invalid field, content over a limit."""
+
+
+class NotFound(CoreError):
+    """The thing does not exist for this owner (another owner's data is also NotFound, never a hint)."""
+
+
+class Conflict(CoreError):
+    """The request collides with stored state, such as a turn id reused for other content."""
+
+
+class FailedPrecondition(CoreError):
+    """The request is valid but the state does not allow it now, such as finishing a turn with a lost lease."""
+
+
+class ResourceExhausted(CoreError):
+    """A bounded queue or limit is full; retry later."""
+
+
+class Unavailable(CoreError):
+    """A dependency is down or no replica can serve; retry may succeed."""

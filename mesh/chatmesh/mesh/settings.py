@@ -1,0 +1,22 @@
+"""Settings shared by every service: addresses, data folder, logging, shutdown."""
+
+from __future__ import annotations
+
+from chatmesh.mesh.config import Setting, parse_bool
+
+HOST = Setting("CHATMESH_HOST", "127.0.0.1", "address the gateway binds; loopback unless auth is configured", str)
+GATEWAY_PORT = Setting("CHATMESH_GATEWAY_PORT", 8080, "HTTP port of the gateway", int)
+CHAT_ADDRESS = Setting("CHATMESH_CHAT_ADDRESS", "127.0.0.1:50051", "gRPC address of ChatService", str)
+STORE_ADDRESS = Setting("CHATMESH_STORE_ADDRESS", "127.0.0.1:50052", "gRPC address of StoreService", str)
+ROUTER_ADDRESS = Setting("CHATMESH_ROUTER_ADDRESS", "127.0.0.1:50053", "gRPC address of RouteService", str)
+ENGINE_ADDRESS = Setting("CHATMESH_ENGINE_ADDRESS", "127.0.0.1:50054",
+                         "gRPC address of the (first) GenerateService replica", str)
+MODERATION_ADDRESS = Setting("CHATMESH_MODERATION_ADDRESS", "127.0.0.1:50055",
+                             "gRPC address of ModerateService", str)
+LISTEN = Setting("CHATMESH_LISTEN", "", "address `chatmesh serve` binds (default: the service's own address)", str)
+DATA_DIR = Setting("CHATMESH_DATA_DIR", ".data", "folder for the embedded SQLite database and caches", str)
+LOG_LEVEL = Setting("CHATMESH_LOG_LEVEL", "info", "log level", str,
+                    choices=("debug", "info", "warning", "error"))
+LOG_JSON = Setting("CHATMESH_LOG_JSON", True, "JSON log lines (false: human-readable)", parse_bool)
+SHUTDOWN_GRACE_S = Setting("CHATMESH_SHUTDOWN_GRACE_S", 5.0,
+                           "seconds open streams get to finish on SIGTERM before they are cancelled", float)

@@ -1,0 +1,1 @@
+"""chatmesh.moderation: ModerateService, input and streamed output checks."""

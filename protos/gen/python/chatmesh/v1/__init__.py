@@ -1,0 +1,1 @@
+"""Generated from protos/chatmesh/v1 by `./dev gen`. Do not edit."""

@@ -1,0 +1,112 @@
+from chatmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CreateConversationRequest(_message.Message):
+    __slots__ = ("owner_id", "title")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    title: str
+    def __init__(self, owner_id: _Optional[str] = ..., title: _Optional[str] = ...) -> None: ...
+
+class CreateConversationResponse(_message.Message):
+    __slots__ = ("conversation",)
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    conversation: _common_pb2.Conversation
+    def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ...) -> None: ...
+
+class GetConversationRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class GetConversationResponse(_message.Message):
+    __slots__ = ("conversation", "messages")
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    conversation: _common_pb2.Conversation
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]
+    def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ...) -> None: ...
+
+class SendTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "content")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    content: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class SendTurnResponse(_message.Message):
+    __slots__ = ("sequence", "started", "delta", "completed", "stopped", "failed", "blocked")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    started: TurnStarted
+    delta: TurnDelta
+    completed: TurnCompleted
+    stopped: TurnStopped
+    failed: TurnFailed
+    blocked: TurnBlocked
+    def __init__(self, sequence: _Optional[int] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., delta: _Optional[_Union[TurnDelta, _Mapping]] = ..., completed: _Optional[_Union[TurnCompleted, _Mapping]] = ..., stopped: _Optional[_Union[TurnStopped, _Mapping]] = ..., failed: _Optional[_Union[TurnFailed, _Mapping]] = ..., blocked: _Optional[_Union[TurnBlocked, _Mapping]] = ...) -> None: ...
+
+class TurnStarted(_message.Message):
+    __slots__ = ("turn_id", "replayed")
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    turn_id: str
+    replayed: bool
+    def __init__(self, turn_id: _Optional[str] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class TurnDelta(_message.Message):
+    __slots__ = ("text",)
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TurnCompleted(_message.Message):
+    __slots__ = ("usage", "replica_id")
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    usage: _common_pb2.Usage
+    replica_id: str
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+
+class TurnStopped(_message.Message):
+    __slots__ = ("usage",)
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    usage: _common_pb2.Usage
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+
+class TurnFailed(_message.Message):
+    __slots__ = ("message", "retryable")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    retryable: bool
+    def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+
+class TurnBlocked(_message.Message):
+    __slots__ = ("stage", "category")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    category: str
+    def __init__(self, stage: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...

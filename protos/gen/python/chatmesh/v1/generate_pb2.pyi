@@ -1,0 +1,164 @@
+from chatmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    conversation_id: str
+    turn_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: bytes
+    platform_prefix_tokens: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("started", "delta", "finished")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    started: GenerateStarted
+    delta: GenerateDelta
+    finished: GenerateFinished
+    def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
+
+class GenerateStarted(_message.Message):
+    __slots__ = ("replica_id", "cached_prompt_tokens", "host_cached_prompt_tokens")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    cached_prompt_tokens: int
+    host_cached_prompt_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class GenerateDelta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateFinished(_message.Message):
+    __slots__ = ("finish_reason", "usage", "error_message")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    usage: _common_pb2.Usage
+    error_message: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("conversation_id", "cache_salt")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    cache_salt: bytes
+    def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("blocks_evicted",)
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    blocks_evicted: int
+    def __init__(self, blocks_evicted: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: EngineStats
+    def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class WatchStatsRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class WatchStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: EngineStats
+    def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class KvTierStats(_message.Message):
+    __slots__ = ("blocks_total", "blocks_used", "blocks_free")
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_free: _Optional[int] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    backend: str
+    queue_depth: int
+    running_sequences: int
+    block_size: int
+    device: KvTierStats
+    host: KvTierStats
+    hit_tokens: int
+    miss_tokens: int
+    host_hit_tokens: int
+    device_evictions: int
+    host_evictions: int
+    preemptions: int
+    generations: int
+    def __init__(self, replica_id: _Optional[str] = ..., backend: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[_Union[KvTierStats, _Mapping]] = ..., host: _Optional[_Union[KvTierStats, _Mapping]] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., generations: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,67 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModerationAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODERATION_ACTION_UNSPECIFIED: _ClassVar[ModerationAction]
+    MODERATION_ACTION_ALLOW: _ClassVar[ModerationAction]
+    MODERATION_ACTION_FLAG: _ClassVar[ModerationAction]
+    MODERATION_ACTION_BLOCK: _ClassVar[ModerationAction]
+MODERATION_ACTION_UNSPECIFIED: ModerationAction
+MODERATION_ACTION_ALLOW: ModerationAction
+MODERATION_ACTION_FLAG: ModerationAction
+MODERATION_ACTION_BLOCK: ModerationAction
+
+class CategoryScore(_message.Message):
+    __slots__ = ("category", "score")
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    category: str
+    score: float
+    def __init__(self, category: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("action", "categories", "reason")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: ModerationAction
+    categories: _containers.RepeatedCompositeFieldContainer[CategoryScore]
+    reason: str
+    def __init__(self, action: _Optional[_Union[ModerationAction, str]] = ..., categories: _Optional[_Iterable[_Union[CategoryScore, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckInputRequest(_message.Message):
+    __slots__ = ("text", "conversation_id")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    conversation_id: str
+    def __init__(self, text: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class CheckInputResponse(_message.Message):
+    __slots__ = ("verdict",)
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+
+class CheckOutputRequest(_message.Message):
+    __slots__ = ("text", "conversation_id")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    conversation_id: str
+    def __init__(self, text: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class CheckOutputResponse(_message.Message):
+    __slots__ = ("chunk_index", "verdict")
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    chunk_index: int
+    verdict: Verdict
+    def __init__(self, chunk_index: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...

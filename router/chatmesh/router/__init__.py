@@ -1,0 +1,1 @@
+"""chatmesh.router: RouteService, consistent hashing with bounded loads."""

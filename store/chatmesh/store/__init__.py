@@ -1,0 +1,1 @@
+"""chatmesh.store: StoreService, durable conversation state."""
