@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from chatmesh.v1 import common_pb2 as chatmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63hatmesh/v1/chat.proto\x12\x0b\x63hatmesh.v1\x1a\x18\x63hatmesh/v1/common.proto\"<\n\x19\x43reateConversationRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\"M\n\x1a\x43reateConversationResponse\x12/\n\x0c\x63onversation\x18\x01 \x01(\x0b\x32\x19.chatmesh.v1.Conversation\"C\n\x16GetConversationRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"r\n\x17GetConversationResponse\x12/\n\x0c\x63onversation\x18\x01 \x01(\x0b\x32\x19.chatmesh.v1.Conversation\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.chatmesh.v1.Message\"^\n\x0fSendTurnRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x04 \x01(\t\"\xb9\x02\n\x10SendTurnResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12+\n\x07started\x18\x02 \x01(\x0b\x32\x18.chatmesh.v1.TurnStartedH\x00\x12\'\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x16.chatmesh.v1.TurnDeltaH\x00\x12/\n\tcompleted\x18\x04 \x01(\x0b\x32\x1a.chatmesh.v1.TurnCompletedH\x00\x12+\n\x07stopped\x18\x05 \x01(\x0b\x32\x18.chatmesh.v1.TurnStoppedH\x00\x12)\n\x06\x66\x61iled\x18\x06 \x01(\x0b\x32\x17.chatmesh.v1.TurnFailedH\x00\x12+\n\x07\x62locked\x18\x07 \x01(\x0b\x32\x18.chatmesh.v1.TurnBlockedH\x00\x42\x07\n\x05\x65vent\"0\n\x0bTurnStarted\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\x19\n\tTurnDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\"F\n\rTurnCompleted\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.chatmesh.v1.Usage\x12\x12\n\nreplica_id\x18\x02 \x01(\t\"0\n\x0bTurnStopped\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.chatmesh.v1.Usage\"0\n\nTurnFailed\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\".\n\x0bTurnBlocked\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t2\x9d\x02\n\x0b\x43hatService\x12\x65\n\x12\x43reateConversation\x12&.chatmesh.v1.CreateConversationRequest\x1a\'.chatmesh.v1.CreateConversationResponse\x12\\\n\x0fGetConversation\x12#.chatmesh.v1.GetConversationRequest\x1a$.chatmesh.v1.GetConversationResponse\x12I\n\x08SendTurn\x12\x1c.chatmesh.v1.SendTurnRequest\x1a\x1d.chatmesh.v1.SendTurnResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63hatmesh/v1/chat.proto\x12\x0b\x63hatmesh.v1\x1a\x18\x63hatmesh/v1/common.proto\"<\n\x19\x43reateConversationRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\r\n\x05title\x18\x02 \x01(\t\"M\n\x1a\x43reateConversationResponse\x12/\n\x0c\x63onversation\x18\x01 \x01(\x0b\x32\x19.chatmesh.v1.Conversation\"C\n\x16GetConversationRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"r\n\x17GetConversationResponse\x12/\n\x0c\x63onversation\x18\x01 \x01(\x0b\x32\x19.chatmesh.v1.Conversation\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.chatmesh.v1.Message\"^\n\x0fSendTurnRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x04 \x01(\t\"9\n\x10SendTurnResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.chatmesh.v1.TurnEvent\"g\n\x11\x41ttachTurnRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x16\n\x0e\x61\x66ter_sequence\x18\x04 \x01(\x03\";\n\x12\x41ttachTurnResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.chatmesh.v1.TurnEvent\"M\n\x0fStopTurnRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\"#\n\x10StopTurnResponse\x12\x0f\n\x07stopped\x18\x01 \x01(\x08\"S\n\x15RegenerateTurnRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\"?\n\x16RegenerateTurnResponse\x12%\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x16.chatmesh.v1.TurnEvent\"?\n\x18ListConversationsRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\"M\n\x19ListConversationsResponse\x12\x30\n\rconversations\x18\x01 \x03(\x0b\x32\x19.chatmesh.v1.Conversation\"F\n\x19\x44\x65leteConversationRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"4\n\x1a\x44\x65leteConversationResponse\x12\x16\n\x0e\x62locks_evicted\x18\x01 \x01(\x03\"1\n\x0fGetUsageRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ys\x18\x02 \x01(\x05\"9\n\x10GetUsageResponse\x12%\n\x04\x64\x61ys\x18\x01 \x03(\x0b\x32\x17.chatmesh.v1.DailyUsage\"K\n\nDailyUsage\x12\x0b\n\x03\x64\x61y\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.chatmesh.v1.Usage\x12\r\n\x05turns\x18\x03 \x01(\x03\")\n\x15\x45xportUserDataRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\"&\n\x16\x45xportUserDataResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"\xb1\x02\n\tTurnEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12+\n\x07started\x18\x02 \x01(\x0b\x32\x18.chatmesh.v1.TurnStartedH\x00\x12\'\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x16.chatmesh.v1.TurnDeltaH\x00\x12/\n\tcompleted\x18\x04 \x01(\x0b\x32\x1a.chatmesh.v1.TurnCompletedH\x00\x12+\n\x07stopped\x18\x05 \x01(\x0b\x32\x18.chatmesh.v1.TurnStoppedH\x00\x12)\n\x06\x66\x61iled\x18\x06 \x01(\x0b\x32\x17.chatmesh.v1.TurnFailedH\x00\x12+\n\x07\x62locked\x18\x07 \x01(\x0b\x32\x18.chatmesh.v1.TurnBlockedH\x00\x42\x06\n\x04kind\"0\n\x0bTurnStarted\x12\x0f\n\x07turn_id\x18\x01 \x01(\t\x12\x10\n\x08replayed\x18\x02 \x01(\x08\"\x19\n\tTurnDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\"F\n\rTurnCompleted\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.chatmesh.v1.Usage\x12\x12\n\nreplica_id\x18\x02 \x01(\t\"0\n\x0bTurnStopped\x12!\n\x05usage\x18\x01 \x01(\x0b\x32\x12.chatmesh.v1.Usage\"0\n\nTurnFailed\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x11\n\tretryable\x18\x02 \x01(\x08\".\n\x0bTurnBlocked\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t2\x83\x07\n\x0b\x43hatService\x12\x65\n\x12\x43reateConversation\x12&.chatmesh.v1.CreateConversationRequest\x1a\'.chatmesh.v1.CreateConversationResponse\x12\\\n\x0fGetConversation\x12#.chatmesh.v1.GetConversationRequest\x1a$.chatmesh.v1.GetConversationResponse\x12I\n\x08SendTurn\x12\x1c.chatmesh.v1.SendTurnRequest\x1a\x1d.chatmesh.v1.SendTurnResponse0\x01\x12O\n\nAttachTurn\x12\x1e.chatmesh.v1.AttachTurnRequest\x1a\x1f.chatmesh.v1.AttachTurnResponse0\x01\x12G\n\x08StopTurn\x12\x1c.chatmesh.v1.StopTurnRequest\x1a\x1d.chatmesh.v1.StopTurnResponse\x12[\n\x0eRegenerateTurn\x12\".chatmesh.v1.RegenerateTurnRequest\x1a#.chatmesh.v1.RegenerateTurnResponse0\x01\x12\x62\n\x11ListConversations\x12%.chatmesh.v1.ListConversationsRequest\x1a&.chatmesh.v1.ListConversationsResponse\x12\x65\n\x12\x44\x65leteConversation\x12&.chatmesh.v1.DeleteConversationRequest\x1a\'.chatmesh.v1.DeleteConversationResponse\x12G\n\x08GetUsage\x12\x1c.chatmesh.v1.GetUsageRequest\x1a\x1d.chatmesh.v1.GetUsageResponse\x12Y\n\x0e\x45xportUserData\x12\".chatmesh.v1.ExportUserDataRequest\x1a#.chatmesh.v1.ExportUserDataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,20 +42,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCONVERSATIONRESPONSE']._serialized_end=389
   _globals['_SENDTURNREQUEST']._serialized_start=391
   _globals['_SENDTURNREQUEST']._serialized_end=485
-  _globals['_SENDTURNRESPONSE']._serialized_start=488
-  _globals['_SENDTURNRESPONSE']._serialized_end=801
-  _globals['_TURNSTARTED']._serialized_start=803
-  _globals['_TURNSTARTED']._serialized_end=851
-  _globals['_TURNDELTA']._serialized_start=853
-  _globals['_TURNDELTA']._serialized_end=878
-  _globals['_TURNCOMPLETED']._serialized_start=880
-  _globals['_TURNCOMPLETED']._serialized_end=950
-  _globals['_TURNSTOPPED']._serialized_start=952
-  _globals['_TURNSTOPPED']._serialized_end=1000
-  _globals['_TURNFAILED']._serialized_start=1002
-  _globals['_TURNFAILED']._serialized_end=1050
-  _globals['_TURNBLOCKED']._serialized_start=1052
-  _globals['_TURNBLOCKED']._serialized_end=1098
-  _globals['_CHATSERVICE']._serialized_start=1101
-  _globals['_CHATSERVICE']._serialized_end=1386
+  _globals['_SENDTURNRESPONSE']._serialized_start=487
+  _globals['_SENDTURNRESPONSE']._serialized_end=544
+  _globals['_ATTACHTURNREQUEST']._serialized_start=546
+  _globals['_ATTACHTURNREQUEST']._serialized_end=649
+  _globals['_ATTACHTURNRESPONSE']._serialized_start=651
+  _globals['_ATTACHTURNRESPONSE']._serialized_end=710
+  _globals['_STOPTURNREQUEST']._serialized_start=712
+  _globals['_STOPTURNREQUEST']._serialized_end=789
+  _globals['_STOPTURNRESPONSE']._serialized_start=791
+  _globals['_STOPTURNRESPONSE']._serialized_end=826
+  _globals['_REGENERATETURNREQUEST']._serialized_start=828
+  _globals['_REGENERATETURNREQUEST']._serialized_end=911
+  _globals['_REGENERATETURNRESPONSE']._serialized_start=913
+  _globals['_REGENERATETURNRESPONSE']._serialized_end=976
+  _globals['_LISTCONVERSATIONSREQUEST']._serialized_start=978
+  _globals['_LISTCONVERSATIONSREQUEST']._serialized_end=1041
+  _globals['_LISTCONVERSATIONSRESPONSE']._serialized_start=1043
+  _globals['_LISTCONVERSATIONSRESPONSE']._serialized_end=1120
+  _globals['_DELETECONVERSATIONREQUEST']._serialized_start=1122
+  _globals['_DELETECONVERSATIONREQUEST']._serialized_end=1192
+  _globals['_DELETECONVERSATIONRESPONSE']._serialized_start=1194
+  _globals['_DELETECONVERSATIONRESPONSE']._serialized_end=1246
+  _globals['_GETUSAGEREQUEST']._serialized_start=1248
+  _globals['_GETUSAGEREQUEST']._serialized_end=1297
+  _globals['_GETUSAGERESPONSE']._serialized_start=1299
+  _globals['_GETUSAGERESPONSE']._serialized_end=1356
+  _globals['_DAILYUSAGE']._serialized_start=1358
+  _globals['_DAILYUSAGE']._serialized_end=1433
+  _globals['_EXPORTUSERDATAREQUEST']._serialized_start=1435
+  _globals['_EXPORTUSERDATAREQUEST']._serialized_end=1476
+  _globals['_EXPORTUSERDATARESPONSE']._serialized_start=1478
+  _globals['_EXPORTUSERDATARESPONSE']._serialized_end=1516
+  _globals['_TURNEVENT']._serialized_start=1519
+  _globals['_TURNEVENT']._serialized_end=1824
+  _globals['_TURNSTARTED']._serialized_start=1826
+  _globals['_TURNSTARTED']._serialized_end=1874
+  _globals['_TURNDELTA']._serialized_start=1876
+  _globals['_TURNDELTA']._serialized_end=1901
+  _globals['_TURNCOMPLETED']._serialized_start=1903
+  _globals['_TURNCOMPLETED']._serialized_end=1973
+  _globals['_TURNSTOPPED']._serialized_start=1975
+  _globals['_TURNSTOPPED']._serialized_end=2023
+  _globals['_TURNFAILED']._serialized_start=2025
+  _globals['_TURNFAILED']._serialized_end=2073
+  _globals['_TURNBLOCKED']._serialized_start=2075
+  _globals['_TURNBLOCKED']._serialized_end=2121
+  _globals['_CHATSERVICE']._serialized_start=2124
+  _globals['_CHATSERVICE']._serialized_end=3023
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,126 @@ class SendTurnRequest(_message.Message):
     def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class SendTurnResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: TurnEvent
+    def __init__(self, event: _Optional[_Union[TurnEvent, _Mapping]] = ...) -> None: ...
+
+class AttachTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "after_sequence")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    after_sequence: int
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class AttachTurnResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: TurnEvent
+    def __init__(self, event: _Optional[_Union[TurnEvent, _Mapping]] = ...) -> None: ...
+
+class StopTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class StopTurnResponse(_message.Message):
+    __slots__ = ("stopped",)
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    stopped: bool
+    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
+
+class RegenerateTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class RegenerateTurnResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: TurnEvent
+    def __init__(self, event: _Optional[_Union[TurnEvent, _Mapping]] = ...) -> None: ...
+
+class ListConversationsRequest(_message.Message):
+    __slots__ = ("owner_id", "page_size")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    page_size: int
+    def __init__(self, owner_id: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class ListConversationsResponse(_message.Message):
+    __slots__ = ("conversations",)
+    CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    conversations: _containers.RepeatedCompositeFieldContainer[_common_pb2.Conversation]
+    def __init__(self, conversations: _Optional[_Iterable[_Union[_common_pb2.Conversation, _Mapping]]] = ...) -> None: ...
+
+class DeleteConversationRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class DeleteConversationResponse(_message.Message):
+    __slots__ = ("blocks_evicted",)
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    blocks_evicted: int
+    def __init__(self, blocks_evicted: _Optional[int] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ("owner_id", "days")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    DAYS_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    days: int
+    def __init__(self, owner_id: _Optional[str] = ..., days: _Optional[int] = ...) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("days",)
+    DAYS_FIELD_NUMBER: _ClassVar[int]
+    days: _containers.RepeatedCompositeFieldContainer[DailyUsage]
+    def __init__(self, days: _Optional[_Iterable[_Union[DailyUsage, _Mapping]]] = ...) -> None: ...
+
+class DailyUsage(_message.Message):
+    __slots__ = ("day", "usage", "turns")
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    day: str
+    usage: _common_pb2.Usage
+    turns: int
+    def __init__(self, day: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., turns: _Optional[int] = ...) -> None: ...
+
+class ExportUserDataRequest(_message.Message):
+    __slots__ = ("owner_id",)
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    def __init__(self, owner_id: _Optional[str] = ...) -> None: ...
+
+class ExportUserDataResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class TurnEvent(_message.Message):
     __slots__ = ("sequence", "started", "delta", "completed", "stopped", "failed", "blocked")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]

@@ -51,6 +51,41 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_chat__pb2.SendTurnRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_chat__pb2.SendTurnResponse.FromString,
                 _registered_method=True)
+        self.AttachTurn = channel.unary_stream(
+                '/chatmesh.v1.ChatService/AttachTurn',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.AttachTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.AttachTurnResponse.FromString,
+                _registered_method=True)
+        self.StopTurn = channel.unary_unary(
+                '/chatmesh.v1.ChatService/StopTurn',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.StopTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.StopTurnResponse.FromString,
+                _registered_method=True)
+        self.RegenerateTurn = channel.unary_stream(
+                '/chatmesh.v1.ChatService/RegenerateTurn',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnResponse.FromString,
+                _registered_method=True)
+        self.ListConversations = channel.unary_unary(
+                '/chatmesh.v1.ChatService/ListConversations',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.ListConversationsRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.ListConversationsResponse.FromString,
+                _registered_method=True)
+        self.DeleteConversation = channel.unary_unary(
+                '/chatmesh.v1.ChatService/DeleteConversation',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteConversationRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteConversationResponse.FromString,
+                _registered_method=True)
+        self.GetUsage = channel.unary_unary(
+                '/chatmesh.v1.ChatService/GetUsage',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.GetUsageRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.GetUsageResponse.FromString,
+                _registered_method=True)
+        self.ExportUserData = channel.unary_unary(
+                '/chatmesh.v1.ChatService/ExportUserData',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -79,6 +114,55 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachTurn(self, request, context):
+        """Attaches to a turn's stream, in progress or stored, from any chat process; resumes after `after_sequence`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopTurn(self, request, context):
+        """Stops a turn in progress: the engine sequence is cancelled and the partial reply stored as stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegenerateTurn(self, request, context):
+        """Regenerates the last reply under a new turn id; the earlier reply is kept as an alternative.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListConversations(self, request, context):
+        """Lists the owner's conversations, most recently updated first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteConversation(self, request, context):
+        """Deletes a conversation everywhere: messages, summary, turns, and its cached KV blocks on every engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetUsage(self, request, context):
+        """Returns the owner's token usage per day.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportUserData(self, request, context):
+        """Exports all of the owner's conversations as JSON.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +180,41 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.SendTurn,
                     request_deserializer=chatmesh_dot_v1_dot_chat__pb2.SendTurnRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_chat__pb2.SendTurnResponse.SerializeToString,
+            ),
+            'AttachTurn': grpc.unary_stream_rpc_method_handler(
+                    servicer.AttachTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.AttachTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.AttachTurnResponse.SerializeToString,
+            ),
+            'StopTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.StopTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.StopTurnResponse.SerializeToString,
+            ),
+            'RegenerateTurn': grpc.unary_stream_rpc_method_handler(
+                    servicer.RegenerateTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnResponse.SerializeToString,
+            ),
+            'ListConversations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListConversations,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.ListConversationsRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.ListConversationsResponse.SerializeToString,
+            ),
+            'DeleteConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteConversation,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteConversationRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteConversationResponse.SerializeToString,
+            ),
+            'GetUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUsage,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.GetUsageRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.GetUsageResponse.SerializeToString,
+            ),
+            'ExportUserData': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportUserData,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +300,195 @@ class ChatService:
             '/chatmesh.v1.ChatService/SendTurn',
             chatmesh_dot_v1_dot_chat__pb2.SendTurnRequest.SerializeToString,
             chatmesh_dot_v1_dot_chat__pb2.SendTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/AttachTurn',
+            chatmesh_dot_v1_dot_chat__pb2.AttachTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.AttachTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/StopTurn',
+            chatmesh_dot_v1_dot_chat__pb2.StopTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.StopTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegenerateTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/RegenerateTurn',
+            chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.RegenerateTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListConversations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/ListConversations',
+            chatmesh_dot_v1_dot_chat__pb2.ListConversationsRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.ListConversationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/DeleteConversation',
+            chatmesh_dot_v1_dot_chat__pb2.DeleteConversationRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.DeleteConversationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/GetUsage',
+            chatmesh_dot_v1_dot_chat__pb2.GetUsageRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportUserData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/ExportUserData',
+            chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,20 @@ class ChatServiceStub:
     """Returns a conversation with its messages."""
     SendTurn: _grpc.UnaryStreamMultiCallable[_chat_pb2.SendTurnRequest, _chat_pb2.SendTurnResponse]
     """Sends a user message and streams the turn's events. A known turn id replays or attaches (I2)."""
+    AttachTurn: _grpc.UnaryStreamMultiCallable[_chat_pb2.AttachTurnRequest, _chat_pb2.AttachTurnResponse]
+    """Attaches to a turn's stream, in progress or stored, from any chat process; resumes after `after_sequence`."""
+    StopTurn: _grpc.UnaryUnaryMultiCallable[_chat_pb2.StopTurnRequest, _chat_pb2.StopTurnResponse]
+    """Stops a turn in progress: the engine sequence is cancelled and the partial reply stored as stopped."""
+    RegenerateTurn: _grpc.UnaryStreamMultiCallable[_chat_pb2.RegenerateTurnRequest, _chat_pb2.RegenerateTurnResponse]
+    """Regenerates the last reply under a new turn id; the earlier reply is kept as an alternative."""
+    ListConversations: _grpc.UnaryUnaryMultiCallable[_chat_pb2.ListConversationsRequest, _chat_pb2.ListConversationsResponse]
+    """Lists the owner's conversations, most recently updated first."""
+    DeleteConversation: _grpc.UnaryUnaryMultiCallable[_chat_pb2.DeleteConversationRequest, _chat_pb2.DeleteConversationResponse]
+    """Deletes a conversation everywhere: messages, summary, turns, and its cached KV blocks on every engine."""
+    GetUsage: _grpc.UnaryUnaryMultiCallable[_chat_pb2.GetUsageRequest, _chat_pb2.GetUsageResponse]
+    """Returns the owner's token usage per day."""
+    ExportUserData: _grpc.UnaryUnaryMultiCallable[_chat_pb2.ExportUserDataRequest, _chat_pb2.ExportUserDataResponse]
+    """Exports all of the owner's conversations as JSON."""
 
 @_typing.type_check_only
 class ChatServiceAsyncStub(ChatServiceStub):
@@ -55,6 +69,20 @@ class ChatServiceAsyncStub(ChatServiceStub):
     """Returns a conversation with its messages."""
     SendTurn: _aio.UnaryStreamMultiCallable[_chat_pb2.SendTurnRequest, _chat_pb2.SendTurnResponse]  # type: ignore[assignment]
     """Sends a user message and streams the turn's events. A known turn id replays or attaches (I2)."""
+    AttachTurn: _aio.UnaryStreamMultiCallable[_chat_pb2.AttachTurnRequest, _chat_pb2.AttachTurnResponse]  # type: ignore[assignment]
+    """Attaches to a turn's stream, in progress or stored, from any chat process; resumes after `after_sequence`."""
+    StopTurn: _aio.UnaryUnaryMultiCallable[_chat_pb2.StopTurnRequest, _chat_pb2.StopTurnResponse]  # type: ignore[assignment]
+    """Stops a turn in progress: the engine sequence is cancelled and the partial reply stored as stopped."""
+    RegenerateTurn: _aio.UnaryStreamMultiCallable[_chat_pb2.RegenerateTurnRequest, _chat_pb2.RegenerateTurnResponse]  # type: ignore[assignment]
+    """Regenerates the last reply under a new turn id; the earlier reply is kept as an alternative."""
+    ListConversations: _aio.UnaryUnaryMultiCallable[_chat_pb2.ListConversationsRequest, _chat_pb2.ListConversationsResponse]  # type: ignore[assignment]
+    """Lists the owner's conversations, most recently updated first."""
+    DeleteConversation: _aio.UnaryUnaryMultiCallable[_chat_pb2.DeleteConversationRequest, _chat_pb2.DeleteConversationResponse]  # type: ignore[assignment]
+    """Deletes a conversation everywhere: messages, summary, turns, and its cached KV blocks on every engine."""
+    GetUsage: _aio.UnaryUnaryMultiCallable[_chat_pb2.GetUsageRequest, _chat_pb2.GetUsageResponse]  # type: ignore[assignment]
+    """Returns the owner's token usage per day."""
+    ExportUserData: _aio.UnaryUnaryMultiCallable[_chat_pb2.ExportUserDataRequest, _chat_pb2.ExportUserDataResponse]  # type: ignore[assignment]
+    """Exports all of the owner's conversations as JSON."""
 
 class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
     """The turn state machine: idempotent turns, context building, moderation, routing, generation, storage, metering.
@@ -84,5 +112,61 @@ class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_chat_pb2.SendTurnResponse], _abc.AsyncIterator[_chat_pb2.SendTurnResponse]]:
         """Sends a user message and streams the turn's events. A known turn id replays or attaches (I2)."""
+
+    @_abc_1.abstractmethod
+    def AttachTurn(
+        self,
+        request: _chat_pb2.AttachTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_chat_pb2.AttachTurnResponse], _abc.AsyncIterator[_chat_pb2.AttachTurnResponse]]:
+        """Attaches to a turn's stream, in progress or stored, from any chat process; resumes after `after_sequence`."""
+
+    @_abc_1.abstractmethod
+    def StopTurn(
+        self,
+        request: _chat_pb2.StopTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.StopTurnResponse, _abc.Awaitable[_chat_pb2.StopTurnResponse]]:
+        """Stops a turn in progress: the engine sequence is cancelled and the partial reply stored as stopped."""
+
+    @_abc_1.abstractmethod
+    def RegenerateTurn(
+        self,
+        request: _chat_pb2.RegenerateTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_chat_pb2.RegenerateTurnResponse], _abc.AsyncIterator[_chat_pb2.RegenerateTurnResponse]]:
+        """Regenerates the last reply under a new turn id; the earlier reply is kept as an alternative."""
+
+    @_abc_1.abstractmethod
+    def ListConversations(
+        self,
+        request: _chat_pb2.ListConversationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.ListConversationsResponse, _abc.Awaitable[_chat_pb2.ListConversationsResponse]]:
+        """Lists the owner's conversations, most recently updated first."""
+
+    @_abc_1.abstractmethod
+    def DeleteConversation(
+        self,
+        request: _chat_pb2.DeleteConversationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.DeleteConversationResponse, _abc.Awaitable[_chat_pb2.DeleteConversationResponse]]:
+        """Deletes a conversation everywhere: messages, summary, turns, and its cached KV blocks on every engine."""
+
+    @_abc_1.abstractmethod
+    def GetUsage(
+        self,
+        request: _chat_pb2.GetUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.GetUsageResponse, _abc.Awaitable[_chat_pb2.GetUsageResponse]]:
+        """Returns the owner's token usage per day."""
+
+    @_abc_1.abstractmethod
+    def ExportUserData(
+        self,
+        request: _chat_pb2.ExportUserDataRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.ExportUserDataResponse, _abc.Awaitable[_chat_pb2.ExportUserDataResponse]]:
+        """Exports all of the owner's conversations as JSON."""
 
 def add_ChatServiceServicer_to_server(servicer: ChatServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
