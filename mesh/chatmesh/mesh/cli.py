@@ -14,6 +14,8 @@ COMMAND_MODULES = (
     "chatmesh.store.cli",
     "chatmesh.router.cli",
     "chatmesh.engine_adapter.cli",
+    "chatmesh.engine_adapter.triton.cli",
+    "chatmesh.chat.cli",
     "chatmesh.moderation.cli",
     "chatmesh.gateway.cli",
 )
