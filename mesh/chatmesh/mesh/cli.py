@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name != name:
+            if err.name is None or not name.startswith(err.name):
                 raise
             continue
         module.register(sub)

@@ -82,7 +82,7 @@ def all_settings() -> list[Setting[Any]]:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
-            if err.name != module:
+            if err.name is None or not module.startswith(err.name):
                 raise
     return sorted(_REGISTRY.values(), key=lambda s: s.env)
 
