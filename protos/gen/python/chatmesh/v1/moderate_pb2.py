@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/moderate.proto\x12\x0b\x63hatmesh.v1\"0\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"x\n\x07Verdict\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.chatmesh.v1.ModerationAction\x12.\n\ncategories\x18\x02 \x03(\x0b\x32\x1a.chatmesh.v1.CategoryScore\x12\x0e\n\x06reason\x18\x03 \x01(\t\":\n\x11\x43heckInputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\";\n\x12\x43heckInputResponse\x12%\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\";\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\"Q\n\x13\x43heckOutputResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x03\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.chatmesh.v1.Verdict*\x8b\x01\n\x10ModerationAction\x12!\n\x1dMODERATION_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODERATION_ACTION_ALLOW\x10\x01\x12\x1a\n\x16MODERATION_ACTION_FLAG\x10\x02\x12\x1b\n\x17MODERATION_ACTION_BLOCK\x10\x03\x32\xb6\x01\n\x0fModerateService\x12M\n\nCheckInput\x12\x1e.chatmesh.v1.CheckInputRequest\x1a\x1f.chatmesh.v1.CheckInputResponse\x12T\n\x0b\x43heckOutput\x12\x1f.chatmesh.v1.CheckOutputRequest\x1a .chatmesh.v1.CheckOutputResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/moderate.proto\x12\x0b\x63hatmesh.v1\"0\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x8a\x01\n\x07Verdict\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.chatmesh.v1.ModerationAction\x12.\n\ncategories\x18\x02 \x03(\x0b\x32\x1a.chatmesh.v1.CategoryScore\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\x08\":\n\x11\x43heckInputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\";\n\x12\x43heckInputResponse\x12%\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\"J\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"h\n\x13\x43heckOutputResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x03\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\x12\x15\n\rchecked_chars\x18\x03 \x01(\x03*\x8b\x01\n\x10ModerationAction\x12!\n\x1dMODERATION_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODERATION_ACTION_ALLOW\x10\x01\x12\x1a\n\x16MODERATION_ACTION_FLAG\x10\x02\x12\x1b\n\x17MODERATION_ACTION_BLOCK\x10\x03\x32\xb6\x01\n\x0fModerateService\x12M\n\nCheckInput\x12\x1e.chatmesh.v1.CheckInputRequest\x1a\x1f.chatmesh.v1.CheckInputResponse\x12T\n\x0b\x43heckOutput\x12\x1f.chatmesh.v1.CheckOutputRequest\x1a .chatmesh.v1.CheckOutputResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.moderate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODERATIONACTION']._serialized_start=481
-  _globals['_MODERATIONACTION']._serialized_end=620
+  _globals['_MODERATIONACTION']._serialized_start=538
+  _globals['_MODERATIONACTION']._serialized_end=677
   _globals['_CATEGORYSCORE']._serialized_start=43
   _globals['_CATEGORYSCORE']._serialized_end=91
-  _globals['_VERDICT']._serialized_start=93
-  _globals['_VERDICT']._serialized_end=213
-  _globals['_CHECKINPUTREQUEST']._serialized_start=215
-  _globals['_CHECKINPUTREQUEST']._serialized_end=273
-  _globals['_CHECKINPUTRESPONSE']._serialized_start=275
-  _globals['_CHECKINPUTRESPONSE']._serialized_end=334
-  _globals['_CHECKOUTPUTREQUEST']._serialized_start=336
-  _globals['_CHECKOUTPUTREQUEST']._serialized_end=395
-  _globals['_CHECKOUTPUTRESPONSE']._serialized_start=397
-  _globals['_CHECKOUTPUTRESPONSE']._serialized_end=478
-  _globals['_MODERATESERVICE']._serialized_start=623
-  _globals['_MODERATESERVICE']._serialized_end=805
+  _globals['_VERDICT']._serialized_start=94
+  _globals['_VERDICT']._serialized_end=232
+  _globals['_CHECKINPUTREQUEST']._serialized_start=234
+  _globals['_CHECKINPUTREQUEST']._serialized_end=292
+  _globals['_CHECKINPUTRESPONSE']._serialized_start=294
+  _globals['_CHECKINPUTRESPONSE']._serialized_end=353
+  _globals['_CHECKOUTPUTREQUEST']._serialized_start=355
+  _globals['_CHECKOUTPUTREQUEST']._serialized_end=429
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_start=431
+  _globals['_CHECKOUTPUTRESPONSE']._serialized_end=535
+  _globals['_MODERATESERVICE']._serialized_start=680
+  _globals['_MODERATESERVICE']._serialized_end=862
 # @@protoc_insertion_point(module_scope)

@@ -27,14 +27,16 @@ class CategoryScore(_message.Message):
     def __init__(self, category: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("action", "categories", "reason")
+    __slots__ = ("action", "categories", "reason", "fallback")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     CATEGORIES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
     action: ModerationAction
     categories: _containers.RepeatedCompositeFieldContainer[CategoryScore]
     reason: str
-    def __init__(self, action: _Optional[_Union[ModerationAction, str]] = ..., categories: _Optional[_Iterable[_Union[CategoryScore, _Mapping]]] = ..., reason: _Optional[str] = ...) -> None: ...
+    fallback: bool
+    def __init__(self, action: _Optional[_Union[ModerationAction, str]] = ..., categories: _Optional[_Iterable[_Union[CategoryScore, _Mapping]]] = ..., reason: _Optional[str] = ..., fallback: _Optional[bool] = ...) -> None: ...
 
 class CheckInputRequest(_message.Message):
     __slots__ = ("text", "conversation_id")
@@ -51,17 +53,21 @@ class CheckInputResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
 
 class CheckOutputRequest(_message.Message):
-    __slots__ = ("text", "conversation_id")
+    __slots__ = ("text", "conversation_id", "final")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
     text: str
     conversation_id: str
-    def __init__(self, text: _Optional[str] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    final: bool
+    def __init__(self, text: _Optional[str] = ..., conversation_id: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class CheckOutputResponse(_message.Message):
-    __slots__ = ("chunk_index", "verdict")
+    __slots__ = ("chunk_index", "verdict", "checked_chars")
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_CHARS_FIELD_NUMBER: _ClassVar[int]
     chunk_index: int
     verdict: Verdict
-    def __init__(self, chunk_index: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+    checked_chars: int
+    def __init__(self, chunk_index: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., checked_chars: _Optional[int] = ...) -> None: ...
