@@ -1,0 +1,150 @@
+"""Membership: which replicas exist (configuration), which are serving (health) and how loaded (stats).
+
+Replicas come from `CHATMESH_REPLICAS` ("engine-0=127.0.0.1:50054,engine-1=127.0.0.1:50064"); with none
+configured, one replica `engine-0` at `CHATMESH_ENGINE_ADDRESS`. Every router process configured alike builds
+the same ring, so all of them pick the same home for a conversation.
+
+For each replica two watchers run on one channel:
+- health: `grpc.health.v1.Health/Watch` for `chatmesh.v1.GenerateService`. SERVING puts the replica back in the
+  walk; anything else, a broken stream or an unreachable engine takes it out (it keeps its ring points, so its
+  conversations spill to the next replica and come back when it serves again). Until the first answer a replica
+  is not serving ("connecting"): the router never sends a turn to an engine it has not heard from.
+- load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load.
+Both reconnect with capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chatmesh.mesh import logs
+from chatmesh.mesh.errors import InvalidArgument, Unavailable
+from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
+from chatmesh.router.ring import Lease, Pick, Replica, ReplicaLoad, Ring
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+
+log = logs.get("chatmesh.router.membership")
+
+GENERATE_SERVICE = "chatmesh.v1.GenerateService"
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.1, 2.0
+
+
+def parse_replicas(text: str, default_address: str) -> tuple[Replica, ...]:
+    """Parses "id=host:port,..." (empty: one replica engine-0 at `default_address`)."""
+    if not text.strip():
+        return (Replica(ReplicaId("engine-0"), default_address),)
+    replicas: dict[ReplicaId, Replica] = {}
+    for item in text.split(","):
+        rid, sep, address = item.strip().partition("=")
+        rid, address = rid.strip(), address.strip()
+        if not sep or not rid or not address or ":" not in address:
+            raise InvalidArgument(f"CHATMESH_REPLICAS: expected id=host:port, got {item.strip()!r}")
+        if rid in replicas:
+            raise InvalidArgument(f"CHATMESH_REPLICAS: replica {rid} is listed twice")
+        replicas[ReplicaId(rid)] = Replica(ReplicaId(rid), address)
+    return tuple(replicas.values())
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica's load plus why it is not serving (empty when serving)."""
+
+    load: ReplicaLoad
+    reason: str
+
+
+class Membership:
+    """The ring plus each replica's health reason; the watchers keep both current."""
+
+    def __init__(self, ring: Ring, replicas: Sequence[Replica], watch: bool) -> None:
+        self.ring = ring
+        self._watch = watch
+        self._reasons: dict[ReplicaId, str] = {}
+        for r in replicas:
+            ring.add(r, serving=not watch)
+            self._reasons[r.id] = "connecting" if watch else ""
+        self._channels: list[grpc.aio.Channel] = []
+
+    # ---- the core calls, with the clock and the reasons attached --------------------------------------
+
+    def pick(self, conversation: ConversationId, exclude: frozenset[ReplicaId]) -> tuple[Pick, float]:
+        """A pick and its lease expiry as Unix epoch seconds."""
+        now = time.monotonic()
+        try:
+            pick = self.ring.pick(conversation, now, exclude)
+        except Unavailable as err:
+            down = [f"{rid}: {why}" for rid, why in sorted(self._reasons.items()) if why]
+            raise Unavailable(f"{err}" + (f" ({'; '.join(down)})" if down else "")) from None
+        return pick, time.time() + (pick.expires_at - now)
+
+    def release(self, lease_id: LeaseId) -> Lease:
+        self.ring.expire(time.monotonic())
+        return self.ring.release(lease_id)
+
+    def views(self) -> tuple[ReplicaView, ...]:
+        self.ring.expire(time.monotonic())
+        return tuple(ReplicaView(load, self._reasons[load.replica.id]) for load in self.ring.loads())
+
+    def mark(self, replica_id: ReplicaId, serving: bool, reason: str = "") -> None:
+        was = self._reasons[replica_id]
+        now_reason = "" if serving else (reason or "not serving")
+        self._reasons[replica_id] = now_reason
+        self.ring.set_serving(replica_id, serving)
+        if was != now_reason:
+            log.info("replica_state", replica_id=replica_id, serving=serving, reason=now_reason)
+
+    # ---- watchers ------------------------------------------------------------------------------------
+
+    def watchers(self, stats_interval_ms: int) -> list[asyncio.Task[None]]:
+        """Starts the health and load watchers (none when watching is off)."""
+        if not self._watch:
+            return []
+        tasks: list[asyncio.Task[None]] = []
+        for load in self.ring.loads():
+            channel = grpc.aio.insecure_channel(load.replica.address)
+            self._channels.append(channel)
+            tasks.append(asyncio.create_task(self._watch_health(load.replica.id, channel)))
+            tasks.append(asyncio.create_task(self._watch_stats(load.replica.id, channel, stats_interval_ms)))
+        return tasks
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close(None)
+        self._channels.clear()
+
+    async def _watch_health(self, replica_id: ReplicaId, channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        backoff = BACKOFF_MIN_S
+        while True:
+            try:
+                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=GENERATE_SERVICE)):
+                    backoff = BACKOFF_MIN_S
+                    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+                    self.mark(replica_id, resp.status == health_pb2.HealthCheckResponse.SERVING, f"health {status}")
+                self.mark(replica_id, False, "health stream ended")
+            except grpc.aio.AioRpcError as err:
+                self.mark(replica_id, False, f"unreachable ({err.code().name})")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _watch_stats(self, replica_id: ReplicaId, channel: grpc.aio.Channel, interval_ms: int) -> None:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        backoff = BACKOFF_MIN_S
+        while True:
+            delay = backoff
+            try:
+                async for resp in stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=interval_ms)):
+                    backoff = delay = BACKOFF_MIN_S
+                    self.ring.set_engine_load(replica_id, resp.stats.running_sequences + resp.stats.queue_depth)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    delay = 10.0  # an engine without stats: leases alone carry its load
+            self.ring.set_engine_load(replica_id, 0)
+            await asyncio.sleep(delay)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)

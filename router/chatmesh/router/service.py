@@ -1,0 +1,176 @@
+"""RouteService: the thin gRPC layer over the ring (`ring.py`) and its membership (`membership.py`).
+
+PickReplica validates the conversation id (1-128 bytes), picks with the bounded-load walk and returns the
+replica, its address, the lease, home or spill, and the home. ReleaseLease closes a lease (NOT_FOUND when
+unknown or expired). ListReplicas shows every configured replica with its state and load. Core errors become
+gRPC codes in `chatmesh.mesh.server`. Metrics (Prometheus, on CHATMESH_ROUTER_METRICS_PORT when set): picks by
+outcome, spills by reason, per-replica load. The router sees conversation ids only, never prompt text.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from chatmesh.mesh import logs
+from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import ReplicaId, parse_lease_id
+from chatmesh.mesh.errors import CoreError
+from chatmesh.mesh.server import Service, status_for, unary_errors
+from chatmesh.router import settings
+from chatmesh.router.membership import Membership, parse_replicas
+from chatmesh.router.ring import PickOutcome, Ring, parse_conversation_key
+from chatmesh.v1 import route_pb2, route_pb2_grpc
+
+log = logs.get("chatmesh.router.service")
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _core_errors(
+    fn: Callable[[RouteServicer, Req, Context], Awaitable[Resp]],
+) -> Callable[[RouteServicer, Req, Context], Awaitable[Resp]]:
+    """Answers typed core errors with `status_for`'s code before `unary_errors` sees them.
+
+    Needed because `chatmesh.mesh.server._context_of` asserts `isinstance(ctx, grpc.aio.ServicerContext)`,
+    which the real aio context (cygrpc._ServicerContext) is not; remove once that is fixed."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: RouteServicer, request: Req, context: Context) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except CoreError as err:
+            await context.abort(status_for(err), str(err))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
+    match outcome:
+        case PickOutcome.HOME:
+            return route_pb2.PICK_OUTCOME_HOME
+        case PickOutcome.SPILL_OVER_BOUND | PickOutcome.SPILL_HOME_DOWN | PickOutcome.SPILL_EXCLUDED:
+            return route_pb2.PICK_OUTCOME_SPILL
+        case _:
+            typing.assert_never(outcome)
+
+
+class _LoadCollector(Collector):
+    """Per-replica load, read from the ring at scrape time (nothing to keep in step)."""
+
+    def __init__(self, membership: Membership) -> None:
+        self._membership = membership
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        load = GaugeMetricFamily("chatmesh_router_replica_load",
+                                 "in-flight sequences the engine reported plus open leases", labels=["replica"])
+        leases = GaugeMetricFamily("chatmesh_router_open_leases", "leases handed out and not yet released",
+                                   labels=["replica"])
+        serving = GaugeMetricFamily("chatmesh_router_replica_serving", "1 when the replica is in the walk",
+                                    labels=["replica"])
+        for view in self._membership.views():
+            rid = view.load.replica.id
+            load.add_metric([rid], view.load.load)
+            leases.add_metric([rid], view.load.open_leases)
+            serving.add_metric([rid], 1.0 if view.load.serving else 0.0)
+        yield from (load, leases, serving)
+
+
+class Metrics:
+    def __init__(self, membership: Membership) -> None:
+        self.registry = CollectorRegistry()
+        self.picks = Counter("chatmesh_router_picks", "picks by outcome (home or spill reason)", ["outcome"],
+                             registry=self.registry)
+        self.spills = Counter("chatmesh_router_spills", "turns sent away from their home replica", ["reason"],
+                              registry=self.registry)
+        self.releases = Counter("chatmesh_router_releases", "leases released by outcome", ["outcome"],
+                                registry=self.registry)
+        self.registry.register(_LoadCollector(membership))
+        self._picks = {o: self.picks.labels(o.value) for o in PickOutcome}
+        self._spills = {o: self.spills.labels(o.value.removeprefix("spill_")) for o in PickOutcome if o.spilled}
+
+    def picked(self, outcome: PickOutcome) -> None:
+        self._picks[outcome].inc()
+        if outcome.spilled:
+            self._spills[outcome].inc()
+
+
+class RouteServicer(route_pb2_grpc.RouteServiceServicer):
+    def __init__(self, membership: Membership, metrics: Metrics) -> None:
+        self._membership = membership
+        self._metrics = metrics
+
+    @unary_errors
+    @_core_errors
+    async def PickReplica(self, request: route_pb2.PickReplicaRequest,
+                          context: Context) -> route_pb2.PickReplicaResponse:
+        conversation = parse_conversation_key(request.conversation_id)
+        exclude = frozenset(ReplicaId(r) for r in request.exclude_replica_ids)
+        pick, expires_at_s = self._membership.pick(conversation, exclude)
+        self._metrics.picked(pick.outcome)
+        return route_pb2.PickReplicaResponse(
+            replica_id=pick.replica.id, address=pick.replica.address, lease_id=pick.lease_id,
+            outcome=outcome_pb(pick.outcome), home_replica_id=pick.home,
+            lease_expires_at_ms=int(expires_at_s * 1000))
+
+    @unary_errors
+    @_core_errors
+    async def ReleaseLease(self, request: route_pb2.ReleaseLeaseRequest,
+                           context: Context) -> route_pb2.ReleaseLeaseResponse:
+        lease_id = parse_lease_id(request.lease_id)
+        try:
+            lease = self._membership.release(lease_id)
+        except Exception:
+            self._metrics.releases.labels("unknown").inc()
+            raise
+        self._metrics.releases.labels("released").inc()
+        return route_pb2.ReleaseLeaseResponse(replica_id=lease.replica)
+
+    @unary_errors
+    @_core_errors
+    async def ListReplicas(self, request: route_pb2.ListReplicasRequest,
+                           context: Context) -> route_pb2.ListReplicasResponse:
+        return route_pb2.ListReplicasResponse(replicas=[
+            route_pb2.ReplicaStatus(
+                replica_id=v.load.replica.id, address=v.load.replica.address,
+                state=route_pb2.REPLICA_STATE_SERVING if v.load.serving else route_pb2.REPLICA_STATE_NOT_SERVING,
+                engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load)
+            for v in self._membership.views()
+        ])
+
+
+def build(cfg: Config) -> Service:
+    replicas = parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
+    ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
+                lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S])
+    membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH])
+    metrics = Metrics(membership)
+    servicer = RouteServicer(membership, metrics)
+    service = Service(name="router", register=lambda server: _register(server, servicer),
+                      close=membership.close)
+
+    async def start() -> None:
+        service.background.extend(membership.watchers(cfg[settings.ROUTER_STATS_INTERVAL_MS]))
+        port = cfg[settings.ROUTER_METRICS_PORT]
+        if port:
+            start_http_server(port, registry=metrics.registry)
+        log.info("router_ready", replicas=len(replicas), eps=ring.eps, vnodes=ring.vnodes, metrics_port=port)
+
+    service.start = start
+    return service
+
+
+def _register(server: grpc.aio.Server, servicer: RouteServicer) -> Sequence[str]:
+    route_pb2_grpc.add_RouteServiceServicer_to_server(servicer, server)
+    return [route_pb2.DESCRIPTOR.services_by_name["RouteService"].full_name]

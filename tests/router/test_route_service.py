@@ -1,0 +1,87 @@
+"""RouteService over real gRPC on loopback: picks, releases, listing and the error codes."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.server import serve
+from chatmesh.router.service import build
+from chatmesh.v1 import route_pb2, route_pb2_grpc
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+REPLICAS = "engine-0=127.0.0.1:1,engine-1=127.0.0.1:2,engine-2=127.0.0.1:3"
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[route_pb2_grpc.RouteServiceAsyncStub]:
+    address = f"127.0.0.1:{free_port()}"
+    cfg = Config(env={"CHATMESH_REPLICAS": REPLICAS, "CHATMESH_ROUTER_HEALTH": "false"})
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(build(cfg), address, 0.5, ready=ready, stop=stop))
+    await asyncio.wait_for(ready.wait(), 10)
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield route_pb2_grpc.RouteServiceStub(channel)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_pick_is_sticky_and_lease_counts_until_released(stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:
+    conv = str(uuid.uuid4())
+    first = await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))
+    assert first.outcome == route_pb2.PICK_OUTCOME_HOME
+    assert first.replica_id == first.home_replica_id
+    assert first.address == dict(r.split("=") for r in REPLICAS.split(","))[first.replica_id]
+    assert first.lease_expires_at_ms > 0
+    listed = await stub.ListReplicas(route_pb2.ListReplicasRequest())
+    loads = {r.replica_id: r.open_leases for r in listed.replicas}
+    assert loads == {"engine-0": 0, "engine-1": 0, "engine-2": 0} | {first.replica_id: 1}
+    released = await stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=first.lease_id))
+    assert released.replica_id == first.replica_id
+    listed = await stub.ListReplicas(route_pb2.ListReplicasRequest())
+    assert all(r.load == 0 and r.state == route_pb2.REPLICA_STATE_SERVING for r in listed.replicas)
+    second = await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))
+    assert second.replica_id == first.replica_id
+
+
+async def test_exclusion_spills_to_another_replica(stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:
+    conv = str(uuid.uuid4())
+    home = (await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))).replica_id
+    spill = await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv, exclude_replica_ids=[home]))
+    assert spill.outcome == route_pb2.PICK_OUTCOME_SPILL
+    assert spill.home_replica_id == home and spill.replica_id != home
+
+
+@pytest.mark.parametrize("conv", ["", "x" * 129])
+async def test_bad_conversation_id_is_invalid_argument(stub: route_pb2_grpc.RouteServiceAsyncStub, conv: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "conversation_id" in (err.value.details() or "")
+
+
+async def test_unknown_lease_is_not_found(stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=str(uuid.uuid4())))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_every_replica_excluded_is_unavailable_with_reason(
+        stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.PickReplica(route_pb2.PickReplicaRequest(
+            conversation_id="c", exclude_replica_ids=["engine-0", "engine-1", "engine-2"]))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (err.value.details() or "").startswith("no healthy replica: ")
