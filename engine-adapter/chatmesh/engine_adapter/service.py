@@ -1,0 +1,183 @@
+"""GenerateService: the thin gRPC layer over one `Backend` (backend.py).
+
+It converts protobuf to core values and back; validation lives in `GenerateParams`, and typed core errors
+(InvalidArgument, ResourceExhausted) become status codes in chatmesh.mesh.server's decorators. The backend is
+chosen by CHATMESH_ENGINE through `BACKENDS`: each entry is a module imported only when chosen (so `sim` needs
+neither torch nor tritonclient) exposing `build_backend(cfg) -> Backend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol, cast
+
+import grpc
+from chatmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+from chatmesh.engine_adapter import settings
+from chatmesh.engine_adapter.backend import (
+    Backend,
+    Delta,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerateEvent,
+    GenerateParams,
+    Started,
+)
+from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.ids import ConversationId, TurnId, parse_conversation_id, parse_turn_id
+from chatmesh.mesh.server import Service, status_for, stream_errors, unary_errors
+
+BACKENDS: dict[str, str] = {
+    "sim": "chatmesh.engine_adapter.sim",
+    "local": "chatmesh.engine_adapter.local",
+    "triton": "chatmesh.engine_adapter.triton",
+}
+DEFAULT_WATCH_INTERVAL_MS = 1000
+MIN_WATCH_INTERVAL_MS = 10
+
+
+class _BackendModule(Protocol):
+    def build_backend(self, cfg: Config) -> Backend: ...
+
+
+def build_backend(cfg: Config) -> Backend:
+    """The backend CHATMESH_ENGINE names, imported lazily."""
+    module = cast(_BackendModule, importlib.import_module(BACKENDS[cfg[settings.ENGINE]]))
+    return module.build_backend(cfg)
+
+
+def params_from_proto(req: generate_pb2.GenerateRequest) -> GenerateParams:
+    """A validated GenerateParams; InvalidArgument names the bad field."""
+    conversation: ConversationId | None = (
+        parse_conversation_id(req.conversation_id) if req.conversation_id else None)
+    turn: TurnId | None = parse_turn_id(req.turn_id) if req.turn_id else None
+    return GenerateParams(
+        prompt_token_ids=tuple(req.prompt_token_ids),
+        max_tokens=req.max_tokens,
+        request_id=req.request_id,
+        conversation_id=conversation,
+        turn_id=turn,
+        cache_salt=req.cache_salt,
+        platform_prefix_tokens=req.platform_prefix_tokens,
+        sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p or 1.0, seed=req.seed),
+        stop_token_ids=frozenset(req.stop_token_ids),
+    )
+
+
+_REASONS = {
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: generate_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: generate_pb2.FINISH_REASON_ERROR,
+}
+
+
+def event_to_proto(event: GenerateEvent, replica_id: str) -> generate_pb2.GenerateResponse:
+    match event:
+        case Started():
+            return generate_pb2.GenerateResponse(started=generate_pb2.GenerateStarted(
+                replica_id=replica_id, cached_prompt_tokens=event.cached_tokens,
+                host_cached_prompt_tokens=event.host_cached_tokens))
+        case Delta():
+            return generate_pb2.GenerateResponse(delta=generate_pb2.GenerateDelta(
+                token_ids=event.token_ids, text=event.text))
+        case Finished():
+            u = event.usage
+            return generate_pb2.GenerateResponse(finished=generate_pb2.GenerateFinished(
+                finish_reason=_REASONS[event.reason], error_message=event.error,
+                usage=common_pb2.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+                                       output_tokens=u.output_tokens)))
+        case _:
+            raise AssertionError(f"unknown event {event!r}")
+
+
+def stats_to_proto(s: EngineStats) -> generate_pb2.EngineStats:
+    return generate_pb2.EngineStats(
+        replica_id=s.replica_id, backend=s.backend, queue_depth=s.queue_depth,
+        running_sequences=s.running_sequences, block_size=s.block_size,
+        device=generate_pb2.KvTierStats(blocks_total=s.device.total, blocks_used=s.device.used,
+                                        blocks_free=s.device.free),
+        host=generate_pb2.KvTierStats(blocks_total=s.host.total, blocks_used=s.host.used, blocks_free=s.host.free),
+        hit_tokens=s.hit_tokens, miss_tokens=s.miss_tokens, host_hit_tokens=s.host_hit_tokens,
+        device_evictions=s.device_evictions, host_evictions=s.host_evictions, preemptions=s.preemptions,
+        generations=s.generations)
+
+
+@contextlib.asynccontextmanager
+async def _core_errors(context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[None]:
+    """Answers typed core errors with `status_for`'s code. The mesh decorators do the same, but their context
+    check rejects grpc's cython context (isinstance fails), so core errors are aborted here first."""
+    try:
+        yield
+    except CoreError as err:
+        await context.abort(status_for(err), str(err))
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    """Protobuf <-> Backend."""
+
+    def __init__(self, backend: Backend, replica_id: str):
+        self.backend = backend
+        self.replica_id = replica_id
+
+    @stream_errors
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        async with _core_errors(context):
+            params = params_from_proto(request)
+            # Cancelling the RPC cancels this coroutine inside backend.generate; its cleanup cancels the sequence.
+            async for event in self.backend.generate(params):
+                yield event_to_proto(event, self.replica_id)
+
+    @unary_errors
+    async def Evict(self, request: generate_pb2.EvictRequest,
+                    context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.EvictResponse:
+        async with _core_errors(context):
+            match request.WhichOneof("target"):
+                case "conversation_id":
+                    n = await self.backend.evict_conversation(parse_conversation_id(request.conversation_id))
+                case "cache_salt":
+                    if not request.cache_salt:
+                        raise InvalidArgument("cache_salt must not be empty")
+                    n = await self.backend.evict_salt(request.cache_salt)
+                case _:
+                    raise InvalidArgument("set conversation_id or cache_salt")
+        return generate_pb2.EvictResponse(blocks_evicted=n)
+
+    @unary_errors
+    async def GetStats(self, request: generate_pb2.GetStatsRequest,
+                       context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.GetStatsResponse:
+        return generate_pb2.GetStatsResponse(stats=stats_to_proto(self.backend.stats()))
+
+    @stream_errors
+    async def WatchStats(self, request: generate_pb2.WatchStatsRequest,
+                         context: grpc.aio.ServicerContext[object, object],
+                         ) -> AsyncIterator[generate_pb2.WatchStatsResponse]:
+        if request.interval_ms < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must not be negative")
+        interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS) / 1000
+        while True:
+            yield generate_pb2.WatchStatsResponse(stats=stats_to_proto(self.backend.stats()))
+            await asyncio.sleep(interval)
+
+
+def service_for(backend: Backend, replica_id: str) -> Service:
+    """A Service running `backend` (tests build one around any backend)."""
+    servicer = GenerateServicer(backend, replica_id)
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+        return [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
+
+    return Service(name="engine", register=register, start=backend.start, close=backend.close)
+
+
+def build(cfg: Config) -> Service:
+    return service_for(build_backend(cfg), cfg[settings.REPLICA_ID])

@@ -1,0 +1,27 @@
+"""Settings of one engine replica (GenerateService): which backend, KV blocks, scheduler limits, `sim` timing."""
+
+from __future__ import annotations
+
+from chatmesh.mesh.config import Setting
+
+ENGINE = Setting("CHATMESH_ENGINE", "sim", "engine backend: sim (roofline-timed simulator), local (SmolLM2 on the CPU)"
+                 ", triton (Triton Inference Server)", str, choices=("sim", "local", "triton"))
+REPLICA_ID = Setting("CHATMESH_REPLICA_ID", "engine-0", "this engine replica's id, reported in streams and stats", str)
+BLOCK_SIZE = Setting("CHATMESH_BLOCK_SIZE", 32, "tokens per KV block", int)
+DEVICE_BLOCKS = Setting("CHATMESH_DEVICE_BLOCKS", -1,
+                        "KV blocks in the device tier; -1: the backend's default (sim: the preset's KV room)", int)
+HOST_BLOCKS = Setting("CHATMESH_HOST_BLOCKS", -1,
+                      "KV blocks in the host (spill) tier; 0 disables it; -1: the backend's default", int)
+MAX_BATCH = Setting("CHATMESH_MAX_BATCH", 256, "most sequences running (prefill or decode) at once", int)
+STEP_TOKEN_BUDGET = Setting("CHATMESH_STEP_TOKEN_BUDGET", 512,
+                            "most tokens per engine step, decode plus prefill chunks (Sarathi-Serve chunk size)", int)
+QUEUE_LIMIT = Setting("CHATMESH_QUEUE_LIMIT", 1024,
+                      "most requests waiting for admission; beyond it Generate answers RESOURCE_EXHAUSTED", int)
+FLUSH_INTERVAL_MS = Setting("CHATMESH_FLUSH_INTERVAL_MS", 25.0,
+                            "a stream sends the tokens produced since its last send at most this often (ms)", float)
+SIM_PRESET = Setting("CHATMESH_SIM_PRESET", "h100-fp8",
+                     "sim hardware and model: the reference's 70B-class model on 8 GPUs", str,
+                     choices=("h100-fp8", "h200-fp8", "h100-bf16", "h200-bf16"))
+SIM_SPEED = Setting("CHATMESH_SIM_SPEED", 1.0, "sim speed factor: 2 runs twice as fast as the modelled node", float)
+SIM_STEP_MS = Setting("CHATMESH_SIM_STEP_MS", 0.0,
+                      "sim fixed step time in ms (tests stream slowly with it); 0: the roofline step time", float)
