@@ -56,7 +56,7 @@ def test_metadata(tok: Tokenizer) -> None:
     assert tok.vocab_size == 49152
     assert (tok.im_start_id, tok.im_end_id, tok.endoftext_id) == (1, 2, 0)
     assert tok.eos_id == tok.im_end_id
-    assert tok.stop_ids == {0, 2}
+    assert tok.stop_token_ids == {0, 2}
 
 
 @pytest.mark.parametrize("text", SAMPLES)
@@ -101,7 +101,7 @@ def test_decode_drops_control_tokens_unless_special(tok: Tokenizer) -> None:
 @pytest.mark.parametrize("text", SAMPLES)
 def test_incremental_decoder_never_breaks_a_character(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)
-    dec = IncrementalDecoder(tok)
+    dec = tok.decoder()
     parts = [dec.feed([i]) for i in ids]
     assert all("\ufffd" not in p for p in parts)
     assert "".join(parts) + dec.flush() == text

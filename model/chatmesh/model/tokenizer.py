@@ -151,9 +151,13 @@ class Tokenizer:
         return self._endoftext_id
 
     @property
-    def stop_ids(self) -> frozenset[int]:
+    def stop_token_ids(self) -> frozenset[int]:
         """Tokens that end an assistant turn: end of turn and end of text."""
         return frozenset({self._im_end_id, self._endoftext_id, self._eos_id})
+
+    def decoder(self) -> IncrementalDecoder:
+        """A fresh streaming decoder (so a Tokenizer is the engine's `TextCodec`)."""
+        return IncrementalDecoder(self)
 
     def is_control(self, token_id: int) -> bool:
         return token_id in self._control
