@@ -1,0 +1,73 @@
+"""`chatmesh capacity` (the fleet arithmetic) and `chatmesh simulate` (routing vs prefix-cache hit rate)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.router import capacity
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("capacity", help="size a chat fleet (KV memory, decode/prefill roofline, nodes)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m, h, w = capacity.ModelShape(), capacity.Hardware(), capacity.Workload()
+    g = p.add_argument_group("model")
+    g.add_argument("--params", type=float, default=m.params, help="parameters")
+    g.add_argument("--layers", type=int, default=m.layers)
+    g.add_argument("--kv-heads", type=int, default=m.kv_heads)
+    g.add_argument("--head-dim", type=int, default=m.head_dim)
+    g = p.add_argument_group("hardware")
+    g.add_argument("--precision", choices=[x.value for x in capacity.Precision], default=h.precision.value)
+    g.add_argument("--gpu", choices=sorted(capacity.GPUS), default="h100", help="GPU preset")
+    g.add_argument("--hbm-gb", type=float, help="override the preset's memory per GPU, GB")
+    g.add_argument("--bandwidth-tbs", type=float, help="override the preset's memory bandwidth, TB/s")
+    g.add_argument("--tflops", type=float, help="override the preset's dense TFLOP/s at the chosen precision")
+    g.add_argument("--tp", type=int, default=h.tp, help="tensor parallelism (GPUs per replica)")
+    g.add_argument("--gpus-per-node", type=int, default=h.gpus_per_node)
+    g.add_argument("--reserved-gb", type=float, default=h.reserved_bytes / 1e9,
+                   help="per GPU for activations and runtime")
+    g.add_argument("--decode-eff", type=float, default=h.decode_eff, help="achieved share of peak bandwidth")
+    g.add_argument("--prefill-mfu", type=float, default=h.prefill_mfu, help="achieved share of peak FLOP/s")
+    g.add_argument("--max-batch", type=int, default=h.max_batch, help="sequences per decode step")
+    g = p.add_argument_group("workload")
+    g.add_argument("--conversations", type=int, default=w.conversations, help="open at peak")
+    g.add_argument("--turn-gap-s", type=float, default=w.turn_gap_s, help="seconds between a user's turns")
+    g.add_argument("--prompt-tokens", type=int, default=w.prompt_tokens)
+    g.add_argument("--output-tokens", type=int, default=w.output_tokens)
+    g.add_argument("--cached-share", type=float, default=w.cached_share, help="share of prompt tokens cached")
+    g.add_argument("--target-util", type=float, default=w.target_util)
+    g.add_argument("--spare-nodes", type=int, default=w.spare_nodes)
+    p.set_defaults(handler=_capacity)
+
+
+def capacity_plan(args: argparse.Namespace) -> capacity.CapacityPlan:
+    precision = capacity.Precision(args.precision)
+    gpu = capacity.GPUS[args.gpu]
+    if args.hbm_gb is not None:
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.hbm_gb:g} GB)", hbm_bytes=args.hbm_gb * 1e9)
+    if args.bandwidth_tbs is not None:
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.bandwidth_tbs:g} TB/s)",
+                                  bandwidth_bytes_s=args.bandwidth_tbs * 1e12)
+    if args.tflops is not None:
+        flops = {"fp8_flops" if precision is capacity.Precision.FP8 else "bf16_flops": args.tflops * 1e12}
+        gpu = dataclasses.replace(gpu, name=f"{gpu.name} ({args.tflops:g} TFLOP/s)", **flops)
+    return capacity.plan(
+        capacity.ModelShape(args.params, args.layers, args.kv_heads, args.head_dim),
+        capacity.Hardware(gpu, precision, args.tp, args.gpus_per_node, args.reserved_gb * 1e9, args.decode_eff,
+                          args.prefill_mfu, args.max_batch),
+        capacity.Workload(args.conversations, args.turn_gap_s, args.prompt_tokens, args.output_tokens,
+                          args.cached_share, args.target_util, args.spare_nodes),
+    )
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    try:
+        print(capacity.render(capacity_plan(args)))
+    except InvalidArgument as err:
+        print(f"chatmesh capacity: {err}", file=sys.stderr)
+        return 2
+    return 0
