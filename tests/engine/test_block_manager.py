@@ -1,0 +1,178 @@
+"""The block manager: owner-salted reuse, host spill and onboarding, eviction, and a stateful property test
+that no sequence of operations leaks a block or drives a reference count negative."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager, PrefixHit
+from chatmesh.engine_adapter.executor import BlockCopy, Tier
+
+BS = 4
+
+
+def _run(bm: BlockManager, seq_id: int, tokens: list[int], prefix: int, salt: bytes,
+         conversation: str | None = None) -> PrefixHit:
+    """Admits a prompt, computes all of it, and ends the sequence (a turn with no output)."""
+    hit = bm.admit(seq_id, tokens, prefix, salt, conversation)
+    assert hit is not None
+    assert bm.grow(seq_id, len(tokens))
+    bm.commit(seq_id, tokens, len(tokens))
+    bm.release(seq_id)
+    bm.check()
+    return hit
+
+
+SYSTEM = [7] * 8  # a platform prefix of two full blocks
+
+
+def test_owners_share_only_the_platform_prefix() -> None:
+    bm = BlockManager(BlockConfig(BS, 64, 0))
+    private = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert _run(bm, 1, SYSTEM + private, len(SYSTEM), b"A").cached_tokens == 0
+    # Owner B sends the very same tokens: only the platform prefix is reused.
+    assert _run(bm, 2, SYSTEM + private, len(SYSTEM), b"B").cached_tokens == len(SYSTEM)
+    # Owner A again: everything but the last, partial block.
+    assert _run(bm, 3, SYSTEM + private, len(SYSTEM), b"A").cached_tokens == 16
+    # A prefix that ends mid-block: the straddling block is private.
+    assert _run(bm, 4, SYSTEM[:6] + [9, 9] + private, 6, b"C").cached_tokens == 4
+    assert _run(bm, 5, SYSTEM[:6] + [9, 9] + private, 6, b"D").cached_tokens == 4
+
+
+def test_next_turn_hits_and_conversation_eviction_makes_it_miss() -> None:
+    bm = BlockManager(BlockConfig(BS, 64, 0))
+    turn1 = SYSTEM + list(range(20, 33))
+    _run(bm, 1, turn1, len(SYSTEM), b"A", "c1")
+    turn2 = turn1 + list(range(40, 50))
+    assert _run(bm, 2, turn2, len(SYSTEM), b"A", "c1").cached_tokens == 20
+    assert bm.evict_conversation("c1") > 0
+    assert _run(bm, 3, turn2, len(SYSTEM), b"A", "c1").cached_tokens == len(SYSTEM)  # the shared prefix survives
+    assert bm.evict_salt(b"A") > 0
+    assert bm.evict_salt(b"A") == 0
+    assert _run(bm, 4, turn2, len(SYSTEM), b"A", "c1").cached_tokens == len(SYSTEM)
+
+
+def test_idle_blocks_spill_to_host_and_come_back() -> None:
+    bm = BlockManager(BlockConfig(BS, 6, 8))
+    conv_a = [1] * 17  # four full blocks
+    _run(bm, 1, conv_a, 0, b"A")
+    bm.take_copies()
+    _run(bm, 2, [2] * 17, 0, b"B")  # needs five blocks: four of A's spill to host
+    spills = bm.take_copies()
+    assert spills and all(c.src_tier is Tier.DEVICE and c.dst_tier is Tier.HOST for c in spills)
+    assert bm.stats().device_evictions == len(spills)
+    hit = bm.admit(3, conv_a + [5], 0, b"A", None)
+    assert hit is not None and hit.cached_tokens == 16 and hit.host_cached_tokens > 0
+    onboard = [c for c in bm.take_copies() if c.src_tier is Tier.HOST]
+    assert len(onboard) * BS == hit.host_cached_tokens
+    bm.check()
+
+
+def test_without_host_tier_evicted_blocks_are_gone() -> None:
+    bm = BlockManager(BlockConfig(BS, 5, 0))
+    _run(bm, 1, [1] * 17, 0, b"A")
+    _run(bm, 2, [2] * 17, 0, b"A")
+    assert bm.take_copies() == []
+    assert _run(bm, 3, [1] * 17, 0, b"A").cached_tokens == 0
+
+
+def test_grow_is_all_or_nothing() -> None:
+    bm = BlockManager(BlockConfig(BS, 3, 0))
+    assert bm.admit(1, [1] * 20, 0, b"", None) is not None
+    assert not bm.grow(1, 20)
+    assert bm.table(1) == []
+    assert bm.grow(1, 12)
+    bm.check()
+
+
+# ---- stateful property test ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    tokens: list[int]
+    computed: int = 0
+    prefix: int = 0
+    salt: bytes = b""
+    extra: list[int] = field(default_factory=list)
+
+
+class BlockMachine(RuleBasedStateMachine):
+    """Random admissions, chunked computation, extension by sampled tokens, finish/cancel, eviction."""
+
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(BlockConfig(BS, 12, 6))
+        self.next_id = 0
+
+    @rule(target=seqs, tokens=st.lists(st.integers(1, 3), min_size=1, max_size=40),
+          prefix=st.integers(0, 12), salt=st.sampled_from([b"a", b"b"]), conv=st.sampled_from(["c1", "c2", None]))
+    def admit(self, tokens: list[int], prefix: int, salt: bytes, conv: str | None) -> _Seq | None:
+        self.next_id += 1
+        prefix = min(prefix, len(tokens))
+        hit = self.bm.admit(self.next_id, tokens, prefix, salt, conv)
+        if hit is None:
+            return None
+        assert hit.cached_tokens % BS == 0 and hit.cached_tokens < len(tokens)
+        assert hit.host_cached_tokens <= hit.cached_tokens
+        return _Seq(self.next_id, list(tokens), hit.cached_tokens, prefix, salt)
+
+    @rule(seq=seqs, chunk=st.integers(1, 16))
+    def compute(self, seq: _Seq | None, chunk: int) -> None:
+        if seq is None or not self.bm.holds(seq.seq_id):
+            return
+        n = min(len(seq.tokens), seq.computed + chunk)
+        if self.bm.grow(seq.seq_id, n):
+            seq.computed = n
+            self.bm.commit(seq.seq_id, seq.tokens, n)
+
+    @rule(seq=seqs, token=st.integers(1, 3))
+    def extend(self, seq: _Seq | None, token: int) -> None:
+        if seq is None or not self.bm.holds(seq.seq_id) or seq.computed < len(seq.tokens):
+            return
+        seq.tokens.append(token)  # a sampled token; computing it is the next decode step
+
+    @rule(seq=consumes(seqs))
+    def finish(self, seq: _Seq | None) -> None:
+        if seq is not None and self.bm.holds(seq.seq_id):
+            self.bm.release(seq.seq_id)
+
+    @rule(conv=st.sampled_from(["c1", "c2"]))
+    def evict_conversation(self, conv: str) -> None:
+        assert self.bm.evict_conversation(conv) >= 0
+        assert self.bm.evict_conversation(conv) == 0
+
+    @rule(salt=st.sampled_from([b"a", b"b"]))
+    def evict_salt(self, salt: bytes) -> None:
+        self.bm.evict_salt(salt)
+        assert self.bm.evict_salt(salt) == 0
+
+    @rule()
+    def run_copies(self) -> None:
+        for copy in self.bm.take_copies():
+            assert isinstance(copy, BlockCopy) and copy.src_tier is not copy.dst_tier
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check()
+        s = self.bm.stats()
+        assert s.device_used + s.device_free == s.device_total
+        assert s.host_used + s.host_free == s.host_total
+        assert 0 <= s.device_free <= s.device_total and 0 <= s.host_free <= s.host_total
+
+    def teardown(self) -> None:
+        for seq_id in list(self.bm._seqs):
+            self.bm.release(seq_id)
+        self.bm.check()
+        assert self.bm.available_blocks == self.bm.cfg.device_blocks  # nothing leaked
+
+
+BlockMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_block_machine = BlockMachine.TestCase
