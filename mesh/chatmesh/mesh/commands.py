@@ -36,8 +36,9 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_model)
 
     p = sub.add_parser("config", help="show configuration")
-    p.add_argument("action", choices=("table",))
-    p.set_defaults(handler=lambda _args: print(config.markdown_table()) or 0)
+    p.add_argument("action", choices=("table", "readme"),
+                   help="table: print the settings table; readme: rewrite it into README.md")
+    p.set_defaults(handler=_config)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -59,6 +60,28 @@ async def _run(service: Any, listen: str, grace_s: float) -> None:
     from chatmesh.mesh.server import serve
 
     await serve(service, listen, grace_s)
+
+
+README_START = "<!-- settings-table:start -->"
+README_END = "<!-- settings-table:end -->"
+
+
+def readme_with_table(readme: str) -> str:
+    head, _, rest = readme.partition(README_START)
+    _, _, tail = rest.partition(README_END)
+    return f"{head}{README_START}\n{config.markdown_table()}\n{README_END}{tail}"
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.action == "table":
+        print(config.markdown_table())
+        return 0
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "README.md"
+    path.write_text(readme_with_table(path.read_text()))
+    print(f"rewrote the settings table in {path}")
+    return 0
 
 
 def _model(args: argparse.Namespace) -> int:

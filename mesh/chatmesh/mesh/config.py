@@ -68,7 +68,8 @@ class Setting(Generic[T]):
         if raw is None:
             raw = env.get(self.env)
         if raw is None:
-            return self.default
+            # A text default goes through the parser too (e.g. "~/..." expanded); typed defaults are final.
+            return self.parse(self.default) if isinstance(self.default, str) else self.default
         if self.choices and raw not in self.choices:
             raise ValueError(f"{self.env} must be one of {', '.join(self.choices)}, got {raw!r}")
         try:

@@ -6,5 +6,5 @@ import os
 
 from chatmesh.mesh.config import Setting
 
-MODEL_DIR = Setting("CHATMESH_MODEL_DIR", os.path.join(os.path.expanduser("~"), ".cache", "chatmesh", "models"),
-                    "folder holding the fetched model file (SmolLM2-135M-Instruct GGUF)", str)
+MODEL_DIR = Setting("CHATMESH_MODEL_DIR", "~/.cache/chatmesh/models",
+                    "folder holding the fetched model file (SmolLM2-135M-Instruct GGUF)", os.path.expanduser)
