@@ -1,0 +1,131 @@
+"""Moderation's pure core: text in, a Verdict out, by the policy's rules and the embedded classifier.
+
+`Moderator.check_input` judges one whole user message. `Moderator.open_output()` returns an `OutputCheck` for
+one streamed reply, which judges each chunk through a sliding `Window` (see window.py for what is new in a
+chunk). `validate` enforces the size limits; it is called by the servicer before any check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.moderation.classifier import ProfanityModel, tokens
+from chatmesh.moderation.policy import Action, Category, Direction, Policy, validate
+from chatmesh.moderation.window import View, Window
+
+
+@dataclass(frozen=True)
+class CategoryScore:
+    """A category's score in [0, 1] and what produced it (a rule name or a model name)."""
+
+    category: str
+    score: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A decision. `reason` is for logs and the turn's outcome; it never contains the checked text.
+    `fallback` is True when the check did not finish and a failure policy chose the action."""
+
+    action: Action
+    categories: tuple[CategoryScore, ...]
+    reason: str
+    fallback: bool = False
+
+    @staticmethod
+    def failed(action: Action, why: str) -> Verdict:
+        return Verdict(action, (), why, fallback=True)
+
+
+def validate_text(text: str, max_bytes: int, what: str, allow_empty: bool = False) -> None:
+    """Raises InvalidArgument for empty (unless allowed) or oversized text."""
+    if not text and not allow_empty:
+        raise InvalidArgument(f"{what} is empty")
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise InvalidArgument(f"{what} is {size} bytes, over the limit of {max_bytes}")
+
+
+def decide(policy: Policy, direction: Direction, scores: Mapping[str, CategoryScore]) -> Verdict:
+    """Turns category scores into a verdict: the most severe action over categories, reported highest first."""
+    action = Action.ALLOW
+    worst: list[str] = []
+    reported: list[CategoryScore] = []
+    for category in policy.categories:
+        cs = scores.get(category.name)
+        if cs is None:
+            continue
+        cat_action = category.thresholds(direction).action(cs.score)
+        if cs.score >= policy.report_at or cat_action > Action.ALLOW:
+            reported.append(cs)
+        if cat_action > action:
+            action, worst = cat_action, []
+        if cat_action == action and action > Action.ALLOW:
+            worst.append(f"{cs.category} {cs.score:.2f} ({cs.source})")
+    reported.sort(key=lambda c: -c.score)
+    reason = "" if action is Action.ALLOW else f"{action.name.lower()}: {', '.join(worst)}"
+    return Verdict(action, tuple(reported), reason)
+
+
+class Moderator:
+    """Judges text by `policy`, with `model` as the score source for categories whose model is "profanity"."""
+
+    def __init__(self, policy: Policy, model: ProfanityModel) -> None:
+        unknown = policy.models - {"profanity"}
+        if unknown:
+            raise InvalidArgument(f"policy names models this backend does not have: {sorted(unknown)}")
+        self.policy = policy
+        self.model = model
+
+    def check_input(self, text: str) -> Verdict:
+        words = tokens(text)
+        view, lowered = View(text, 0), text.lower()
+        scores = {c.name: s for c in self.policy.categories
+                  if (s := self._score(c, view, lowered, words)) is not None}
+        return decide(self.policy, Direction.INPUT, scores)
+
+    def open_output(self) -> OutputCheck:
+        return OutputCheck(self)
+
+    def _score(self, category: Category, view: View, lowered: str, words: list[str]) -> CategoryScore | None:
+        best: CategoryScore | None = None
+        for rule in category.rules:
+            if (best is not None and best.score >= rule.score) or not rule.may_match(lowered):
+                continue
+            for m in rule.pattern.finditer(view.text):
+                if view.is_new(m.end()) and validate(rule.validator, m.group()):
+                    best = CategoryScore(category.name, rule.score, rule.name)
+                    break
+        if category.model is not None and words:
+            p = self.model.score_tokens(words)
+            if best is None or p > best.score:
+                best = CategoryScore(category.name, p, category.model)
+        return best
+
+
+class OutputCheck:
+    """The check of one streamed reply: `check(chunk)` judges each chunk in order (mutable, one per stream)."""
+
+    def __init__(self, moderator: Moderator) -> None:
+        self._moderator = moderator
+        self._window = Window(moderator.policy.window_chars)
+        self.chunks = 0
+
+    @property
+    def checked_chars(self) -> int:
+        return self._window.checked_chars
+
+    def check(self, chunk: str) -> Verdict:
+        view = self._window.push(chunk)
+        self.chunks += 1
+        old, new = view.words()
+        model = self._moderator.model
+        context = [w for w in old if not model.leans_profane(w)][-self._moderator.policy.context_tokens:]
+        words = context + new if new else []
+        lowered = view.text.lower()
+        scores = {c.name: s for c in self._moderator.policy.categories
+                  if (s := self._moderator._score(c, view, lowered, words)) is not None}
+        return decide(self._moderator.policy, Direction.OUTPUT, scores)

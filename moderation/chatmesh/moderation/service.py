@@ -1,0 +1,251 @@
+"""ModerateService: the thin gRPC layer over the moderation core (`moderator.py`).
+
+CheckInput judges one user message; CheckOutput judges a streamed reply chunk by chunk, one verdict per chunk
+in order, through the sliding window of one `OutputCheck` per stream. Checks run on the `CheckBatcher` worker
+under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
+decides and the verdict says so (`fallback`, and why in `reason`).
+
+Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
+and a request that does not parse (a string field that is not UTF-8, which a hand-built client can send):
+requests are decoded by a lenient deserializer here so that case reaches the servicer instead of failing
+inside gRPC. Logs carry conversation ids, actions and category names, never text. Metrics (Prometheus, on
+CHATMESH_MODERATION_METRICS_PORT when set): checks by direction and action, fallbacks by direction and reason,
+check latency.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar, assert_never
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from chatmesh.mesh import logs
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.server import Service, status_for
+from chatmesh.moderation import settings
+from chatmesh.moderation.batcher import CheckBatcher
+from chatmesh.moderation.classifier import profanity_model
+from chatmesh.moderation.moderator import Moderator, Verdict, validate_text
+from chatmesh.moderation.policy import Action, Direction, FailureMode, load
+from chatmesh.v1 import moderate_pb2
+
+log = logs.get("chatmesh.moderation.service")
+
+SERVICE_NAME = moderate_pb2.DESCRIPTOR.services_by_name["ModerateService"].full_name
+Context = grpc.aio.ServicerContext[Any, Any]
+M = TypeVar("M", bound=Message)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes did not parse as its message (for example a string field that is not UTF-8)."""
+
+    message: str
+
+
+def lenient(cls: type[M]) -> Callable[[bytes], M | Undecodable]:
+    def deserialize(data: bytes) -> M | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError:
+            return Undecodable(cls.DESCRIPTOR.name)
+
+    return deserialize
+
+
+def action_pb(action: Action) -> moderate_pb2.ModerationAction:
+    match action:
+        case Action.ALLOW:
+            return moderate_pb2.MODERATION_ACTION_ALLOW
+        case Action.FLAG:
+            return moderate_pb2.MODERATION_ACTION_FLAG
+        case Action.BLOCK:
+            return moderate_pb2.MODERATION_ACTION_BLOCK
+        case _ as unreachable:
+            assert_never(unreachable)
+
+
+def verdict_pb(verdict: Verdict) -> moderate_pb2.Verdict:
+    return moderate_pb2.Verdict(
+        action=action_pb(verdict.action),
+        categories=[moderate_pb2.CategoryScore(category=c.category, score=c.score) for c in verdict.categories],
+        reason=verdict.reason, fallback=verdict.fallback)
+
+
+def _decoded(request: M | Undecodable) -> M:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"request is not a valid {request.message} (string fields must be UTF-8)")
+    return request
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.checks = Counter("chatmesh_moderation_checks", "checks by direction and action",
+                              ["direction", "action"], registry=self.registry)
+        self.fallbacks = Counter("chatmesh_moderation_fallbacks",
+                                 "checks decided by the failure policy, by direction and reason",
+                                 ["direction", "reason"], registry=self.registry)
+        self.latency = Histogram("chatmesh_moderation_check_seconds", "time from request to verdict of one check",
+                                 ["direction"], registry=self.registry,
+                                 buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_bytes: int
+    deadline_s: float
+    on_input_failure: FailureMode
+    on_output_failure: FailureMode
+
+    def failure(self, direction: Direction) -> FailureMode:
+        match direction:
+            case Direction.INPUT:
+                return self.on_input_failure
+            case Direction.OUTPUT:
+                return self.on_output_failure
+            case _ as unreachable:
+                assert_never(unreachable)
+
+
+def _unary_core_errors(
+    fn: Callable[[ModerateServicer, Req, Context], Awaitable[Resp]],
+) -> Callable[[ModerateServicer, Req, Context], Awaitable[Resp]]:
+    """Answers typed core errors with `status_for`'s code (the mesh decorators assert a context type the real
+    aio context is not; chatmesh.router.service works around the same)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: ModerateServicer, request: Req, context: Context) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except CoreError as err:
+            await context.abort(status_for(err), str(err))
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def _stream_core_errors(
+    fn: Callable[[ModerateServicer, Req, Context], AsyncIterator[Resp]],
+) -> Callable[[ModerateServicer, Req, Context], AsyncIterator[Resp]]:
+    """The same for a streaming method."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: ModerateServicer, requests: Req, context: Context) -> AsyncIterator[Resp]:
+        try:
+            async for item in fn(self, requests, context):
+                yield item
+        except CoreError as err:
+            await context.abort(status_for(err), str(err))
+
+    return wrapper
+
+
+class ModerateServicer:
+    def __init__(self, moderator: Moderator, batcher: CheckBatcher[Verdict], limits: Limits,
+                 metrics: Metrics) -> None:
+        self._moderator = moderator
+        self._batcher = batcher
+        self._limits = limits
+        self._metrics = metrics
+
+    async def _run(self, direction: Direction, check: Callable[[], Verdict]) -> Verdict:
+        start = time.perf_counter()
+        try:
+            verdict = await self._batcher.run(check, self._limits.deadline_s)
+        except TimeoutError:
+            verdict = self._fallback(direction, "deadline", "check deadline passed")
+        except CoreError:
+            raise
+        except Exception as exc:  # the classifier failed: the failure policy answers, the error is logged
+            log.error("check_failed", direction=direction.value, exc_info=exc)
+            verdict = self._fallback(direction, "error", f"check failed ({type(exc).__name__})")
+        self._metrics.latency.labels(direction.value).observe(time.perf_counter() - start)
+        self._metrics.checks.labels(direction.value, verdict.action.name.lower()).inc()
+        return verdict
+
+    def _fallback(self, direction: Direction, label: str, why: str) -> Verdict:
+        mode = self._limits.failure(direction)
+        self._metrics.fallbacks.labels(direction.value, label).inc()
+        return Verdict.failed(mode.action, f"{why}; failing {mode.value}")
+
+    @_unary_core_errors
+    async def CheckInput(self, request: moderate_pb2.CheckInputRequest | Undecodable,
+                         context: Context) -> moderate_pb2.CheckInputResponse:
+        text = _decoded(request).text
+        validate_text(text, self._limits.max_bytes, "text")
+        verdict = await self._run(Direction.INPUT, functools.partial(self._moderator.check_input, text))
+        log.info("input_checked", conversation_id=_decoded(request).conversation_id, action=verdict.action.name,
+                 categories=[c.category for c in verdict.categories], fallback=verdict.fallback)
+        return moderate_pb2.CheckInputResponse(verdict=verdict_pb(verdict))
+
+    @_stream_core_errors
+    async def CheckOutput(self, requests: AsyncIterator[moderate_pb2.CheckOutputRequest | Undecodable],
+                          context: Context) -> AsyncIterator[moderate_pb2.CheckOutputResponse]:
+        check = self._moderator.open_output()
+        conversation_id, chunks, chars, worst = "", 0, 0, Action.ALLOW
+        try:
+            async for raw in requests:
+                request = _decoded(raw)
+                validate_text(request.text, self._limits.max_bytes, "chunk text", allow_empty=True)
+                conversation_id = conversation_id or request.conversation_id
+                verdict = await self._run(Direction.OUTPUT, functools.partial(check.check, request.text))
+                chars += len(request.text)
+                worst = max(worst, verdict.action)
+                yield moderate_pb2.CheckOutputResponse(chunk_index=chunks, verdict=verdict_pb(verdict),
+                                                       checked_chars=chars)
+                chunks += 1
+                if request.final:
+                    break
+        finally:
+            log.info("output_checked", conversation_id=conversation_id, chunks=chunks, chars=chars,
+                     worst=worst.name)
+
+
+def _register(server: grpc.aio.Server, servicer: ModerateServicer) -> Sequence[str]:
+    handlers = {
+        "CheckInput": grpc.unary_unary_rpc_method_handler(
+            servicer.CheckInput, request_deserializer=lenient(moderate_pb2.CheckInputRequest),
+            response_serializer=moderate_pb2.CheckInputResponse.SerializeToString),
+        "CheckOutput": grpc.stream_stream_rpc_method_handler(
+            servicer.CheckOutput, request_deserializer=lenient(moderate_pb2.CheckOutputRequest),
+            response_serializer=moderate_pb2.CheckOutputResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return [SERVICE_NAME]
+
+
+def build(cfg: Config, moderator: Moderator | None = None) -> Service:
+    """The service; `moderator` replaces the one the policy setting describes (tests use a slow one)."""
+    if moderator is None:
+        moderator = Moderator(load(cfg[settings.POLICY_FILE]), profanity_model())
+    policy = moderator.policy
+    limits = Limits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
+                    on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
+                    on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
+    metrics = Metrics()
+    batcher: CheckBatcher[Verdict] = CheckBatcher()
+    servicer = ModerateServicer(moderator, batcher, limits, metrics)
+
+    async def start() -> None:
+        port = cfg[settings.METRICS_PORT]
+        if port:
+            start_http_server(port, registry=metrics.registry)
+        log.info("moderation_ready", categories=[c.name for c in policy.categories], metrics_port=port,
+                 input_failure=limits.on_input_failure.value, output_failure=limits.on_output_failure.value)
+
+    async def close() -> None:
+        batcher.close()
+
+    return Service(name="moderation", register=lambda server: _register(server, servicer), start=start,
+                   close=close)
+

@@ -1,0 +1,26 @@
+"""ModerateService settings: the policy, size limits, deadlines and the failure policy of each direction."""
+
+from __future__ import annotations
+
+from chatmesh.mesh.config import Setting
+
+FAILURE_MODES = ("closed", "open")
+
+POLICY_FILE = Setting("CHATMESH_MODERATION_POLICY_FILE", "",
+                      "moderation policy JSON (categories, rules, thresholds); empty: the built-in default", str)
+MAX_INPUT_BYTES = Setting("CHATMESH_MODERATION_MAX_INPUT_BYTES", 32768,
+                          "largest user message or reply chunk moderation accepts, in UTF-8 bytes", int)
+CHECK_DEADLINE_MS = Setting("CHATMESH_MODERATION_CHECK_DEADLINE_MS", 50.0,
+                            "the service's time limit for one check; past it the direction's failure policy decides",
+                            float)
+CLIENT_TIMEOUT_MS = Setting("CHATMESH_MODERATION_CLIENT_TIMEOUT_MS", 250.0,
+                            "how long a moderation client waits for a verdict before its failure policy decides",
+                            float)
+INPUT_FAILURE = Setting("CHATMESH_MODERATION_INPUT_FAILURE", "closed",
+                        "when the input check cannot finish: closed blocks the message, open lets it through", str,
+                        choices=FAILURE_MODES)
+OUTPUT_FAILURE = Setting("CHATMESH_MODERATION_OUTPUT_FAILURE", "open",
+                         "when an output check cannot finish: closed stops the reply, open lets the chunk through", str,
+                         choices=FAILURE_MODES)
+METRICS_PORT = Setting("CHATMESH_MODERATION_METRICS_PORT", 0,
+                       "port of ModerateService's Prometheus metrics endpoint; 0: none", int)

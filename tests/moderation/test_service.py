@@ -1,0 +1,121 @@
+"""ModerateService over real gRPC: verdicts, the split phrase, INVALID_ARGUMENT, deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from chatmesh.moderation.classifier import profanity_model
+from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict
+from chatmesh.moderation.policy import load
+
+from chatmesh.v1 import moderate_pb2, moderate_pb2_grpc
+from tests.moderation.conftest import running
+
+ALLOW = moderate_pb2.MODERATION_ACTION_ALLOW
+BLOCK = moderate_pb2.MODERATION_ACTION_BLOCK
+CONV = "0b6f3c9e-4c1e-4d53-9a43-8f0f5a1c2d3e"
+
+
+async def test_benign_input_is_allowed(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    reply = await stub.CheckInput(moderate_pb2.CheckInputRequest(text="How do I sort a list in Python?",
+                                                                 conversation_id=CONV))
+    assert reply.verdict.action == ALLOW
+    assert not reply.verdict.fallback
+
+
+async def test_card_number_input_is_blocked_with_a_reason_free_of_text(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    reply = await stub.CheckInput(moderate_pb2.CheckInputRequest(text="my card is 4111 1111 1111 1111"))
+    assert reply.verdict.action == BLOCK
+    assert [c.category for c in reply.verdict.categories] == ["payment_card"]
+    assert "4111" not in reply.verdict.reason and "payment_card" in reply.verdict.reason
+
+
+async def test_phrase_split_across_two_chunks_is_caught_once(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    chunks = ["Sure. Honestly, you are an id", "iot for asking", " that. Anyway, here", " is the list."]
+    requests = [moderate_pb2.CheckOutputRequest(text=c, conversation_id=CONV, final=i == len(chunks) - 1)
+                for i, c in enumerate(chunks)]
+    replies = [r async for r in stub.CheckOutput(iter(requests))]
+    assert [r.chunk_index for r in replies] == [0, 1, 2, 3]
+    actions = [r.verdict.action for r in replies]
+    assert actions == [ALLOW, BLOCK, ALLOW, ALLOW]
+    assert {c.category for c in replies[1].verdict.categories} >= {"insult", "profanity"}
+    assert replies[-1].checked_chars == sum(len(c) for c in chunks)
+
+
+async def test_benign_reply_streams_through(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    text = ("Here is a short plan for the week. On Monday, review the open tickets and pick three. "
+            "On Tuesday, write the tests first, then the code. Keep each change small and easy to review.")
+    chunks = [text[i:i + 20] for i in range(0, len(text), 20)]
+    replies = [r async for r in stub.CheckOutput(iter(moderate_pb2.CheckOutputRequest(text=c) for c in chunks))]
+    assert len(replies) == len(chunks)
+    assert all(r.verdict.action == ALLOW for r in replies)
+
+
+@pytest.mark.parametrize("text", ["", "x" * 2049])
+async def test_empty_or_oversized_input_is_invalid_argument(text: str) -> None:
+    async with running({"CHATMESH_MODERATION_MAX_INPUT_BYTES": "2048"}) as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.CheckInput(moderate_pb2.CheckInputRequest(text=text))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_oversized_chunk_is_invalid_argument(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    call = stub.CheckOutput(iter([moderate_pb2.CheckOutputRequest(text="fine"),
+                                  moderate_pb2.CheckOutputRequest(text="y" * 40000)]))
+    first = await call.read()
+    assert isinstance(first, moderate_pb2.CheckOutputResponse) and first.verdict.action == ALLOW
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.read()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_invalid_utf8_is_invalid_argument(channel: grpc.aio.Channel) -> None:
+    raw = channel.unary_unary("/chatmesh.v1.ModerateService/CheckInput",
+                              request_serializer=lambda b: b,
+                              response_deserializer=moderate_pb2.CheckInputResponse.FromString)
+    field_1_bad_utf8 = b"\x0a\x03\xff\xfe\x41"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await raw(field_1_bad_utf8)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in (err.value.details() or "")
+
+
+class SlowModerator(Moderator):
+    """A check that takes far longer than the deadline (it sleeps, as a remote guard model would wait)."""
+
+    def check_input(self, text: str) -> Verdict:
+        time.sleep(0.3)
+        return super().check_input(text)
+
+    def open_output(self) -> OutputCheck:
+        return SlowOutputCheck(self)
+
+
+class SlowOutputCheck(OutputCheck):
+    def check(self, chunk: str) -> Verdict:
+        time.sleep(0.3)
+        return super().check(chunk)
+
+
+async def test_past_the_deadline_the_direction_policy_decides() -> None:
+    env = {"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "20", "CHATMESH_MODERATION_INPUT_FAILURE": "closed",
+           "CHATMESH_MODERATION_OUTPUT_FAILURE": "open"}
+    async with running(env, SlowModerator(load(), profanity_model())) as address:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+            reply = await stub.CheckInput(moderate_pb2.CheckInputRequest(text="hello"))
+            assert reply.verdict.fallback and reply.verdict.action == BLOCK
+            assert "deadline" in reply.verdict.reason and "failing closed" in reply.verdict.reason
+            out = [r async for r in stub.CheckOutput(iter([moderate_pb2.CheckOutputRequest(text="hello")]))]
+            assert out[0].verdict.fallback and out[0].verdict.action == ALLOW
+            assert "failing open" in out[0].verdict.reason
