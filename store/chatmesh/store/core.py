@@ -1,0 +1,591 @@
+"""The conversation store core: conversations, messages, summaries, turn records, usage. No gRPC here.
+
+The turn record is the idempotency key of invariant I2 and a small state machine, one row per
+(owner, conversation, turn id):
+
+    (none) --claim--> RECEIVED --progress--> RUNNING --finish--> STORED | STOPPED   (final)
+                          |                      |
+                          +------fail------------+--> FAILED --claim--> RECEIVED
+    RECEIVED/RUNNING with an expired lease --claim--> RECEIVED   (the holder crashed: the reference's
+                                                                  Failed -> Queued path)
+
+BeginTurn answers exactly one of Claimed / InProgress / Done / Conflicted, atomically on both backends:
+an `INSERT .. SELECT .. ON CONFLICT DO NOTHING RETURNING` creates the record only if the conversation
+exists for this owner and the turn id is new; otherwise the row is read, and a failed or expired claim is
+taken over by a compare-and-swap `UPDATE .. WHERE state = :seen AND lease_id = :seen_lease`, which exactly
+one racer wins (PostgreSQL re-checks the WHERE on the locked row; SQLite runs writes under BEGIN IMMEDIATE).
+FinishTurn locks the turn row, checks the lease, appends the messages (the conversation row hands out
+message indexes), marks the turn final and adds the usage, all in one transaction; a second finish reads
+the final state and says `already_finished`.
+
+Partitioning: every statement on an owner table filters on `owner_id` (tests record the SQL to prove it),
+except the retention purge's candidate scan, which by nature looks across owners and then deletes owner by
+owner.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Row, delete, false, insert, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from chatmesh.mesh import logs
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId, new_conversation_id, new_lease_id
+from chatmesh.store.db import is_sqlite, reading
+from chatmesh.store.schema import ConversationRow as C
+from chatmesh.store.schema import MessageRow as M
+from chatmesh.store.schema import TurnRow as T
+from chatmesh.store.schema import UsageRow as U
+from chatmesh.store.values import (
+    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
+    MessageStatus, Progress, Purged, Reply, Role, Summary, TurnRecord, TurnState, Usage,
+)
+
+log = logs.get("chatmesh.store")
+
+Clock = Callable[[], int]
+DAY_MS = 86_400_000
+ACTIVE = (TurnState.RECEIVED, TurnState.RUNNING)
+FINAL = (TurnState.STORED, TurnState.STOPPED)
+CLAIM_ATTEMPTS = 5
+PURGE_BATCH = 500
+
+# The state machine's legal moves; `require_move` refuses the rest.
+TRANSITIONS: dict[TurnState, frozenset[TurnState]] = {
+    TurnState.RECEIVED: frozenset({TurnState.RUNNING, TurnState.STORED, TurnState.STOPPED, TurnState.FAILED,
+                                   TurnState.RECEIVED}),
+    TurnState.RUNNING: frozenset({TurnState.RUNNING, TurnState.STORED, TurnState.STOPPED, TurnState.FAILED,
+                                  TurnState.RECEIVED}),
+    TurnState.FAILED: frozenset({TurnState.RECEIVED}),
+    TurnState.STORED: frozenset(),
+    TurnState.STOPPED: frozenset(),
+}
+
+
+def require_move(turn: TurnId, current: TurnState, target: TurnState) -> None:
+    if target not in TRANSITIONS[current]:
+        raise FailedPrecondition(f"turn {turn} is {current.value}; it cannot become {target.value}")
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def utc_day(ms: int) -> str:
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC).strftime("%Y-%m-%d")
+
+
+def default_fingerprint(content: str, regenerates: TurnId | None) -> str:
+    return hashlib.sha256(f"{regenerates or ''}\x00{content}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_content_bytes: int = 512 * 1024
+    lease_ttl_ms: int = 30_000
+    retention_days: int = 30
+    max_title_chars: int = 200
+    max_system_prompt_version_chars: int = 64
+    max_fingerprint_chars: int = 128
+    max_lease_holder_chars: int = 128
+
+
+class ConversationStore:
+    """Async store core over one SQLAlchemy engine (SQLite or PostgreSQL; same statements)."""
+
+    def __init__(self, engine: AsyncEngine, limits: Limits = Limits(), clock: Clock = wall_clock_ms):
+        self.engine = engine
+        self.limits = limits
+        self._clock = clock
+        self._sqlite = is_sqlite(engine)
+
+    # --- transactions ---
+
+    @asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE
+                yield conn
+        except (OperationalError, InterfaceError) as err:
+            log.warning("database_unavailable", error=type(err.orig).__name__ if err.orig else type(err).__name__)
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.connect() as conn:
+                await reading(conn)
+                async with conn.begin():
+                    yield conn
+        except (OperationalError, InterfaceError) as err:
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+
+    def _upsert(self, model: type[T] | type[U]) -> Any:
+        return sqlite.insert(model) if self._sqlite else postgresql.insert(model)
+
+    # --- validation ---
+
+    def _check_text(self, field: str, text: str, *, required: bool) -> None:
+        if required and not text:
+            raise InvalidArgument(f"{field} must not be empty")
+        size = len(text.encode())
+        if size > self.limits.max_content_bytes:
+            raise InvalidArgument(f"{field} is {size} bytes, over the limit of {self.limits.max_content_bytes} "
+                                  f"bytes (CHATMESH_STORE_MAX_CONTENT_BYTES)")
+
+    @staticmethod
+    def _check_len(field: str, text: str, limit: int) -> None:
+        if len(text) > limit:
+            raise InvalidArgument(f"{field} is {len(text)} characters, over the limit of {limit}")
+
+    @staticmethod
+    def _check_count(field: str, value: int) -> None:
+        if value < 0:
+            raise InvalidArgument(f"{field} must not be negative, got {value}")
+
+    def _ttl(self, lease_ttl_ms: int) -> int:
+        if lease_ttl_ms < 0:
+            raise InvalidArgument(f"lease_ttl_ms must not be negative, got {lease_ttl_ms}")
+        return lease_ttl_ms or self.limits.lease_ttl_ms
+
+    # --- conversations ---
+
+    async def insert_conversation(self, owner: OwnerId, title: str = "",
+                                  system_prompt_version: str = "") -> Conversation:
+        self._check_len("title", title, self.limits.max_title_chars)
+        self._check_len("system_prompt_version", system_prompt_version,
+                        self.limits.max_system_prompt_version_chars)
+        now = self._clock()
+        conv = Conversation(new_conversation_id(), owner, title, system_prompt_version, now, now, 0)
+        async with self._write() as conn:
+            await conn.execute(insert(C).values(
+                owner_id=owner, conversation_id=conv.conversation_id, title=title,
+                system_prompt_version=system_prompt_version, created_at_ms=now, updated_at_ms=now,
+                message_count=0, summary_covers_through=-1, summary_token_count=0, summary_created_at_ms=0))
+        log.info("conversation_created", owner_id=owner, conversation_id=conv.conversation_id)
+        return conv
+
+    async def read_conversation(self, owner: OwnerId, conversation: ConversationId, *, from_index: int = 0,
+                                max_messages: int = 0) -> History:
+        """The conversation, its summary, and its messages with index >= `from_index` in order; with
+        `max_messages` > 0 only the newest that many of those."""
+        self._check_count("from_index", from_index)
+        self._check_count("max_messages", max_messages)
+        async with self._read() as conn:
+            row = await self._conversation_row(conn, owner, conversation)
+            query = select(M).where(M.owner_id == owner, M.conversation_id == conversation,
+                                    M.message_index >= from_index)
+            if max_messages:
+                rows = list((await conn.execute(
+                    query.order_by(M.message_index.desc()).limit(max_messages))).all())
+                rows.reverse()
+            else:
+                rows = list((await conn.execute(query.order_by(M.message_index))).all())
+        summary = None
+        if row.summary_text is not None:
+            summary = Summary(row.summary_text, row.summary_covers_through, row.summary_token_count,
+                              row.summary_created_at_ms)
+        return History(_conversation(row), [_message(r) for r in rows], summary)
+
+    async def list_conversations(self, owner: OwnerId, limit: int = 50) -> list[Conversation]:
+        """The owner's conversations, most recently updated first."""
+        if limit <= 0:
+            limit = 50
+        limit = min(limit, 500)
+        async with self._read() as conn:
+            rows = (await conn.execute(select(C).where(C.owner_id == owner)
+                                       .order_by(C.updated_at_ms.desc(), C.conversation_id).limit(limit))).all()
+        return [_conversation(r) for r in rows]
+
+    async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
+                           covers_through_index: int, token_count: int) -> Summary:
+        """Stores the rolling summary of messages 0..covers_through_index (I3). A summary never moves back."""
+        self._check_text("summary", text, required=True)
+        self._check_count("covers_through_index", covers_through_index)
+        self._check_count("token_count", token_count)
+        now = self._clock()
+        async with self._write() as conn:
+            row = await self._conversation_row(conn, owner, conversation, for_update=True)
+            if covers_through_index >= row.message_count:
+                raise InvalidArgument(f"covers_through_index {covers_through_index} is past the last message "
+                                      f"(the conversation has {row.message_count})")
+            if covers_through_index < row.summary_covers_through:
+                raise FailedPrecondition(f"a summary through message {row.summary_covers_through} is already "
+                                         f"stored; summaries only move forward")
+            await conn.execute(update(C).where(C.owner_id == owner, C.conversation_id == conversation).values(
+                summary_text=text, summary_covers_through=covers_through_index, summary_token_count=token_count,
+                summary_created_at_ms=now))
+        return Summary(text, covers_through_index, token_count, now)
+
+    async def _conversation_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                                for_update: bool = False) -> Row[Any]:
+        query = select(C).where(C.owner_id == owner, C.conversation_id == conversation)
+        if for_update:
+            query = query.with_for_update()
+        row = (await conn.execute(query)).first()
+        if row is None:
+            raise NotFound(f"conversation {conversation} not found")
+        return row
+
+    # --- turns ---
+
+    async def begin_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, *, content: str,
+                         lease_holder: str, fingerprint: str = "", lease_ttl_ms: int = 0,
+                         regenerates: TurnId | None = None) -> Claim:
+        """Claims `turn` for generation, or says who has it, or returns its stored reply, or a conflict."""
+        self._check_text("content", content, required=regenerates is None)
+        self._check_len("fingerprint", fingerprint, self.limits.max_fingerprint_chars)
+        self._check_len("lease_holder", lease_holder, self.limits.max_lease_holder_chars)
+        if regenerates == turn:
+            raise InvalidArgument("regenerates_turn_id must differ from turn_id")
+        ttl = self._ttl(lease_ttl_ms)
+        fingerprint = fingerprint or default_fingerprint(content, regenerates)
+        for _ in range(CLAIM_ATTEMPTS):
+            try:
+                outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint,
+                                                 ttl, regenerates)
+            except IntegrityError:  # the conversation was deleted under us
+                raise NotFound(f"conversation {conversation} not found") from None
+            if outcome is not None:
+                if isinstance(outcome, Claimed):
+                    log.info("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
+                return outcome
+        raise Unavailable(f"turn {turn}: claim contended {CLAIM_ATTEMPTS} times; retry")
+
+    async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
+                          lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None) -> Claim | None:
+        now = self._clock()
+        lease, expires = new_lease_id(), now + ttl
+        async with self._write() as conn:
+            user_index = None
+            if regenerates is not None:
+                user_index = await self._regenerated_user_index(conn, owner, conversation, regenerates)
+            values: dict[str, Any] = dict(
+                turn_id=turn, fingerprint=fingerprint, state=TurnState.RECEIVED.value, content=content,
+                lease_id=lease, lease_holder=lease_holder, lease_expires_at_ms=expires,
+                regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
+                prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
+            table = T.__table__
+            source = select(C.owner_id, C.conversation_id,
+                            *[literal(v, type_=table.c[k].type) for k, v in values.items()]).where(
+                C.owner_id == owner, C.conversation_id == conversation)
+            claim = (self._upsert(T).from_select(["owner_id", "conversation_id", *values], source)
+                     .on_conflict_do_nothing(index_elements=["owner_id", "conversation_id", "turn_id"])
+                     .returning(T.turn_id))
+            if (await conn.execute(claim)).first() is not None:
+                return Claimed(lease, expires)
+            row = (await conn.execute(select(T).where(
+                T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn))).first()
+            if row is None:
+                raise NotFound(f"conversation {conversation} not found")
+            if row.fingerprint != fingerprint:
+                return Conflicted(row.fingerprint)
+            state = TurnState(row.state)
+            if state in FINAL:
+                return Done(await self._message(conn, owner, conversation, row.reply_index), _usage(row))
+            if state in ACTIVE and row.lease_expires_at_ms > now:
+                return InProgress(row.lease_holder, row.lease_expires_at_ms)
+            require_move(turn, state, TurnState.RECEIVED)
+            seen_lease = T.lease_id.is_(None) if row.lease_id is None else T.lease_id == row.lease_id
+            taken = (await conn.execute(
+                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
+                                T.state == row.state, seen_lease)
+                .values(state=TurnState.RECEIVED.value, content=content, lease_id=lease, lease_holder=lease_holder,
+                        lease_expires_at_ms=expires, partial_text="", event_sequence=0, updated_at_ms=now)
+                .returning(T.turn_id))).first()
+            if taken is not None:
+                log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
+                         previous_state=state.value)
+                return Claimed(lease, expires)
+        return None  # another racer took it between our read and our update: look again
+
+    async def _regenerated_user_index(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                                      regenerates: TurnId) -> int:
+        row = (await conn.execute(select(T.state, T.user_index).where(
+            T.owner_id == owner, T.conversation_id == conversation, T.turn_id == regenerates))).first()
+        if row is None:
+            raise NotFound(f"turn {regenerates} (regenerates_turn_id) not found")
+        if TurnState(row.state) not in FINAL or row.user_index is None:
+            raise FailedPrecondition(f"turn {regenerates} (regenerates_turn_id) has no stored reply to regenerate")
+        index: int = row.user_index
+        return index
+
+    async def finish_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                          reply: Reply) -> Finished:
+        """Stores the turn's user message (unless it regenerates), its reply and its usage, once."""
+        self._check_text("reply", reply.text, required=False)
+        for field, value in (("user_token_count", reply.user_token_count), ("reply_token_count", reply.token_count),
+                             ("usage.prompt_tokens", reply.usage.prompt_tokens),
+                             ("usage.cached_prompt_tokens", reply.usage.cached_prompt_tokens),
+                             ("usage.output_tokens", reply.usage.output_tokens)):
+            self._check_count(field, value)
+        now = self._clock()
+        target = TurnState.STOPPED if reply.status is MessageStatus.STOPPED else TurnState.STORED
+        async with self._write() as conn:
+            row = (await conn.execute(
+                select(T.state, T.lease_id, T.content, T.regenerates_turn_id, T.user_index, T.reply_index)
+                .where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn)
+                .with_for_update())).first()
+            if row is None:
+                raise NotFound(f"turn {turn} not found")
+            state = TurnState(row.state)
+            if state in FINAL:
+                return Finished(True, await self._message(conn, owner, conversation, row.reply_index))
+            if row.lease_id != lease:
+                raise FailedPrecondition(f"turn {turn}: lease {lease} is not held (it failed, or expired and "
+                                         f"was claimed again)")
+            require_move(turn, state, target)
+            added = 1 if row.regenerates_turn_id is not None else 2
+            end = (await conn.execute(
+                update(C).where(C.owner_id == owner, C.conversation_id == conversation)
+                .values(message_count=C.message_count + added, updated_at_ms=now)
+                .returning(C.message_count))).scalar_one_or_none()
+            if end is None:
+                raise NotFound(f"conversation {conversation} not found")
+            stored = Message(end - 1, Role.ASSISTANT, reply.text, reply.token_count, reply.status, turn, now)
+            rows = [_message_values(owner, conversation, stored)]
+            if row.regenerates_turn_id is None:
+                user_index = end - 2
+                rows.insert(0, _message_values(owner, conversation, Message(
+                    user_index, Role.USER, row.content or "", reply.user_token_count, reply.user_status, turn, now)))
+            else:
+                user_index = row.user_index
+                await conn.execute(update(M).where(
+                    M.owner_id == owner, M.conversation_id == conversation, M.message_index > user_index,
+                    M.role == Role.ASSISTANT.value, M.superseded == false()).values(superseded=True))
+            await conn.execute(insert(M).values(rows))
+            await conn.execute(update(T).where(
+                T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn).values(
+                state=target.value, content=None, partial_text="", user_index=user_index, reply_index=end - 1,
+                prompt_tokens=reply.usage.prompt_tokens, cached_prompt_tokens=reply.usage.cached_prompt_tokens,
+                output_tokens=reply.usage.output_tokens, updated_at_ms=now))
+            await self._add_usage(conn, owner, utc_day(now), reply.usage)
+        log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn, state=target.value,
+                 output_tokens=reply.usage.output_tokens)
+        return Finished(False, stored)
+
+    async def _add_usage(self, conn: AsyncConnection, owner: OwnerId, day: str, usage: Usage) -> None:
+        stmt = self._upsert(U).values(owner_id=owner, day=day, prompt_tokens=usage.prompt_tokens,
+                                      cached_prompt_tokens=usage.cached_prompt_tokens,
+                                      output_tokens=usage.output_tokens, turns=1)
+        await conn.execute(stmt.on_conflict_do_update(index_elements=["owner_id", "day"], set_=dict(
+            prompt_tokens=U.prompt_tokens + stmt.excluded.prompt_tokens,
+            cached_prompt_tokens=U.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
+            output_tokens=U.output_tokens + stmt.excluded.output_tokens,
+            turns=U.turns + stmt.excluded.turns)))
+
+    async def fail_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                        reason: str = "") -> bool:
+        """Releases a claim; nothing of the turn is kept but its record, so a retry may claim it. True when
+        this lease was still held."""
+        now = self._clock()
+        async with self._write() as conn:
+            released = (await conn.execute(
+                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
+                                T.lease_id == lease, T.state.in_([s.value for s in ACTIVE]))
+                .values(state=TurnState.FAILED.value, content=None, partial_text="", lease_id=None,
+                        lease_expires_at_ms=0, updated_at_ms=now)
+                .returning(T.turn_id))).first()
+            if released is None:
+                await self._turn_row(conn, owner, conversation, turn)
+        log.info("turn_failed", owner_id=owner, conversation_id=conversation, turn_id=turn,
+                 released=released is not None, reason=reason[:200])
+        return released is not None
+
+    async def update_turn_progress(self, owner: OwnerId, conversation: ConversationId, turn: TurnId,
+                                   lease: LeaseId, partial_text: str, event_sequence: int,
+                                   lease_ttl_ms: int = 0) -> Progress:
+        """Records the reply so far (for attaching from another process) and renews the lease."""
+        self._check_text("partial_text", partial_text, required=False)
+        self._check_count("event_sequence", event_sequence)
+        now = self._clock()
+        expires = now + self._ttl(lease_ttl_ms)
+        async with self._write() as conn:
+            held = (await conn.execute(
+                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
+                                T.lease_id == lease, T.state.in_([s.value for s in ACTIVE]))
+                .values(state=TurnState.RUNNING.value, partial_text=partial_text, event_sequence=event_sequence,
+                        lease_expires_at_ms=expires, updated_at_ms=now)
+                .returning(T.turn_id))).first()
+            if held is None:
+                row = await self._turn_row(conn, owner, conversation, turn)
+                return Progress(False, row.lease_expires_at_ms)
+        return Progress(True, expires)
+
+    async def read_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> TurnRecord:
+        async with self._read() as conn:
+            row = await self._turn_row(conn, owner, conversation, turn)
+            state = TurnState(row.state)
+            reply = None
+            if state in FINAL:
+                reply = await self._message(conn, owner, conversation, row.reply_index)
+        return TurnRecord(turn, state, row.fingerprint, row.lease_holder, row.lease_expires_at_ms,
+                          row.partial_text, row.event_sequence,
+                          TurnId(row.regenerates_turn_id) if row.regenerates_turn_id else None, reply, _usage(row))
+
+    async def _turn_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                        turn: TurnId) -> Row[Any]:
+        row = (await conn.execute(select(T).where(
+            T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn))).first()
+        if row is None:
+            raise NotFound(f"turn {turn} not found")
+        return row
+
+    async def _message(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                       index: int | None) -> Message:
+        row = None
+        if index is not None:
+            row = (await conn.execute(select(M).where(
+                M.owner_id == owner, M.conversation_id == conversation, M.message_index == index))).first()
+        if row is None:
+            raise NotFound(f"message {index} of conversation {conversation} not found")
+        return _message(row)
+
+    # --- deletion, export, usage, retention ---
+
+    async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
+        """Deletes every row of the conversation (usage totals stay). Returns the ids engines must evict."""
+        async with self._write() as conn:
+            if not await self._delete_rows(conn, owner, conversation):
+                raise NotFound(f"conversation {conversation} not found")
+        log.info("conversation_deleted", owner_id=owner, conversation_id=conversation)
+        return [conversation]
+
+    async def _delete_rows(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                           idle_before_ms: int | None = None) -> bool:
+        """Children first, then the conversation (whose FK cascade catches a row a racing turn just added)."""
+        gone = C.updated_at_ms < idle_before_ms if idle_before_ms is not None else None
+        if gone is not None:  # purge: only if it is still idle now that we hold the write lock
+            if (await conn.execute(select(C.conversation_id).where(
+                    C.owner_id == owner, C.conversation_id == conversation, gone).with_for_update())).first() is None:
+                return False
+        await conn.execute(delete(M).where(M.owner_id == owner, M.conversation_id == conversation))
+        await conn.execute(delete(T).where(T.owner_id == owner, T.conversation_id == conversation))
+        done = await conn.execute(delete(C).where(C.owner_id == owner, C.conversation_id == conversation)
+                                  .returning(C.conversation_id))
+        return done.first() is not None
+
+    async def delete_user_data(self, owner: OwnerId) -> list[ConversationId]:
+        """Deletes all of an owner's data, usage included. Returns the conversation ids engines must evict."""
+        async with self._write() as conn:
+            await conn.execute(delete(M).where(M.owner_id == owner))
+            await conn.execute(delete(T).where(T.owner_id == owner))
+            ids = [ConversationId(r[0]) for r in (await conn.execute(
+                delete(C).where(C.owner_id == owner).returning(C.conversation_id))).all()]
+            await conn.execute(delete(U).where(U.owner_id == owner))
+        log.info("user_data_deleted", owner_id=owner, conversations=len(ids))
+        return ids
+
+    async def export_user_data(self, owner: OwnerId) -> dict[str, Any]:
+        """Everything stored for the owner as a JSON-ready document."""
+        async with self._read() as conn:
+            convs = (await conn.execute(select(C).where(C.owner_id == owner).order_by(C.created_at_ms))).all()
+            msgs = (await conn.execute(select(M).where(M.owner_id == owner)
+                                       .order_by(M.conversation_id, M.message_index))).all()
+            days = (await conn.execute(select(U).where(U.owner_id == owner).order_by(U.day))).all()
+        by_conv: dict[str, list[dict[str, Any]]] = {}
+        for m in msgs:
+            msg = _message(m)
+            by_conv.setdefault(m.conversation_id, []).append({
+                "index": msg.index, "role": msg.role.value, "content": msg.content, "token_count": msg.token_count,
+                "status": msg.status.value, "turn_id": msg.turn_id, "created_at_ms": msg.created_at_ms,
+                "superseded": msg.superseded})
+        conversations = []
+        for c in convs:
+            summary = None if c.summary_text is None else {
+                "text": c.summary_text, "covers_through_index": c.summary_covers_through,
+                "token_count": c.summary_token_count}
+            conversations.append({
+                "conversation_id": c.conversation_id, "title": c.title,
+                "system_prompt_version": c.system_prompt_version, "created_at_ms": c.created_at_ms,
+                "updated_at_ms": c.updated_at_ms, "summary": summary,
+                "messages": by_conv.get(c.conversation_id, [])})
+        usage = [{"day": d.day, "prompt_tokens": d.prompt_tokens, "cached_prompt_tokens": d.cached_prompt_tokens,
+                  "output_tokens": d.output_tokens, "turns": d.turns} for d in days]
+        return {"owner_id": owner, "conversations": conversations, "usage": usage}
+
+    async def usage(self, owner: OwnerId, days: int = 30) -> list[DailyUsage]:
+        """Per-day usage for the last `days` UTC days including today, newest first."""
+        if days <= 0:
+            days = 30
+        days = min(days, 3660)
+        first = utc_day(self._clock() - (days - 1) * DAY_MS)
+        async with self._read() as conn:
+            rows = (await conn.execute(select(U).where(U.owner_id == owner, U.day >= first)
+                                       .order_by(U.day.desc()))).all()
+        return [DailyUsage(r.day, Usage(r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens), r.turns)
+                for r in rows]
+
+    async def purge_expired(self) -> Purged:
+        """Deletes conversations idle past the retention period, and unfinished turn records (which hold
+        user text) older than it. The candidate scans cross owners; each delete is owner-scoped."""
+        cutoff = self._clock() - self.limits.retention_days * DAY_MS
+        purged: list[tuple[OwnerId, ConversationId]] = []
+        while True:
+            async with self._read() as conn:
+                batch = (await conn.execute(select(C.owner_id, C.conversation_id)
+                                            .where(C.updated_at_ms < cutoff).limit(PURGE_BATCH))).all()
+            if not batch:
+                break
+            for owner, conversation in batch:
+                async with self._write() as conn:
+                    if await self._delete_rows(conn, OwnerId(owner), ConversationId(conversation), cutoff):
+                        purged.append((OwnerId(owner), ConversationId(conversation)))
+            if len(batch) < PURGE_BATCH:
+                break
+        abandoned = 0
+        unfinished = [s.value for s in (*ACTIVE, TurnState.FAILED)]
+        while True:
+            async with self._read() as conn:
+                turns = (await conn.execute(select(T.owner_id, T.conversation_id, T.turn_id).where(
+                    T.updated_at_ms < cutoff, T.state.in_(unfinished)).limit(PURGE_BATCH))).all()
+            for owner, conversation, turn in turns:
+                async with self._write() as conn:
+                    gone = await conn.execute(delete(T).where(
+                        T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
+                        T.updated_at_ms < cutoff, T.state.in_(unfinished)).returning(T.turn_id))
+                    abandoned += len(gone.all())
+            if len(turns) < PURGE_BATCH:
+                break
+        log.info("purged", conversations=len(purged), abandoned_turns=abandoned)
+        return Purged(purged, abandoned)
+
+
+def _usage(row: Row[Any]) -> Usage:
+    return Usage(row.prompt_tokens, row.cached_prompt_tokens, row.output_tokens)
+
+
+def _conversation(row: Row[Any]) -> Conversation:
+    return Conversation(ConversationId(row.conversation_id), OwnerId(row.owner_id), row.title,
+                        row.system_prompt_version, row.created_at_ms, row.updated_at_ms, row.message_count)
+
+
+def _message(row: Row[Any]) -> Message:
+    return Message(row.message_index, Role(row.role), row.content, row.token_count, MessageStatus(row.status),
+                   TurnId(row.turn_id), row.created_at_ms, bool(row.superseded))
+
+
+def _message_values(owner: OwnerId, conversation: ConversationId, m: Message) -> dict[str, Any]:
+    return dict(owner_id=owner, conversation_id=conversation, message_index=m.index, role=m.role.value,
+                content=m.content, token_count=m.token_count, status=m.status.value, turn_id=m.turn_id,
+                created_at_ms=m.created_at_ms, superseded=m.superseded)
+
+
+async def create_schema(engine: AsyncEngine) -> None:
+    """Creates the tables directly (tests and the embedded default before migrations existed)."""
+    from chatmesh.store.schema import Base
+
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+
+

@@ -1,0 +1,69 @@
+"""Engines for the two backends, one code path.
+
+SQLite (embedded default): WAL, `synchronous=NORMAL`, a busy timeout, foreign keys on, and every write
+transaction opened with `BEGIN IMMEDIATE`, so a read-then-write (the turn claim) takes the write lock up
+front instead of failing with SQLITE_BUSY when it upgrades. Read-only work opens `BEGIN DEFERRED`
+(see `reading`). PostgreSQL: asyncpg, READ COMMITTED; atomicity comes from single conditional statements
+(INSERT .. ON CONFLICT DO NOTHING, UPDATE .. WHERE lease_id = :old) and row locks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import ConnectionPoolEntry
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+_BEGIN_OPTION = "chatmesh_sqlite_begin"
+
+
+def database_url(configured: str, data_dir: str) -> str:
+    """The configured URL, or the embedded SQLite file in the data folder."""
+    if configured:
+        return configured
+    os.makedirs(data_dir, exist_ok=True)
+    return f"sqlite+aiosqlite:///{os.path.abspath(os.path.join(data_dir, 'chatmesh.db'))}"
+
+
+def is_sqlite(url_or_engine: str | AsyncEngine) -> bool:
+    if isinstance(url_or_engine, AsyncEngine):
+        return url_or_engine.dialect.name == "sqlite"
+    return url_or_engine.startswith("sqlite")
+
+
+def make_engine(url: str, *, pool_size: int = 20, search_path: str | None = None) -> AsyncEngine:
+    """An async engine for `url`. `search_path` (PostgreSQL) puts every table in that schema (tests use it)."""
+    if is_sqlite(url):
+        engine = create_async_engine(url, pool_size=pool_size, max_overflow=0,
+                                     connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        _sqlite_events(engine)
+        return engine
+    connect_args: dict[str, Any] = {}
+    if search_path is not None:
+        connect_args["server_settings"] = {"search_path": search_path}
+    return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False,
+                               connect_args=connect_args)
+
+
+def _sqlite_events(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _connect(dbapi_conn: Any, _record: ConnectionPoolEntry) -> None:
+        dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
+        cursor = dbapi_conn.cursor()
+        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",
+                       "foreign_keys=ON"):
+            cursor.execute(f"PRAGMA {pragma}")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get(_BEGIN_OPTION, 'IMMEDIATE')}")
+
+
+async def reading(conn: AsyncConnection) -> AsyncConnection:
+    """Marks a connection's next transaction read-only work (SQLite: BEGIN DEFERRED, no write lock)."""
+    return await conn.execution_options(**{_BEGIN_OPTION: "DEFERRED"})

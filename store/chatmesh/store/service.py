@@ -1,0 +1,210 @@
+"""StoreService: the thin gRPC layer over `chatmesh.store.core.ConversationStore`.
+
+Converts protobuf to core values (ids parsed by `chatmesh.mesh.ids`, so a malformed id is INVALID_ARGUMENT
+naming its field) and back; typed core errors become status codes in `chatmesh.mesh.server`. At start the
+embedded SQLite schema is migrated to head; the engine is closed at stop. A background task purges what is
+past retention every CHATMESH_STORE_PURGE_INTERVAL_S seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import typing
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from chatmesh.mesh import logs
+from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.ids import parse_conversation_id, parse_lease_id, parse_owner_id, parse_turn_id
+from chatmesh.mesh.server import Service, status_for, unary_errors
+from chatmesh.store import settings
+from chatmesh.store.core import ConversationStore, Limits
+from chatmesh.store.db import database_url, make_engine
+from chatmesh.store.migrate import prepare_schema
+from chatmesh.store.values import (
+    Claimed, Conflicted, Conversation, Done, InProgress, Message, MessageStatus, Reply, Role, Usage,
+)
+from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
+
+log = logs.get("chatmesh.store.service")
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def core_errors(
+    fn: Callable[[StoreServicer, Req, Context], Awaitable[Resp]],
+) -> Callable[[StoreServicer, Req, Context], Awaitable[Resp]]:
+    """`unary_errors`, plus typed core errors answered with `status_for`'s code first: the shared
+    `_context_of` asserts `isinstance(ctx, grpc.aio.ServicerContext)`, which the real aio context is not
+    (the router works around it the same way). Remove once chatmesh.mesh.server is fixed."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: StoreServicer, request: Req, context: Context) -> Resp:
+        try:
+            return await fn(self, request, context)
+        except CoreError as err:
+            await context.abort(status_for(err), str(err))
+            raise  # unreachable: abort raises
+
+    return unary_errors(wrapper)
+
+
+def role_pb(role: Role) -> common_pb2.Role:
+    match role:
+        case Role.SYSTEM:
+            return common_pb2.ROLE_SYSTEM
+        case Role.USER:
+            return common_pb2.ROLE_USER
+        case Role.ASSISTANT:
+            return common_pb2.ROLE_ASSISTANT
+        case _:
+            typing.assert_never(role)
+
+
+def status_pb(status: MessageStatus) -> common_pb2.MessageStatus:
+    match status:
+        case MessageStatus.COMPLETE:
+            return common_pb2.MESSAGE_STATUS_COMPLETE
+        case MessageStatus.STOPPED:
+            return common_pb2.MESSAGE_STATUS_STOPPED
+        case MessageStatus.BLOCKED:
+            return common_pb2.MESSAGE_STATUS_BLOCKED
+        case _:
+            typing.assert_never(status)
+
+
+def parse_status(value: common_pb2.MessageStatus, field: str, default: MessageStatus | None = None) -> MessageStatus:
+    if value == common_pb2.MESSAGE_STATUS_COMPLETE:
+        return MessageStatus.COMPLETE
+    if value == common_pb2.MESSAGE_STATUS_STOPPED:
+        return MessageStatus.STOPPED
+    if value == common_pb2.MESSAGE_STATUS_BLOCKED:
+        return MessageStatus.BLOCKED
+    if value == common_pb2.MESSAGE_STATUS_UNSPECIFIED and default is not None:
+        return default
+    raise InvalidArgument(f"{field} must be complete, stopped or blocked")
+
+
+def usage_pb(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
+                            output_tokens=usage.output_tokens)
+
+
+def parse_usage(usage: common_pb2.Usage) -> Usage:
+    return Usage(usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens)
+
+
+def message_pb(m: Message) -> common_pb2.Message:
+    return common_pb2.Message(index=m.index, role=role_pb(m.role), content=m.content, token_count=m.token_count,
+                              status=status_pb(m.status), turn_id=m.turn_id, created_at_ms=m.created_at_ms)
+
+
+def conversation_pb(c: Conversation) -> common_pb2.Conversation:
+    return common_pb2.Conversation(conversation_id=c.conversation_id, owner_id=c.owner_id, title=c.title,
+                                   system_prompt_version=c.system_prompt_version, created_at_ms=c.created_at_ms,
+                                   updated_at_ms=c.updated_at_ms)
+
+
+class StoreServicer(store_pb2_grpc.StoreServiceServicer):
+    def __init__(self, store: ConversationStore) -> None:
+        self.store = store
+
+    @core_errors
+    async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
+                                 context: Context) -> store_pb2.InsertConversationResponse:
+        conv = await self.store.insert_conversation(parse_owner_id(request.owner_id), request.title,
+                                                    request.system_prompt_version)
+        return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv))
+
+    @core_errors
+    async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
+                               context: Context) -> store_pb2.ReadConversationResponse:
+        history = await self.store.read_conversation(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id))
+        return store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
+                                                  messages=[message_pb(m) for m in history.messages])
+
+    @core_errors
+    async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
+        outcome = await self.store.begin_turn(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
+            fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms)
+        match outcome:
+            case Claimed(lease_id, expires):
+                return store_pb2.BeginTurnResponse(claimed=store_pb2.TurnClaimed(
+                    lease_id=lease_id, lease_expires_at_ms=expires))
+            case InProgress(holder, expires):
+                return store_pb2.BeginTurnResponse(in_progress=store_pb2.TurnInProgress(
+                    lease_holder=holder, lease_expires_at_ms=expires))
+            case Done(reply, usage):
+                return store_pb2.BeginTurnResponse(done=store_pb2.TurnDone(reply=message_pb(reply),
+                                                                           usage=usage_pb(usage)))
+            case Conflicted(stored):
+                return store_pb2.BeginTurnResponse(conflict=store_pb2.TurnConflict(stored_fingerprint=stored))
+            case _:
+                typing.assert_never(outcome)
+
+    @core_errors
+    async def FinishTurn(self, request: store_pb2.FinishTurnRequest,
+                         context: Context) -> store_pb2.FinishTurnResponse:
+        reply = Reply(user_token_count=request.user_token_count, text=request.reply,
+                      token_count=request.reply_token_count,
+                      status=parse_status(request.reply_status, "reply_status", MessageStatus.COMPLETE),
+                      usage=parse_usage(request.usage))
+        finished = await self.store.finish_turn(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), reply)
+        return store_pb2.FinishTurnResponse(already_finished=finished.already_finished,
+                                            reply=message_pb(finished.reply))
+
+    @core_errors
+    async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
+        released = await self.store.fail_turn(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
+        return store_pb2.FailTurnResponse(released=released)
+
+
+async def purge_periodically(store: ConversationStore, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await store.purge_expired()
+        except Exception:  # the next round retries; a failed purge must not stop the service
+            log.exception("purge_failed")
+
+
+def build(cfg: Config) -> Service:
+    url = database_url(cfg[settings.DATABASE_URL], cfg[mesh_settings.DATA_DIR])
+    engine = make_engine(url, pool_size=cfg[settings.DATABASE_POOL_SIZE],
+                         search_path=cfg[settings.DATABASE_SCHEMA] or None)
+    store = ConversationStore(engine, Limits(
+        max_content_bytes=cfg[settings.MAX_CONTENT_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
+        retention_days=cfg[settings.RETENTION_DAYS]))
+    servicer = StoreServicer(store)
+    service = Service(name="store", register=lambda server: _register(server, servicer))
+
+    async def start() -> None:
+        await prepare_schema(engine)
+        interval = cfg[settings.PURGE_INTERVAL_S]
+        if interval > 0:
+            service.background.append(asyncio.create_task(purge_periodically(store, interval)))
+
+    async def close() -> None:
+        await engine.dispose()
+
+    service.start, service.close = start, close
+    return service
+
+
+def _register(server: grpc.aio.Server, servicer: StoreServicer) -> Sequence[str]:
+    store_pb2_grpc.add_StoreServiceServicer_to_server(servicer, server)
+    return [store_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name]

@@ -1,0 +1,178 @@
+"""Values the store core takes and returns: frozen dataclasses and closed enums, no SQL, no protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
+
+
+class Role(enum.Enum):
+    """Who wrote a message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class MessageStatus(enum.Enum):
+    """How a stored message ended."""
+
+    COMPLETE = "complete"
+    STOPPED = "stopped"
+    BLOCKED = "blocked"
+
+
+class TurnState(enum.Enum):
+    """The turn record's state (see `chatmesh.store.turns` for the machine)."""
+
+    RECEIVED = "received"
+    RUNNING = "running"
+    STORED = "stored"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a turn or a sum of turns; never text."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: ConversationId
+    owner_id: OwnerId
+    title: str
+    system_prompt_version: str
+    created_at_ms: int
+    updated_at_ms: int
+    message_count: int
+
+
+@dataclass(frozen=True)
+class Message:
+    index: int
+    role: Role
+    content: str
+    token_count: int
+    status: MessageStatus
+    turn_id: TurnId
+    created_at_ms: int
+    superseded: bool = False
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A stored summary of the messages with index <= `covers_through_index` (I3: stored, not recomputed)."""
+
+    text: str
+    covers_through_index: int
+    token_count: int
+    created_at_ms: int
+
+
+@dataclass(frozen=True)
+class History:
+    """A conversation as ReadConversation returns it."""
+
+    conversation: Conversation
+    messages: list[Message]
+    summary: Summary | None
+
+
+# --- BeginTurn outcomes: exactly one of the four ---
+
+@dataclass(frozen=True)
+class Claimed:
+    """The caller won the claim and must generate, then finish or fail the turn."""
+
+    lease_id: LeaseId
+    lease_expires_at_ms: int
+
+
+@dataclass(frozen=True)
+class InProgress:
+    """Someone else holds a live lease on the turn."""
+
+    lease_holder: str
+    lease_expires_at_ms: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The turn is stored; its reply and usage."""
+
+    reply: Message
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Conflicted:
+    """The turn id is known with another fingerprint."""
+
+    stored_fingerprint: str
+
+
+Claim = Claimed | InProgress | Done | Conflicted
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What FinishTurn stores: the reply as the user saw it, and the turn's token counts."""
+
+    user_token_count: int
+    text: str
+    token_count: int
+    status: MessageStatus
+    usage: Usage
+    user_status: MessageStatus = MessageStatus.COMPLETE
+
+
+@dataclass(frozen=True)
+class Finished:
+    already_finished: bool
+    reply: Message
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The result of a progress report: whether the caller still holds the lease, and until when."""
+
+    held: bool
+    lease_expires_at_ms: int
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """A turn as ReadTurn returns it, for attaching from another chat process."""
+
+    turn_id: TurnId
+    state: TurnState
+    fingerprint: str
+    lease_holder: str
+    lease_expires_at_ms: int
+    partial_text: str
+    event_sequence: int
+    regenerates_turn_id: TurnId | None
+    reply: Message | None
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class DailyUsage:
+    day: str  # YYYY-MM-DD, UTC
+    usage: Usage
+    turns: int
+
+
+@dataclass(frozen=True)
+class Purged:
+    """What a retention purge removed."""
+
+    conversations: list[tuple[OwnerId, ConversationId]]
+    abandoned_turns: int

@@ -1,0 +1,133 @@
+"""StoreService over real gRPC on loopback (embedded SQLite and PostgreSQL): the turn cycle and status codes."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.server import serve
+from chatmesh.store.service import build
+from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
+
+if TYPE_CHECKING:
+    from chatmesh.v1.store_pb2_grpc import StoreServiceAsyncStub as Stub
+from tests.conftest import free_port
+from tests.store.conftest import Backend
+
+
+
+@pytest.fixture
+async def stub(backend: Backend, tmp_path: Path) -> AsyncIterator[Stub]:
+    env = {"CHATMESH_DATA_DIR": str(tmp_path / "data"), "CHATMESH_STORE_MAX_CONTENT_BYTES": "1000",
+           "CHATMESH_STORE_PURGE_INTERVAL_S": "0"}
+    if backend.schema is not None:
+        env["CHATMESH_DATABASE_URL"] = backend.url
+        env["CHATMESH_DATABASE_SCHEMA"] = backend.schema
+    address = f"127.0.0.1:{free_port()}"
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(build(Config(env=env)), address, 0.5, ready=ready, stop=stop))
+    await asyncio.wait_for(ready.wait(), 20)
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield store_pb2_grpc.StoreServiceStub(channel)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def new_conversation(stub: Stub, owner: str = "alice") -> str:
+    made = await stub.InsertConversation(store_pb2.InsertConversationRequest(
+        owner_id=owner, title="hello", system_prompt_version="v1"))
+    assert made.conversation.owner_id == owner and made.conversation.title == "hello"
+    return made.conversation.conversation_id
+
+
+async def code_of(call: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call  # type: ignore[misc]
+    return err.value.code(), err.value.details() or ""
+
+
+async def test_turn_cycle(stub: Stub) -> None:
+    conv = await new_conversation(stub)
+    turn = str(uuid.uuid4())
+    begin = store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn, fingerprint="f1",
+                                       content="hi there", lease_holder="chat-1", lease_ttl_ms=10_000)
+    first = await stub.BeginTurn(begin)
+    assert first.WhichOneof("outcome") == "claimed" and first.claimed.lease_id
+    again = await stub.BeginTurn(begin)
+    assert again.WhichOneof("outcome") == "in_progress" and again.in_progress.lease_holder == "chat-1"
+    other = store_pb2.BeginTurnRequest()
+    other.CopyFrom(begin)
+    other.fingerprint = "f2"
+    conflict = await stub.BeginTurn(other)
+    assert conflict.WhichOneof("outcome") == "conflict" and conflict.conflict.stored_fingerprint == "f1"
+    finish = store_pb2.FinishTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=first.claimed.lease_id, user_token_count=2,
+        reply="hello!", reply_token_count=3, reply_status=common_pb2.MESSAGE_STATUS_COMPLETE,
+        usage=common_pb2.Usage(prompt_tokens=20, cached_prompt_tokens=5, output_tokens=3))
+    done = await stub.FinishTurn(finish)
+    assert not done.already_finished and done.reply.content == "hello!" and done.reply.index == 1
+    assert (await stub.FinishTurn(finish)).already_finished
+    replay = await stub.BeginTurn(begin)
+    assert replay.WhichOneof("outcome") == "done"
+    assert replay.done.reply.content == "hello!" and replay.done.usage.prompt_tokens == 20
+    read = await stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="alice", conversation_id=conv))
+    assert [(m.role, m.content) for m in read.messages] == [
+        (common_pb2.ROLE_USER, "hi there"), (common_pb2.ROLE_ASSISTANT, "hello!")]
+
+
+async def test_fail_then_retry(stub: Stub) -> None:
+    conv = await new_conversation(stub)
+    turn = str(uuid.uuid4())
+    begin = store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn, content="hi",
+                                       lease_holder="chat-1")
+    lease = (await stub.BeginTurn(begin)).claimed.lease_id
+    failed = await stub.FailTurn(store_pb2.FailTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn,
+                                                           lease_id=lease, reason="engine lost"))
+    assert failed.released
+    assert (await stub.BeginTurn(begin)).WhichOneof("outcome") == "claimed"
+    code, _ = await code_of(stub.FinishTurn(store_pb2.FinishTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=lease, reply="x")))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_status_codes(stub: Stub) -> None:
+    conv = await new_conversation(stub)
+    cases: list[tuple[object, grpc.StatusCode, str]] = [
+        (stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="alice", conversation_id="nope")),
+         grpc.StatusCode.INVALID_ARGUMENT, "conversation_id"),
+        (stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="", conversation_id=conv)),
+         grpc.StatusCode.INVALID_ARGUMENT, "owner_id"),
+        (stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="mallory", conversation_id=conv)),
+         grpc.StatusCode.NOT_FOUND, "not found"),
+        (stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="alice",
+                                                                 conversation_id=str(uuid.uuid4()))),
+         grpc.StatusCode.NOT_FOUND, "not found"),
+        (stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv, turn_id="bad",
+                                                   content="hi")),
+         grpc.StatusCode.INVALID_ARGUMENT, "turn_id"),
+        (stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv,
+                                                   turn_id=str(uuid.uuid4()), content="")),
+         grpc.StatusCode.INVALID_ARGUMENT, "content must not be empty"),
+        (stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv,
+                                                   turn_id=str(uuid.uuid4()), content="x" * 1001)),
+         grpc.StatusCode.INVALID_ARGUMENT, "limit of 1000 bytes"),
+        (stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id="mallory", conversation_id=conv,
+                                                   turn_id=str(uuid.uuid4()), content="hi")),
+         grpc.StatusCode.NOT_FOUND, "not found"),
+        (stub.FinishTurn(store_pb2.FinishTurnRequest(owner_id="alice", conversation_id=conv,
+                                                     turn_id=str(uuid.uuid4()), lease_id=str(uuid.uuid4()))),
+         grpc.StatusCode.NOT_FOUND, "not found"),
+        (stub.FailTurn(store_pb2.FailTurnRequest(owner_id="alice", conversation_id=conv, turn_id=str(uuid.uuid4()),
+                                                 lease_id="")),
+         grpc.StatusCode.INVALID_ARGUMENT, "lease_id"),
+    ]
+    for call, want, text in cases:
+        code, details = await code_of(call)
+        assert (code, text in details) == (want, True), details

@@ -1,0 +1,176 @@
+"""The turn claim (I2) on both backends: exactly one winner under concurrent retries, conflicts, expired
+leases, finish-once, fail-then-retry, regenerate."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
+from chatmesh.store.core import ConversationStore
+from chatmesh.store.values import (
+    Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, TurnState, Usage,
+)
+from tests.store.conftest import FakeClock
+
+OWNER = OwnerId("alice")
+
+
+def new_turn() -> TurnId:
+    return TurnId(str(uuid.uuid4()))
+
+
+def reply(text: str = "hello back", status: MessageStatus = MessageStatus.COMPLETE) -> Reply:
+    return Reply(user_token_count=3, text=text, token_count=2, status=status,
+                 usage=Usage(prompt_tokens=10, cached_prompt_tokens=4, output_tokens=2))
+
+
+async def conversation(store: ConversationStore, owner: OwnerId = OWNER) -> ConversationId:
+    return (await store.insert_conversation(owner, "t", "v1")).conversation_id
+
+
+async def claim(store: ConversationStore, conv: ConversationId, turn: TurnId, content: str = "hi",
+                holder: str = "chat-1", **kw: object) -> Claim:
+    return await store.begin_turn(OWNER, conv, turn, content=content, lease_holder=holder, **kw)  # type: ignore[arg-type]
+
+
+async def test_fifty_concurrent_claims_one_winner(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    outcomes = await asyncio.gather(*[claim(store, conv, turn, holder=f"chat-{i}") for i in range(50)])
+    claimed = [o for o in outcomes if isinstance(o, Claimed)]
+    assert len(claimed) == 1
+    assert all(isinstance(o, InProgress) for o in outcomes if not isinstance(o, Claimed))
+    finished = await store.finish_turn(OWNER, conv, turn, claimed[0].lease_id, reply())
+    assert not finished.already_finished
+    after = await asyncio.gather(*[claim(store, conv, turn) for _ in range(50)])
+    assert all(isinstance(o, Done) and o.reply.content == "hello back" for o in after)
+    done = after[0]
+    assert isinstance(done, Done) and done.usage == Usage(10, 4, 2)
+
+
+async def test_same_turn_other_content_conflicts(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    assert isinstance(await claim(store, conv, turn, "hi"), Claimed)
+    outcome = await claim(store, conv, turn, "something else")
+    assert isinstance(outcome, Conflicted) and outcome.stored_fingerprint
+
+
+async def test_expired_lease_won_by_exactly_one_racer(store: ConversationStore, clock: FakeClock) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    first = await claim(store, conv, turn, lease_ttl_ms=1000)
+    assert isinstance(first, Claimed)
+    clock.advance(1001)
+    outcomes = await asyncio.gather(*[claim(store, conv, turn, holder=f"chat-{i}") for i in range(20)])
+    winners = [o for o in outcomes if isinstance(o, Claimed)]
+    assert len(winners) == 1 and winners[0].lease_id != first.lease_id
+    assert all(isinstance(o, InProgress) for o in outcomes if not isinstance(o, Claimed))
+    with pytest.raises(FailedPrecondition):  # the crashed holder's lease is gone
+        await store.finish_turn(OWNER, conv, turn, first.lease_id, reply())
+    assert not (await store.finish_turn(OWNER, conv, turn, winners[0].lease_id, reply())).already_finished
+
+
+async def test_finish_twice_is_a_noop_that_says_so(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    c = await claim(store, conv, turn)
+    assert isinstance(c, Claimed)
+    first, second = await asyncio.gather(store.finish_turn(OWNER, conv, turn, c.lease_id, reply()),
+                                         store.finish_turn(OWNER, conv, turn, c.lease_id, reply("other")))
+    assert sorted([first.already_finished, second.already_finished]) == [False, True]
+    assert first.reply == second.reply
+    history = await store.read_conversation(OWNER, conv)
+    assert [(m.index, m.role, m.content) for m in history.messages] == [
+        (0, Role.USER, "hi"), (1, Role.ASSISTANT, first.reply.content)]
+    [day] = await store.usage(OWNER)
+    assert day.turns == 1 and day.usage == Usage(10, 4, 2)
+
+
+async def test_fail_releases_for_retry(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    c = await claim(store, conv, turn)
+    assert isinstance(c, Claimed)
+    assert await store.fail_turn(OWNER, conv, turn, c.lease_id, "engine lost")
+    assert not await store.fail_turn(OWNER, conv, turn, c.lease_id, "again")
+    assert (await store.read_turn(OWNER, conv, turn)).state is TurnState.FAILED
+    assert (await store.read_conversation(OWNER, conv)).messages == []
+    retry = await claim(store, conv, turn)
+    assert isinstance(retry, Claimed) and retry.lease_id != c.lease_id
+    await store.finish_turn(OWNER, conv, turn, retry.lease_id, reply())
+    assert len((await store.read_conversation(OWNER, conv)).messages) == 2
+
+
+async def test_progress_and_read_turn(store: ConversationStore, clock: FakeClock) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    c = await claim(store, conv, turn, lease_ttl_ms=1000)
+    assert isinstance(c, Claimed)
+    clock.advance(900)
+    p = await store.update_turn_progress(OWNER, conv, turn, c.lease_id, "hel", 2, lease_ttl_ms=1000)
+    assert p.held and p.lease_expires_at_ms == clock.now_ms + 1000
+    clock.advance(500)  # past the first expiry, within the renewed one
+    assert isinstance(await claim(store, conv, turn), InProgress)
+    record = await store.read_turn(OWNER, conv, turn)
+    assert (record.state, record.partial_text, record.event_sequence) == (TurnState.RUNNING, "hel", 2)
+    assert not (await store.update_turn_progress(OWNER, conv, turn, LeaseId(str(uuid.uuid4())), "x", 3)).held
+    await store.finish_turn(OWNER, conv, turn, c.lease_id, reply("hello", MessageStatus.STOPPED))
+    record = await store.read_turn(OWNER, conv, turn)
+    assert record.state is TurnState.STOPPED and record.reply is not None
+    assert record.reply.status is MessageStatus.STOPPED and record.partial_text == ""
+
+
+async def test_regenerate_supersedes_earlier_reply(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    first = new_turn()
+    c = await claim(store, conv, first)
+    assert isinstance(c, Claimed)
+    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("first answer"))
+    regen = new_turn()
+    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="chat-1", regenerates=first)
+    assert isinstance(r, Claimed)
+    await store.finish_turn(OWNER, conv, regen, r.lease_id, reply("second answer"))
+    again = new_turn()
+    r2 = await store.begin_turn(OWNER, conv, again, content="", lease_holder="chat-1", regenerates=regen)
+    assert isinstance(r2, Claimed)
+    await store.finish_turn(OWNER, conv, again, r2.lease_id, reply("third answer"))
+    messages = (await store.read_conversation(OWNER, conv)).messages
+    assert [(m.role, m.content, m.superseded) for m in messages] == [
+        (Role.USER, "hi", False), (Role.ASSISTANT, "first answer", True),
+        (Role.ASSISTANT, "second answer", True), (Role.ASSISTANT, "third answer", False)]
+    [day] = await store.usage(OWNER)
+    assert day.turns == 3
+
+
+async def test_regenerate_needs_a_stored_turn(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    pending = new_turn()
+    assert isinstance(await claim(store, conv, pending), Claimed)
+    with pytest.raises(FailedPrecondition):
+        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=pending)
+    with pytest.raises(NotFound):
+        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=new_turn())
+
+
+async def test_bad_input_and_ownership(make_store: object, store: ConversationStore) -> None:
+    conv = await conversation(store)
+    with pytest.raises(InvalidArgument, match="content must not be empty"):
+        await claim(store, conv, new_turn(), "")
+    small = make_store(max_content_bytes=10)  # type: ignore[operator]
+    with pytest.raises(InvalidArgument, match="limit of 10 bytes"):
+        await claim(small, conv, new_turn(), "x" * 11)
+    with pytest.raises(NotFound):  # another owner's conversation: not found, never a hint
+        await store.begin_turn(OwnerId("mallory"), conv, new_turn(), content="hi", lease_holder="c")
+    with pytest.raises(NotFound):
+        await store.read_conversation(OwnerId("mallory"), conv)
+    with pytest.raises(NotFound):
+        await store.delete_conversation(OwnerId("mallory"), conv)
+    with pytest.raises(NotFound):
+        await claim(store, ConversationId(str(uuid.uuid4())), new_turn())
+    with pytest.raises(InvalidArgument, match="title"):
+        await store.insert_conversation(OWNER, "t" * 201)
