@@ -1,0 +1,183 @@
+"""The gateway process: a Starlette app (`create_app`) served by uvicorn (`run`, for `chatmesh serve gateway`).
+
+Lifespan: the gRPC channel to ChatService, the auth tables and the limits backend are opened when the app starts
+and closed when it stops, all inside the server's event loop.
+
+Shutdown on SIGTERM/SIGINT (uvicorn's handler): the listening socket closes, open SSE relays get
+CHATMESH_SHUTDOWN_GRACE_S to finish their turns, the rest are ended (their gRPC calls cancelled, so chat stores
+the partial replies as stopped), then uvicorn closes idle connections and runs the lifespan shutdown. The
+process returns 0 instead of re-raising the signal, and nothing is logged with a traceback.
+
+Identity: CHATMESH_AUTH=local serves one development user and is refused on any address but loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from types import FrameType
+
+import grpc
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatmesh.gateway import routes, settings
+from chatmesh.gateway.auth import Authenticator
+from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.identity import is_loopback
+from chatmesh.gateway.limits import Budget, Limits, MemoryLimits
+from chatmesh.gateway.sse import Relays
+from chatmesh.mesh import ids, logs
+from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.config import Config
+from chatmesh.v1 import chat_pb2_grpc
+
+log = logs.get("chatmesh.gateway")
+
+
+class StartupRefused(Exception):
+    """The configuration is unsafe to serve (development identity on a public address)."""
+
+
+def check_bind(cfg: Config) -> None:
+    host = cfg[mesh_settings.HOST]
+    if cfg[settings.AUTH] == "local" and not is_loopback(host):
+        raise StartupRefused(
+            f"CHATMESH_AUTH=local serves an unauthenticated development user, so the gateway binds loopback only; "
+            f"got CHATMESH_HOST={host}. Set CHATMESH_AUTH=required (API keys, sessions) to serve {host}.")
+
+
+def budget_of(cfg: Config) -> Budget:
+    return Budget(cfg[settings.TURNS_PER_MINUTE], cfg[settings.OPEN_STREAMS], cfg[settings.PROMPT_TOKENS_PER_HOUR])
+
+
+def _limits(cfg: Config) -> Limits:
+    return MemoryLimits(budget_of(cfg))
+
+
+def route_table() -> list[Route]:
+    conv = "/v1/conversations/{conversation_id}"
+    turn = conv + "/turns/{turn_id}"
+    return [
+        Route("/healthz", routes.health, methods=["GET"]),
+        Route("/v1/conversations", routes.create_conversation, methods=["POST"]),
+        Route("/v1/conversations", routes.list_conversations, methods=["GET"]),
+        Route(conv, routes.get_conversation, methods=["GET"]),
+        Route(conv, routes.delete_conversation, methods=["DELETE"]),
+        Route(conv + "/turns", routes.send_turn, methods=["POST"]),
+        Route(turn + "/stop", routes.stop_turn, methods=["POST"]),
+        Route(turn + "/regenerate", routes.regenerate_turn, methods=["POST"]),
+        Route(turn + "/events", routes.attach_turn, methods=["GET"]),
+        Route("/v1/usage", routes.usage, methods=["GET"]),
+        Route("/v1/export", routes.export, methods=["GET"]),
+    ]
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, exc.status_code,
+                        headers=dict(exc.headers or {}))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unexpected_error", path=request.url.path, error=type(exc).__name__, exc_info=exc)
+    return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, 500)
+
+
+def create_app(cfg: Config) -> Starlette:
+    relays = Relays()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        channel = grpc.aio.insecure_channel(cfg[mesh_settings.CHAT_ADDRESS])
+        limits = _limits(cfg)
+        local = ids.parse_owner_id(cfg[settings.LOCAL_USER], "CHATMESH_LOCAL_USER") \
+            if cfg[settings.AUTH] == "local" else None
+        app.state.edge = routes.Edge(
+            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(None, local), limits=limits,
+            relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
+            max_body_bytes=cfg[settings.MAX_BODY_BYTES], max_content_chars=cfg[settings.MAX_CONTENT_CHARS],
+            deadline_s=cfg[settings.CHAT_DEADLINE_S])
+        log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH])
+        try:
+            yield
+        finally:
+            await relays.drain(0)
+            await limits.close()
+            await channel.close(None)
+
+    app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
+        ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+    app.state.relays = relays
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a drain step for open SSE relays and no re-raised signal at exit (see the module header)."""
+
+    def __init__(self, config: uvicorn.Config, relays: Relays, grace_s: float):
+        super().__init__(config)
+        self._relays = relays
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
+        for server in self.servers:
+            server.close()
+        if self._relays.open:
+            log.info("draining_streams", open=len(self._relays.open), grace_s=self._grace_s)
+        await self._relays.drain(self._grace_s)
+        await super().shutdown(sockets)  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True
+
+
+def server_for(cfg: Config, app: Starlette | None = None, port: int | None = None) -> _Server:
+    check_bind(cfg)
+    app = app or create_app(cfg)
+    cert, key = cfg[settings.TLS_CERT], cfg[settings.TLS_KEY]
+    if bool(cert) != bool(key):
+        raise StartupRefused("CHATMESH_TLS_CERT and CHATMESH_TLS_KEY go together")
+    grace = cfg[mesh_settings.SHUTDOWN_GRACE_S]
+    config = uvicorn.Config(
+        app, host=cfg[mesh_settings.HOST], port=cfg[mesh_settings.GATEWAY_PORT] if port is None else port,
+        ssl_certfile=cert or None, ssl_keyfile=key or None, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=int(grace) + 2, server_header=False)
+    return _Server(config, app.state.relays, grace)
+
+
+def run(cfg: Config) -> int:
+    try:
+        server = server_for(cfg)
+    except StartupRefused as err:
+        log.error("startup_refused", reason=str(err))
+        return 2
+    server.run()
+    return 0 if server.started else 1

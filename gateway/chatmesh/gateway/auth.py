@@ -1,0 +1,82 @@
+"""Authentication at the edge: a request -> the Principal whose owner id every ChatService call carries.
+
+Order: an `Authorization: Bearer <api key>` header; else the session cookie of a browser login, and then, for a
+state-changing method (POST, PUT, PATCH, DELETE), the `X-CSRF-Token` header must equal the session's CSRF token
+(a cross-site form or fetch cannot read it, so it cannot forge it: the synchroniser-token pattern on top of the
+SameSite cookie); else, with CHATMESH_AUTH=local, the development identity; else 401.
+
+Secrets are stored hashed (SHA-256 of a 256-bit random token: a slow hash adds nothing at that entropy); see
+chatmesh.gateway.accounts for the tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Protocol
+
+from starlette.requests import Request
+
+from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.identity import Principal, Via
+from chatmesh.mesh import ids
+
+SESSION_COOKIE = "chatmesh_session"
+CSRF_HEADER = "x-csrf-token"
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Session:
+    owner: ids.OwnerId
+    csrf_token: str
+
+
+class Credentials(Protocol):
+    """Where keys and sessions are looked up (the auth_ tables)."""
+
+    async def owner_for_key(self, key_digest: str) -> ids.OwnerId | None: ...
+
+    async def session(self, session_digest: str) -> Session | None: ...
+
+
+def unauthenticated(message: str = "authentication required: an API key (Bearer) or a session") -> ApiError:
+    return ApiError(401, "unauthenticated", message)
+
+
+class Authenticator:
+    def __init__(self, credentials: Credentials | None, local_owner: ids.OwnerId | None):
+        self._credentials = credentials
+        self._local_owner = local_owner
+
+    @property
+    def local(self) -> bool:
+        return self._local_owner is not None
+
+    async def identify(self, request: Request) -> Principal:
+        header = request.headers.get("authorization")
+        if header is not None:
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise unauthenticated("Authorization must be `Bearer <api key>`")
+            owner = await self._credentials.owner_for_key(digest(token.strip())) if self._credentials else None
+            if owner is None:
+                raise unauthenticated("unknown or revoked API key")
+            return Principal(owner, Via.API_KEY)
+        cookie = request.cookies.get(SESSION_COOKIE)
+        if cookie and self._credentials is not None:
+            session = await self._credentials.session(digest(cookie))
+            if session is not None:
+                if request.method not in _SAFE_METHODS:
+                    sent = request.headers.get(CSRF_HEADER, "")
+                    if not hmac.compare_digest(sent.encode(), session.csrf_token.encode()):
+                        raise ApiError(403, "csrf", f"missing or wrong {CSRF_HEADER} header for a session request")
+                return Principal(session.owner, Via.SESSION)
+        if self._local_owner is not None:
+            return Principal(self._local_owner, Via.LOCAL)
+        raise unauthenticated()

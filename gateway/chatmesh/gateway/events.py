@@ -1,0 +1,99 @@
+"""TurnEvent (gRPC) -> server-sent event frames.
+
+Each frame is `id: <sequence>`, `event: turn.<kind>`, `data: <one-line JSON>`. The id is the TurnEvent's
+sequence number, so a client that reconnects with `Last-Event-ID: N` resumes through AttachTurn with
+after_sequence=N. Deltas are the hot path (one per engine step per stream): their frame is built from a constant
+prefix and one `json.dumps` of the text, nothing else per token.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+from chatmesh.v1 import chat_pb2, common_pb2
+
+
+class EventKind(enum.Enum):
+    """The TurnEvent oneof `kind`, as a closed set the type checker can match exhaustively."""
+
+    STARTED = "started"
+    DELTA = "delta"
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    BLOCKED = "blocked"
+
+    @property
+    def sse_name(self) -> str:
+        return "turn." + self.value
+
+    @property
+    def is_final(self) -> bool:
+        match self:
+            case EventKind.STARTED | EventKind.DELTA:
+                return False
+            case EventKind.COMPLETED | EventKind.STOPPED | EventKind.FAILED | EventKind.BLOCKED:
+                return True
+            case _:
+                assert_never(self)
+
+
+def kind_of(event: chat_pb2.TurnEvent) -> EventKind:
+    which = event.WhichOneof("kind")
+    if which is None:
+        raise ValueError(f"TurnEvent {event.sequence} has no kind")
+    return EventKind(which)
+
+
+def usage_json(usage: common_pb2.Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_prompt_tokens": usage.cached_prompt_tokens,
+        "output_tokens": usage.output_tokens,
+    }
+
+
+def data_of(event: chat_pb2.TurnEvent, kind: EventKind) -> dict[str, Any]:
+    match kind:
+        case EventKind.STARTED:
+            return {"turn_id": event.started.turn_id, "replayed": event.started.replayed}
+        case EventKind.DELTA:
+            return {"text": event.delta.text}
+        case EventKind.COMPLETED:
+            return {"usage": usage_json(event.completed.usage), "replica_id": event.completed.replica_id}
+        case EventKind.STOPPED:
+            return {"usage": usage_json(event.stopped.usage)}
+        case EventKind.FAILED:
+            return {"message": event.failed.message, "retryable": event.failed.retryable}
+        case EventKind.BLOCKED:
+            return {"stage": event.blocked.stage, "category": event.blocked.category}
+        case _:
+            assert_never(kind)
+
+
+def frame(sequence: int, kind: EventKind, data: dict[str, Any]) -> bytes:
+    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"id: {sequence}\nevent: {kind.sse_name}\ndata: {body}\n\n".encode()
+
+
+def delta_frame(sequence: int, text: str) -> bytes:
+    return b"id: %d\nevent: turn.delta\ndata: {\"text\":%s}\n\n" % (
+        sequence, json.dumps(text, ensure_ascii=False).encode())
+
+
+def failed_frame(sequence: int, message: str, retryable: bool) -> bytes:
+    return frame(sequence, EventKind.FAILED, {"message": message, "retryable": retryable})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a relayed stream ended, for metering: prompt tokens to charge (completed or stopped turns)."""
+
+    kind: EventKind | None
+    prompt_tokens: int
+
+
+HEARTBEAT = b": keepalive\n\n"

@@ -1,0 +1,221 @@
+"""The REST/SSE routes: each authenticates, validates, calls ChatService with the principal's owner id, and turns
+the answer into JSON or an SSE relay. gRPC errors become HTTP through `errors.ApiError.from_rpc` only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from chatmesh.gateway import bodies, events
+from chatmesh.gateway.auth import Authenticator
+from chatmesh.gateway.errors import ApiError, bad_request
+from chatmesh.gateway.identity import Principal
+from chatmesh.gateway.limits import Limits, StreamLease
+from chatmesh.gateway.sanitise import Sanitiser
+from chatmesh.gateway.sse import Relays, TurnCall, TurnRelay, open_relay
+from chatmesh.mesh import ids, logs
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+
+log = logs.get("chatmesh.gateway")
+T = TypeVar("T")
+
+_ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant"}
+_STATUSES = {common_pb2.MESSAGE_STATUS_COMPLETE: "complete", common_pb2.MESSAGE_STATUS_STOPPED: "stopped",
+             common_pb2.MESSAGE_STATUS_BLOCKED: "blocked"}
+
+
+@dataclass
+class Edge:
+    """Everything a route needs, built once per process in the app's lifespan."""
+
+    chat: chat_pb2_grpc.ChatServiceAsyncStub
+    auth: Authenticator
+    limits: Limits
+    relays: Relays
+    allowlist: tuple[str, ...]
+    heartbeat_s: float
+    max_body_bytes: int
+    max_content_chars: int
+    deadline_s: float
+
+    async def unary(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as err:
+            raise ApiError.from_rpc(err) from None
+
+    async def relay(self, owner: ids.OwnerId, make: Callable[[], TurnCall]) -> TurnRelay:
+        """Takes an open-stream slot, starts the gRPC turn stream `make()` and relays it."""
+        lease = await self.limits.open_stream(owner)
+        call: TurnCall | None = None
+        try:
+            call = make()
+            return await open_relay(call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s,
+                                    relays=self.relays, on_end=lambda outcome: self._ended(owner, lease, outcome))
+        except BaseException:
+            if call is not None:
+                call.cancel()
+            await lease.release()
+            raise
+
+    async def _ended(self, owner: ids.OwnerId, lease: StreamLease, outcome: events.Outcome) -> None:
+        try:
+            await lease.release()
+            await self.limits.charge_prompt_tokens(owner, outcome.prompt_tokens)
+        except Exception as exc:  # the stream is over; a limits backend error must not surface as a traceback
+            log.warning("limits_after_stream_failed", error=type(exc).__name__)
+
+
+def edge_of(request: Request) -> Edge:
+    edge: Edge = request.app.state.edge
+    return edge
+
+
+async def _who(request: Request) -> tuple[Edge, Principal]:
+    edge = edge_of(request)
+    return edge, await edge.auth.identify(request)
+
+
+def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
+    return {"id": c.conversation_id, "title": c.title, "created_at_ms": c.created_at_ms,
+            "updated_at_ms": c.updated_at_ms}
+
+
+def message_json(m: common_pb2.Message, sanitiser: Sanitiser | None) -> dict[str, Any]:
+    role = _ROLES.get(m.role, "unspecified")
+    content = sanitiser.whole(m.content) if sanitiser is not None and role == "assistant" else m.content
+    return {"index": m.index, "role": role, "content": content, "status": _STATUSES.get(m.status, "unspecified"),
+            "turn_id": m.turn_id, "token_count": m.token_count, "created_at_ms": m.created_at_ms}
+
+
+async def create_conversation(request: Request) -> Response:
+    edge, who = await _who(request)
+    body = await bodies.json_object(request, edge.max_body_bytes, optional=True)
+    title = body.get("title", "")
+    if not isinstance(title, str) or len(title) > 200:
+        raise bad_request("title must be a string of at most 200 characters")
+    reply = await edge.unary(edge.chat.CreateConversation(
+        chat_pb2.CreateConversationRequest(owner_id=who.owner, title=title), timeout=edge.deadline_s))
+    return JSONResponse(conversation_json(reply.conversation), 201)
+
+
+async def list_conversations(request: Request) -> Response:
+    edge, who = await _who(request)
+    page_size = _int_query(request, "page_size", 50, 1, 500)
+    reply = await edge.unary(edge.chat.ListConversations(
+        chat_pb2.ListConversationsRequest(owner_id=who.owner, page_size=page_size), timeout=edge.deadline_s))
+    return JSONResponse({"conversations": [conversation_json(c) for c in reply.conversations]})
+
+
+async def get_conversation(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    reply = await edge.unary(edge.chat.GetConversation(
+        chat_pb2.GetConversationRequest(owner_id=who.owner, conversation_id=conversation), timeout=edge.deadline_s))
+    out = conversation_json(reply.conversation)
+    out["messages"] = [message_json(m, Sanitiser(edge.allowlist)) for m in reply.messages]
+    return JSONResponse(out)
+
+
+async def delete_conversation(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    await edge.unary(edge.chat.DeleteConversation(
+        chat_pb2.DeleteConversationRequest(owner_id=who.owner, conversation_id=conversation),
+        timeout=edge.deadline_s))
+    return Response(status_code=204)
+
+
+async def send_turn(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    turn = bodies.turn_body(await bodies.json_object(request, edge.max_body_bytes), edge.max_content_chars)
+    await edge.limits.admit_turn(who.owner)
+    req = chat_pb2.SendTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id,
+                                   content=turn.content)
+    return await edge.relay(who.owner, lambda: edge.chat.SendTurn(req))
+
+
+async def regenerate_turn(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    bodies.turn_path(request.path_params["turn_id"])  # the reply being replaced; ChatService picks the last one
+    new_turn = bodies.turn_id_field(await bodies.json_object(request, edge.max_body_bytes))
+    await edge.limits.admit_turn(who.owner)
+    req = chat_pb2.RegenerateTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=new_turn)
+    return await edge.relay(who.owner, lambda: edge.chat.RegenerateTurn(req))
+
+
+async def attach_turn(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    turn = bodies.turn_path(request.path_params["turn_id"])
+    after = _after_sequence(request)
+    req = chat_pb2.AttachTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn,
+                                     after_sequence=after)
+    return await edge.relay(who.owner, lambda: edge.chat.AttachTurn(req))
+
+
+async def stop_turn(request: Request) -> Response:
+    edge, who = await _who(request)
+    conversation = bodies.conversation_path(request.path_params["conversation_id"])
+    turn = bodies.turn_path(request.path_params["turn_id"])
+    reply = await edge.unary(edge.chat.StopTurn(
+        chat_pb2.StopTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn),
+        timeout=edge.deadline_s))
+    return JSONResponse({"stopped": reply.stopped})
+
+
+async def usage(request: Request) -> Response:
+    edge, who = await _who(request)
+    days = _int_query(request, "days", 30, 1, 366)
+    reply = await edge.unary(edge.chat.GetUsage(chat_pb2.GetUsageRequest(owner_id=who.owner, days=days),
+                                                timeout=edge.deadline_s))
+    return JSONResponse({"days": [{"day": d.day, "turns": d.turns, "usage": events.usage_json(d.usage)}
+                                  for d in reply.days]})
+
+
+async def export(request: Request) -> Response:
+    edge, who = await _who(request)
+    reply = await edge.unary(edge.chat.ExportUserData(chat_pb2.ExportUserDataRequest(owner_id=who.owner),
+                                                      timeout=edge.deadline_s * 6))
+    try:
+        json.loads(reply.json)
+    except ValueError:
+        raise ApiError(503, "unavailable", "the chat service returned a malformed export") from None
+    return Response(reply.json, media_type="application/json",
+                    headers={"content-disposition": 'attachment; filename="chatmesh-export.json"'})
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+def _int_query(request: Request, name: str, default: int, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request(f"{name} must be an integer") from None
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be between {low} and {high}")
+    return value
+
+
+def _after_sequence(request: Request) -> int:
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request("Last-Event-ID (or after) must be an event id (an integer)") from None
+    if value < 0:
+        raise bad_request("Last-Event-ID (or after) must not be negative")
+    return value

@@ -1,0 +1,36 @@
+"""Settings of the REST/SSE edge. The bind address and port are shared ones (`chatmesh.mesh.settings`)."""
+
+from __future__ import annotations
+
+from chatmesh.mesh.config import Setting, parse_bool
+
+
+def _hosts(text: str) -> tuple[str, ...]:
+    return tuple(h.strip().lower() for h in text.split(",") if h.strip())
+
+
+AUTH = Setting("CHATMESH_AUTH", "local",
+               "edge identity: `local` serves one local user on loopback (bearer keys still honoured); "
+               "`required` demands an API key or a browser session", str, choices=("local", "required"))
+LOCAL_USER = Setting("CHATMESH_LOCAL_USER", "local", "user id of the development identity (CHATMESH_AUTH=local)", str)
+AUTH_DATABASE_URL = Setting("CHATMESH_AUTH_DATABASE_URL", "",
+                            "database of the gateway's auth_ tables (default: CHATMESH_DATABASE_URL, "
+                            "else <CHATMESH_DATA_DIR>/chatmesh.db)", str)
+SESSION_TTL_S = Setting("CHATMESH_SESSION_TTL_S", 7 * 24 * 3600, "lifetime of a browser session, seconds", int)
+TLS_CERT = Setting("CHATMESH_TLS_CERT", "", "PEM certificate chain for HTTPS at the edge (with CHATMESH_TLS_KEY)", str)
+TLS_KEY = Setting("CHATMESH_TLS_KEY", "", "PEM private key for HTTPS at the edge", str)
+REDIS_URL = Setting("CHATMESH_REDIS_URL", "",
+                    "Redis holding the per-user limits shared by gateway processes (empty: in memory)", str)
+TURNS_PER_MINUTE = Setting("CHATMESH_LIMIT_TURNS_PER_MINUTE", 20, "per-user turns per minute (token bucket)", int)
+OPEN_STREAMS = Setting("CHATMESH_LIMIT_OPEN_STREAMS", 4, "per-user concurrently open turn streams", int)
+PROMPT_TOKENS_PER_HOUR = Setting("CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR", 1_000_000,
+                                 "per-user prompt tokens per hour (token bucket, charged after each turn)", int)
+HEARTBEAT_S = Setting("CHATMESH_SSE_HEARTBEAT_S", 15.0, "seconds of model silence before an SSE heartbeat", float)
+LINK_ALLOWLIST: Setting[tuple[str, ...]] = Setting("CHATMESH_LINK_ALLOWLIST", (),
+                         "comma-separated hosts whose links survive output sanitising (subdomains included)", _hosts)
+MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 256 * 1024, "largest request body the edge accepts", int)
+MAX_CONTENT_CHARS = Setting("CHATMESH_MAX_CONTENT_CHARS", 32_000, "longest user message, characters", int)
+CHAT_DEADLINE_S = Setting("CHATMESH_GATEWAY_RPC_DEADLINE_S", 10.0, "deadline of the edge's unary ChatService calls",
+                          float)
+SECURE_COOKIES = Setting("CHATMESH_SECURE_COOKIES", False,
+                         "mark session cookies Secure even without TLS at the edge (TLS behind a proxy)", parse_bool)

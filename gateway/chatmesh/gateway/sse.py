@@ -1,0 +1,190 @@
+"""The SSE relay: one gRPC turn stream (SendTurn, AttachTurn or RegenerateTurn) -> one text/event-stream response.
+
+How it works. `open_relay` starts the gRPC call and awaits its FIRST event before any HTTP header is sent, so an
+error the chat service raises up front (unknown conversation, reused turn id, bad argument) is still answered as
+a JSON error with its proper status. Then `TurnRelay` (a raw ASGI response) runs two tasks per stream:
+
+- the pump reads one TurnEvent at a time and awaits `send` for each, so a slow client back-pressures the gRPC
+  stream instead of growing a buffer; deltas go through the output sanitiser; a final event ends the stream;
+- the watcher awaits the client's `http.disconnect` and, while the model is silent for `heartbeat_s`, writes an
+  SSE comment so proxies and browsers keep the connection open.
+
+Whichever ends first ends the other. On disconnect the gRPC call is cancelled, which cancels the turn in the chat
+service (I5: the partial reply is stored as stopped). Each ASGI `send` writes one whole frame, so the two tasks
+never interleave bytes. On gateway shutdown `Relays.drain` gives open streams `grace_s` to finish, then ends them
+the same way.
+
+Resume: the SSE id is the TurnEvent sequence. The sanitiser may hold back the start of a Markdown construct (a `[`
+that could open a link) at the end of a delta; a client that reconnects right there loses that held text, never
+receives an unsanitised image or link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from chatmesh.gateway import events
+from chatmesh.gateway.errors import ApiError, http_for_grpc
+from chatmesh.gateway.sanitise import Sanitiser
+from chatmesh.mesh import logs
+from chatmesh.v1 import chat_pb2
+
+log = logs.get("chatmesh.gateway.sse")
+
+# Headers that stop proxies (nginx's X-Accel-Buffering) and intermediaries (no-transform) from buffering or
+# compressing the stream, and browsers from caching it.
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache, no-store, no-transform"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+# What the three turn streams yield; each wraps one TurnEvent.
+_STREAM_MESSAGES = (chat_pb2.SendTurnResponse, chat_pb2.AttachTurnResponse, chat_pb2.RegenerateTurnResponse)
+
+
+TurnCall = grpc.aio.UnaryStreamCall[Any, Any]
+OnEnd = Callable[[events.Outcome], Awaitable[None]]
+
+
+class Relays:
+    """The open relays of one gateway process, so shutdown can end them."""
+
+    def __init__(self) -> None:
+        self.open: set[TurnRelay] = set()
+
+    async def drain(self, grace_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while self.open and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for relay in list(self.open):
+            relay.end()
+
+
+async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
+                     on_end: OnEnd) -> TurnRelay:
+    """Awaits the first event of `call`; a gRPC error before it is raised as an ApiError (nothing was sent)."""
+    try:
+        first: object = await call.read()
+    except grpc.aio.AioRpcError as err:
+        raise ApiError.from_rpc(err) from None
+    if not isinstance(first, _STREAM_MESSAGES):
+        raise ApiError(503, "unavailable", "the chat service ended the turn stream without an event")
+    return TurnRelay(call, first.event, sanitiser, heartbeat_s, relays, on_end)
+
+
+class TurnRelay(Response):
+    """A raw ASGI response relaying one turn stream; see the module docstring. (A Response subclass only so
+    routes can return it; it writes its own headers and body.)"""
+
+    def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
+                 relays: Relays, on_end: OnEnd):
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self._call = call
+        self._first = first
+        self._sanitiser = sanitiser
+        self._heartbeat_s = heartbeat_s
+        self._relays = relays
+        self._on_end = on_end
+        self._last_send = 0.0
+        self._outcome = events.Outcome(None, 0)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def end(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._relays.open.add(self)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            self._last_send = asyncio.get_running_loop().time()
+            self._tasks = [asyncio.create_task(self._pump(send)), asyncio.create_task(self._watch(receive, send))]
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        except OSError:  # the client went away before the headers were written
+            pass
+        finally:
+            self._relays.open.discard(self)
+            self.end()
+            self._call.cancel()  # no-op once the stream finished; otherwise cancels the turn (client gone)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            try:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                pass
+            await self._on_end(self._outcome)
+
+    async def _write(self, send: Send, chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._last_send = asyncio.get_running_loop().time()
+
+    async def _pump(self, send: Send) -> None:
+        event = self._first
+        last_sequence = 0
+        try:
+            while True:
+                kind = events.kind_of(event)
+                if kind is events.EventKind.DELTA:
+                    text = self._sanitiser.feed(event.delta.text)
+                    if text:
+                        await self._write(send, events.delta_frame(event.sequence, text))
+                else:
+                    if kind.is_final:
+                        tail = self._sanitiser.flush()
+                        if tail:
+                            await self._write(send, events.delta_frame(last_sequence, tail))
+                        self._outcome = _outcome_of(event, kind)
+                    await self._write(send, events.frame(event.sequence, kind, events.data_of(event, kind)))
+                    if kind.is_final:
+                        return
+                last_sequence = event.sequence
+                message: object = await self._call.read()
+                if not isinstance(message, _STREAM_MESSAGES):
+                    await self._write(send, events.failed_frame(
+                        last_sequence, "the turn stream ended without an outcome", True))
+                    return
+                event = message.event
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.CANCELLED:
+                return
+            mapped = http_for_grpc(err.code())
+            log.warning("turn_stream_failed", grpc_code=err.code().name)
+            try:
+                await self._write(send, events.failed_frame(last_sequence, err.details() or mapped.code,
+                                                            mapped.status == 503))
+            except OSError:
+                pass
+        except OSError:  # the client went away mid-write: the watcher sees the disconnect too
+            pass
+
+    async def _watch(self, receive: Receive, send: Send) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), timeout=self._heartbeat_s)
+            except TimeoutError:
+                if loop.time() - self._last_send >= self._heartbeat_s * 0.9:
+                    try:
+                        await self._write(send, events.HEARTBEAT)
+                    except OSError:
+                        return
+                continue
+            if message["type"] == "http.disconnect":
+                return
+
+
+def _outcome_of(event: chat_pb2.TurnEvent, kind: events.EventKind) -> events.Outcome:
+    match kind:
+        case events.EventKind.COMPLETED:
+            return events.Outcome(kind, event.completed.usage.prompt_tokens)
+        case events.EventKind.STOPPED:
+            return events.Outcome(kind, event.stopped.usage.prompt_tokens)
+        case _:
+            return events.Outcome(kind, 0)

@@ -1,0 +1,78 @@
+"""Fixtures for the edge: a FakeChat over real gRPC on an ephemeral port, and gateways (real uvicorn servers on
+ephemeral ports, in this event loop) in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from chatmesh.gateway.app import server_for
+from chatmesh.mesh.config import Config
+from tests.conftest import free_port
+from tests.gateway.fake_chat import FakeChat, start_fake_chat
+
+
+@dataclass
+class Gateway:
+    url: str
+    task: asyncio.Task[None]
+    stop: Callable[[], Coroutine[Any, Any, None]]
+
+    def client(self, **kwargs: object) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=10.0, **kwargs)  # type: ignore[arg-type]
+
+
+StartGateway = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def fake_chat() -> AsyncIterator[tuple[FakeChat, str]]:
+    port = free_port()
+    server, fake = await start_fake_chat(port)
+    yield fake, f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+@pytest.fixture
+async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object) -> AsyncIterator[StartGateway]:
+    started: list[Gateway] = []
+
+    async def start(scheme: str = "http", **env: str) -> Gateway:
+        port = free_port()
+        values = {"CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
+                  "CHATMESH_SHUTDOWN_GRACE_S": "1", **env}
+        server = server_for(Config(env=values), port=port)
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("gateway did not start")
+            await asyncio.sleep(0.02)
+
+        async def stop() -> None:
+            server.should_exit = True
+            await asyncio.wait_for(task, 10)
+
+        gw = Gateway(f"{scheme}://127.0.0.1:{port}", task, stop)
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        if not gw.task.done():
+            await gw.stop()
+
+
+@pytest.fixture
+async def gateway(start_gateway: StartGateway) -> Gateway:
+    return await start_gateway()
+
+
+@pytest.fixture
+def fake(fake_chat: tuple[FakeChat, str]) -> FakeChat:
+    return fake_chat[0]

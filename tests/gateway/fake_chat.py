@@ -1,0 +1,194 @@
+"""A small in-test ChatService (a test double of our own contract, for unit tests of the edge only) over real
+gRPC. It keeps conversations per owner in memory and streams each reply as the configured `chunks`, waiting
+`delay_s` before each delta; it records what the edge asked for (owners, cancellations) so tests can check."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+
+Ctx = grpc.aio.ServicerContext[object, object]
+
+
+@dataclass
+class Turn:
+    turn_id: str
+    content: str
+    events: list[chat_pb2.TurnEvent] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    grew: asyncio.Condition = field(default_factory=asyncio.Condition)
+    stop: bool = False
+
+
+@dataclass
+class Conv:
+    meta: common_pb2.Conversation
+    messages: list[common_pb2.Message] = field(default_factory=list)
+    turns: dict[str, Turn] = field(default_factory=dict)
+
+
+class FakeChat(chat_pb2_grpc.ChatServiceServicer):
+    def __init__(self) -> None:
+        self.convs: dict[str, Conv] = {}
+        self.chunks: list[str] = ["Hello", ", ", "world", "."]
+        self.delay_s = 0.0
+        self.cancelled: list[str] = []
+        self.owners_seen: list[str] = []
+        self.prompt_tokens = 7
+
+    def _conv(self, owner: str, conv_id: str) -> Conv | None:
+        self.owners_seen.append(owner)
+        conv = self.convs.get(conv_id)
+        return conv if conv is not None and conv.meta.owner_id == owner else None
+
+    async def CreateConversation(self, request: chat_pb2.CreateConversationRequest,
+                                 context: Ctx) -> chat_pb2.CreateConversationResponse:
+        now = int(time.time() * 1000)
+        meta = common_pb2.Conversation(conversation_id=str(uuid.uuid4()), owner_id=request.owner_id,
+                                       title=request.title, created_at_ms=now, updated_at_ms=now)
+        self.convs[meta.conversation_id] = Conv(meta)
+        return chat_pb2.CreateConversationResponse(conversation=meta)
+
+    async def GetConversation(self, request: chat_pb2.GetConversationRequest,
+                              context: Ctx) -> chat_pb2.GetConversationResponse:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        if conv is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
+        assert conv is not None
+        return chat_pb2.GetConversationResponse(conversation=conv.meta, messages=conv.messages)
+
+    async def ListConversations(self, request: chat_pb2.ListConversationsRequest,
+                                context: Ctx) -> chat_pb2.ListConversationsResponse:
+        mine = [c.meta for c in self.convs.values() if c.meta.owner_id == request.owner_id]
+        return chat_pb2.ListConversationsResponse(conversations=mine[: request.page_size or 50])
+
+    async def DeleteConversation(self, request: chat_pb2.DeleteConversationRequest,
+                                 context: Ctx) -> chat_pb2.DeleteConversationResponse:
+        if self._conv(request.owner_id, request.conversation_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
+        del self.convs[request.conversation_id]
+        return chat_pb2.DeleteConversationResponse(blocks_evicted=3)
+
+    async def GetUsage(self, request: chat_pb2.GetUsageRequest, context: Ctx) -> chat_pb2.GetUsageResponse:
+        return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(
+            day="2026-11-29", turns=1, usage=common_pb2.Usage(prompt_tokens=self.prompt_tokens))])
+
+    async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest,
+                             context: Ctx) -> chat_pb2.ExportUserDataResponse:
+        mine = [{"id": c.meta.conversation_id, "messages": [m.content for m in c.messages]}
+                for c in self.convs.values() if c.meta.owner_id == request.owner_id]
+        return chat_pb2.ExportUserDataResponse(json=json.dumps({"conversations": mine}))
+
+    async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Ctx) -> chat_pb2.StopTurnResponse:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        turn = conv.turns.get(request.turn_id) if conv else None
+        if turn is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
+        assert turn is not None
+        running = not turn.done.is_set()
+        turn.stop = True
+        return chat_pb2.StopTurnResponse(stopped=running)
+
+    async def SendTurn(self, request: chat_pb2.SendTurnRequest,
+                       context: Ctx) -> AsyncIterator[chat_pb2.SendTurnResponse]:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        if conv is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
+        assert conv is not None
+        known = conv.turns.get(request.turn_id)
+        if known is not None:
+            if known.content != request.content:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, "turn_id was used with other content")
+            async for ev in self._follow(known, 0):
+                yield chat_pb2.SendTurnResponse(event=ev)
+            return
+        turn = Turn(request.turn_id, request.content)
+        conv.turns[turn.turn_id] = turn
+        conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_USER,
+                                                content=request.content, turn_id=turn.turn_id,
+                                                status=common_pb2.MESSAGE_STATUS_COMPLETE))
+        async for ev in self._generate(conv, turn, context):
+            yield chat_pb2.SendTurnResponse(event=ev)
+
+    async def RegenerateTurn(self, request: chat_pb2.RegenerateTurnRequest,
+                             context: Ctx) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        if conv is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
+        assert conv is not None
+        turn = Turn(request.turn_id, "")
+        conv.turns[turn.turn_id] = turn
+        async for ev in self._generate(conv, turn, context):
+            yield chat_pb2.RegenerateTurnResponse(event=ev)
+
+    async def AttachTurn(self, request: chat_pb2.AttachTurnRequest,
+                         context: Ctx) -> AsyncIterator[chat_pb2.AttachTurnResponse]:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        turn = conv.turns.get(request.turn_id) if conv else None
+        if turn is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
+        assert turn is not None
+        async for ev in self._follow(turn, request.after_sequence):
+            yield chat_pb2.AttachTurnResponse(event=ev)
+
+    async def _follow(self, turn: Turn, after: int) -> AsyncIterator[chat_pb2.TurnEvent]:
+        sent = after
+        while True:
+            async with turn.grew:
+                await turn.grew.wait_for(lambda: len(turn.events) > sent or turn.done.is_set())
+            for ev in turn.events[sent:]:
+                yield ev
+            sent = len(turn.events)
+            if turn.done.is_set() and sent == len(turn.events):
+                return
+
+    async def _emit(self, turn: Turn, ev: chat_pb2.TurnEvent) -> chat_pb2.TurnEvent:
+        ev.sequence = len(turn.events) + 1
+        async with turn.grew:
+            turn.events.append(ev)
+            turn.grew.notify_all()
+        return ev
+
+    async def _generate(self, conv: Conv, turn: Turn, context: Ctx) -> AsyncIterator[chat_pb2.TurnEvent]:
+        text = ""
+        try:
+            yield await self._emit(turn, chat_pb2.TurnEvent(started=chat_pb2.TurnStarted(turn_id=turn.turn_id)))
+            for chunk in self.chunks:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
+                if turn.stop:
+                    break
+                text += chunk
+                yield await self._emit(turn, chat_pb2.TurnEvent(delta=chat_pb2.TurnDelta(text=chunk)))
+            usage = common_pb2.Usage(prompt_tokens=self.prompt_tokens, cached_prompt_tokens=2,
+                                     output_tokens=len(self.chunks))
+            status = common_pb2.MESSAGE_STATUS_STOPPED if turn.stop else common_pb2.MESSAGE_STATUS_COMPLETE
+            conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_ASSISTANT,
+                                                    content=text, turn_id=turn.turn_id, status=status))
+            final = chat_pb2.TurnEvent(stopped=chat_pb2.TurnStopped(usage=usage)) if turn.stop else \
+                chat_pb2.TurnEvent(completed=chat_pb2.TurnCompleted(usage=usage, replica_id="fake-0"))
+            yield await self._emit(turn, final)
+        except asyncio.CancelledError:
+            self.cancelled.append(turn.turn_id)
+            raise
+        finally:
+            turn.done.set()
+            async with turn.grew:
+                turn.grew.notify_all()
+
+
+async def start_fake_chat(port: int) -> tuple[grpc.aio.Server, FakeChat]:
+    server = grpc.aio.server()
+    fake = FakeChat()
+    chat_pb2_grpc.add_ChatServiceServicer_to_server(fake, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, fake
