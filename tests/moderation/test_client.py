@@ -1,0 +1,106 @@
+"""The moderation client over real gRPC: outcomes from the policy, and the failure policy when the service is
+down, slow or goes away mid-reply."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+
+from chatmesh.mesh.config import Config
+from chatmesh.moderation.classifier import profanity_model
+from chatmesh.moderation.client import DecidedBy, ModerationClient
+from chatmesh.moderation.moderator import Moderator, Verdict
+from chatmesh.moderation.policy import Action, load
+from tests.conftest import free_port
+from tests.moderation.conftest import running
+
+CONV = "0b6f3c9e-4c1e-4d53-9a43-8f0f5a1c2d3e"
+
+
+def client(address: str, registry: CollectorRegistry, **env: str) -> ModerationClient:
+    cfg = Config(env={"CHATMESH_MODERATION_ADDRESS": address, **env})
+    return ModerationClient.from_config(cfg, registry)
+
+
+def failures(registry: CollectorRegistry, direction: str, reason: str) -> float:
+    value = registry.get_sample_value("chatmesh_moderation_client_failures_total",
+                                      {"direction": direction, "reason": reason})
+    return value or 0.0
+
+
+async def test_outcomes_come_from_the_policy_when_the_service_is_up() -> None:
+    registry = CollectorRegistry()
+    async with running() as address:
+        moderation = client(address, registry)
+        benign = await moderation.check_input("What is a good name for a cat?", CONV)
+        assert benign.action is Action.ALLOW and benign.decided_by is DecidedBy.POLICY
+        card = await moderation.check_input("charge 4111-1111-1111-1111 please", CONV)
+        assert card.blocked and [c.category for c in card.categories] == ["payment_card"]
+        async with moderation.output(CONV) as session:
+            first = await session.check("Well, you are such a lo")
+            second = await session.check("ser, frankly.")
+            third = await session.check(" Here is the answer.", final=True)
+        assert [first.action, second.action, third.action] == [Action.ALLOW, Action.BLOCK, Action.ALLOW]
+        await moderation.close()
+    assert failures(registry, "input", "unavailable") == 0
+
+
+async def test_service_down_applies_each_directions_policy_and_says_why() -> None:
+    registry = CollectorRegistry()
+    moderation = client(f"127.0.0.1:{free_port()}", registry, CHATMESH_MODERATION_INPUT_FAILURE="closed",
+                        CHATMESH_MODERATION_OUTPUT_FAILURE="open")
+    outcome = await moderation.check_input("hello there", CONV)
+    assert outcome.blocked and outcome.decided_by is DecidedBy.CLIENT_FAILURE_POLICY
+    assert "UNAVAILABLE" in outcome.reason and "input failing closed" in outcome.reason
+    assert failures(registry, "input", "unavailable") == 1
+    async with moderation.output(CONV) as session:
+        chunk = await session.check("Here is")
+        later = await session.check(" the answer.")
+    for o in (chunk, later):
+        assert o.action is Action.ALLOW and o.fallback and "output failing open" in o.reason
+    assert "UNAVAILABLE" in chunk.reason
+    assert failures(registry, "output", "unavailable") + failures(registry, "output", "broken") == 2
+    await moderation.close()
+
+
+async def test_service_down_fail_open_input_and_fail_closed_output() -> None:
+    registry = CollectorRegistry()
+    moderation = client(f"127.0.0.1:{free_port()}", registry, CHATMESH_MODERATION_INPUT_FAILURE="open",
+                        CHATMESH_MODERATION_OUTPUT_FAILURE="closed")
+    assert (await moderation.check_input("hello", CONV)).action is Action.ALLOW
+    async with moderation.output(CONV) as session:
+        assert (await session.check("Hello")).blocked
+    await moderation.close()
+
+
+class SlowModerator(Moderator):
+    def check_input(self, text: str) -> Verdict:
+        time.sleep(0.5)
+        return super().check_input(text)
+
+
+async def test_slow_service_hits_the_client_timeout() -> None:
+    registry = CollectorRegistry()
+    async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "5000"},
+                       SlowModerator(load(), profanity_model())) as address:
+        moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_TIMEOUT_MS="50",
+                            CHATMESH_MODERATION_INPUT_FAILURE="closed")
+        outcome = await moderation.check_input("hello", CONV)
+        await moderation.close()
+    assert outcome.blocked and outcome.decided_by is DecidedBy.CLIENT_FAILURE_POLICY
+    assert "DEADLINE_EXCEEDED" in outcome.reason
+    assert failures(registry, "input", "deadline") == 1
+
+
+async def test_service_going_away_mid_reply_fails_over() -> None:
+    registry = CollectorRegistry()
+    async with running() as address:
+        moderation = client(address, registry, CHATMESH_MODERATION_OUTPUT_FAILURE="closed")
+        session = moderation.output(CONV)
+        assert (await session.check("The first part")).decided_by is DecidedBy.POLICY
+    after = await session.check(" and the rest.")
+    assert after.blocked and after.decided_by is DecidedBy.CLIENT_FAILURE_POLICY
+    assert "output failing closed" in after.reason
+    await session.close()
+    await moderation.close()
