@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import typing
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -27,7 +28,8 @@ from chatmesh.store.core import ConversationStore, Limits
 from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
 from chatmesh.store.values import (
-    Claimed, Conflicted, Conversation, Done, InProgress, Message, MessageStatus, Reply, Role, Usage,
+    Claimed, Conflicted, Conversation, Done, InProgress, Message, MessageStatus, Reply, Role, Summary, TurnState,
+    Usage,
 )
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
 
@@ -103,7 +105,29 @@ def parse_usage(usage: common_pb2.Usage) -> Usage:
 
 def message_pb(m: Message) -> common_pb2.Message:
     return common_pb2.Message(index=m.index, role=role_pb(m.role), content=m.content, token_count=m.token_count,
-                              status=status_pb(m.status), turn_id=m.turn_id, created_at_ms=m.created_at_ms)
+                              status=status_pb(m.status), turn_id=m.turn_id, created_at_ms=m.created_at_ms,
+                              superseded=m.superseded)
+
+
+def summary_pb(summary: Summary) -> store_pb2.ConversationSummary:
+    return store_pb2.ConversationSummary(text=summary.text, covers_through_index=summary.covers_through_index,
+                                         token_count=summary.token_count, created_at_ms=summary.created_at_ms)
+
+
+def turn_state_pb(state: TurnState) -> store_pb2.TurnState:
+    match state:
+        case TurnState.RECEIVED:
+            return store_pb2.TURN_STATE_RECEIVED
+        case TurnState.RUNNING:
+            return store_pb2.TURN_STATE_RUNNING
+        case TurnState.STORED:
+            return store_pb2.TURN_STATE_STORED
+        case TurnState.STOPPED:
+            return store_pb2.TURN_STATE_STOPPED
+        case TurnState.FAILED:
+            return store_pb2.TURN_STATE_FAILED
+        case _:
+            typing.assert_never(state)
 
 
 def conversation_pb(c: Conversation) -> common_pb2.Conversation:
@@ -127,16 +151,23 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
         history = await self.store.read_conversation(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id))
-        return store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
-                                                  messages=[message_pb(m) for m in history.messages])
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            from_index=request.from_index, max_messages=request.max_messages)
+        response = store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
+                                                      messages=[message_pb(m) for m in history.messages],
+                                                      message_count=history.conversation.message_count)
+        if history.summary is not None:
+            response.summary.CopyFrom(summary_pb(history.summary))
+        return response
 
     @core_errors
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
         outcome = await self.store.begin_turn(
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
             parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
-            fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms)
+            fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
+            regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
+            if request.regenerates_turn_id else None)
         match outcome:
             case Claimed(lease_id, expires):
                 return store_pb2.BeginTurnResponse(claimed=store_pb2.TurnClaimed(
@@ -158,7 +189,8 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         reply = Reply(user_token_count=request.user_token_count, text=request.reply,
                       token_count=request.reply_token_count,
                       status=parse_status(request.reply_status, "reply_status", MessageStatus.COMPLETE),
-                      usage=parse_usage(request.usage))
+                      usage=parse_usage(request.usage),
+                      user_status=parse_status(request.user_status, "user_status", MessageStatus.COMPLETE))
         finished = await self.store.finish_turn(
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), reply)
@@ -171,6 +203,77 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
         return store_pb2.FailTurnResponse(released=released)
+
+    @core_errors
+    async def UpdateTurnProgress(self, request: store_pb2.UpdateTurnProgressRequest,
+                                 context: Context) -> store_pb2.UpdateTurnProgressResponse:
+        progress = await self.store.update_turn_progress(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.partial_text,
+            request.event_sequence, request.lease_ttl_ms)
+        return store_pb2.UpdateTurnProgressResponse(held=progress.held,
+                                                    lease_expires_at_ms=progress.lease_expires_at_ms)
+
+    @core_errors
+    async def ReadTurn(self, request: store_pb2.ReadTurnRequest, context: Context) -> store_pb2.ReadTurnResponse:
+        turn = await self.store.read_turn(parse_owner_id(request.owner_id),
+                                          parse_conversation_id(request.conversation_id),
+                                          parse_turn_id(request.turn_id))
+        response = store_pb2.ReadTurnResponse(
+            state=turn_state_pb(turn.state), fingerprint=turn.fingerprint, lease_holder=turn.lease_holder,
+            lease_expires_at_ms=turn.lease_expires_at_ms, partial_text=turn.partial_text,
+            event_sequence=turn.event_sequence, regenerates_turn_id=turn.regenerates_turn_id or "")
+        if turn.reply is not None:
+            response.reply.CopyFrom(message_pb(turn.reply))
+            response.usage.CopyFrom(usage_pb(turn.usage))
+        return response
+
+    @core_errors
+    async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
+                          context: Context) -> store_pb2.SaveSummaryResponse:
+        summary = await self.store.save_summary(
+            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id), request.text,
+            request.covers_through_index, request.token_count)
+        return store_pb2.SaveSummaryResponse(summary=summary_pb(summary))
+
+    @core_errors
+    async def ListOwnerConversations(self, request: store_pb2.ListOwnerConversationsRequest,
+                                     context: Context) -> store_pb2.ListOwnerConversationsResponse:
+        convs = await self.store.list_conversations(parse_owner_id(request.owner_id), request.page_size)
+        return store_pb2.ListOwnerConversationsResponse(conversations=[conversation_pb(c) for c in convs])
+
+    @core_errors
+    async def DeleteStoredConversation(self, request: store_pb2.DeleteStoredConversationRequest,
+                                       context: Context) -> store_pb2.DeleteStoredConversationResponse:
+        evict = await self.store.delete_conversation(parse_owner_id(request.owner_id),
+                                                     parse_conversation_id(request.conversation_id))
+        return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
+
+    @core_errors
+    async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,
+                              context: Context) -> store_pb2.DeleteOwnerDataResponse:
+        evict = await self.store.delete_user_data(parse_owner_id(request.owner_id))
+        return store_pb2.DeleteOwnerDataResponse(evict_conversation_ids=evict)
+
+    @core_errors
+    async def ExportOwnerData(self, request: store_pb2.ExportOwnerDataRequest,
+                              context: Context) -> store_pb2.ExportOwnerDataResponse:
+        document = await self.store.export_user_data(parse_owner_id(request.owner_id))
+        return store_pb2.ExportOwnerDataResponse(json=json.dumps(document, ensure_ascii=False))
+
+    @core_errors
+    async def ReadUsage(self, request: store_pb2.ReadUsageRequest, context: Context) -> store_pb2.ReadUsageResponse:
+        days = await self.store.usage(parse_owner_id(request.owner_id), request.days)
+        return store_pb2.ReadUsageResponse(days=[
+            store_pb2.UsageDay(day=d.day, usage=usage_pb(d.usage), turns=d.turns) for d in days])
+
+    @core_errors
+    async def PurgeExpired(self, request: store_pb2.PurgeExpiredRequest,
+                           context: Context) -> store_pb2.PurgeExpiredResponse:
+        purged = await self.store.purge_expired()
+        return store_pb2.PurgeExpiredResponse(
+            purged=[store_pb2.OwnedConversation(owner_id=o, conversation_id=c) for o, c in purged.conversations],
+            abandoned_turns=purged.abandoned_turns)
 
 
 async def purge_periodically(store: ConversationStore, interval_s: float) -> None:

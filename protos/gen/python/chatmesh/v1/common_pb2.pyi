@@ -38,7 +38,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
 
 class Message(_message.Message):
-    __slots__ = ("index", "role", "content", "token_count", "status", "turn_id", "created_at_ms")
+    __slots__ = ("index", "role", "content", "token_count", "status", "turn_id", "created_at_ms", "superseded")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class Message(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     index: int
     role: Role
     content: str
@@ -53,7 +54,8 @@ class Message(_message.Message):
     status: MessageStatus
     turn_id: str
     created_at_ms: int
-    def __init__(self, index: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ..., status: _Optional[_Union[MessageStatus, str]] = ..., turn_id: _Optional[str] = ..., created_at_ms: _Optional[int] = ...) -> None: ...
+    superseded: bool
+    def __init__(self, index: _Optional[int] = ..., role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ..., status: _Optional[_Union[MessageStatus, str]] = ..., turn_id: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., superseded: _Optional[bool] = ...) -> None: ...
 
 class Conversation(_message.Message):
     __slots__ = ("conversation_id", "owner_id", "title", "system_prompt_version", "created_at_ms", "updated_at_ms")

@@ -61,6 +61,51 @@ class StoreServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_store__pb2.FailTurnRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_store__pb2.FailTurnResponse.FromString,
                 _registered_method=True)
+        self.UpdateTurnProgress = channel.unary_unary(
+                '/chatmesh.v1.StoreService/UpdateTurnProgress',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressResponse.FromString,
+                _registered_method=True)
+        self.ReadTurn = channel.unary_unary(
+                '/chatmesh.v1.StoreService/ReadTurn',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.ReadTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.ReadTurnResponse.FromString,
+                _registered_method=True)
+        self.SaveSummary = channel.unary_unary(
+                '/chatmesh.v1.StoreService/SaveSummary',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.SaveSummaryRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.SaveSummaryResponse.FromString,
+                _registered_method=True)
+        self.ListOwnerConversations = channel.unary_unary(
+                '/chatmesh.v1.StoreService/ListOwnerConversations',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.FromString,
+                _registered_method=True)
+        self.DeleteStoredConversation = channel.unary_unary(
+                '/chatmesh.v1.StoreService/DeleteStoredConversation',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationResponse.FromString,
+                _registered_method=True)
+        self.DeleteOwnerData = channel.unary_unary(
+                '/chatmesh.v1.StoreService/DeleteOwnerData',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataResponse.FromString,
+                _registered_method=True)
+        self.ExportOwnerData = channel.unary_unary(
+                '/chatmesh.v1.StoreService/ExportOwnerData',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataResponse.FromString,
+                _registered_method=True)
+        self.ReadUsage = channel.unary_unary(
+                '/chatmesh.v1.StoreService/ReadUsage',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.ReadUsageRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.ReadUsageResponse.FromString,
+                _registered_method=True)
+        self.PurgeExpired = channel.unary_unary(
+                '/chatmesh.v1.StoreService/PurgeExpired',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.PurgeExpiredRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.PurgeExpiredResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServiceServicer:
@@ -103,6 +148,69 @@ class StoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateTurnProgress(self, request, context):
+        """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadTurn(self, request, context):
+        """Returns one turn record: its state, the reply so far, its lease, and the stored reply when done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveSummary(self, request, context):
+        """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListOwnerConversations(self, request, context):
+        """Lists an owner's conversations, most recently updated first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStoredConversation(self, request, context):
+        """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteOwnerData(self, request, context):
+        """Deletes all of an owner's data, usage included.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportOwnerData(self, request, context):
+        """Exports all of an owner's conversations, messages, summaries and usage as one JSON document.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadUsage(self, request, context):
+        """Returns an owner's token usage per UTC day.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeExpired(self, request, context):
+        """Deletes what is past retention now (the service also does this periodically).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +238,51 @@ def add_StoreServiceServicer_to_server(servicer, server):
                     servicer.FailTurn,
                     request_deserializer=chatmesh_dot_v1_dot_store__pb2.FailTurnRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_store__pb2.FailTurnResponse.SerializeToString,
+            ),
+            'UpdateTurnProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateTurnProgress,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressResponse.SerializeToString,
+            ),
+            'ReadTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.ReadTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.ReadTurnResponse.SerializeToString,
+            ),
+            'SaveSummary': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveSummary,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.SaveSummaryRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.SaveSummaryResponse.SerializeToString,
+            ),
+            'ListOwnerConversations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListOwnerConversations,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.SerializeToString,
+            ),
+            'DeleteStoredConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStoredConversation,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationResponse.SerializeToString,
+            ),
+            'DeleteOwnerData': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteOwnerData,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataResponse.SerializeToString,
+            ),
+            'ExportOwnerData': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportOwnerData,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataResponse.SerializeToString,
+            ),
+            'ReadUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadUsage,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.ReadUsageRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.ReadUsageResponse.SerializeToString,
+            ),
+            'PurgeExpired': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeExpired,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.PurgeExpiredRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.PurgeExpiredResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +422,249 @@ class StoreService:
             '/chatmesh.v1.StoreService/FailTurn',
             chatmesh_dot_v1_dot_store__pb2.FailTurnRequest.SerializeToString,
             chatmesh_dot_v1_dot_store__pb2.FailTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateTurnProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/UpdateTurnProgress',
+            chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.UpdateTurnProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/ReadTurn',
+            chatmesh_dot_v1_dot_store__pb2.ReadTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.ReadTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveSummary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/SaveSummary',
+            chatmesh_dot_v1_dot_store__pb2.SaveSummaryRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.SaveSummaryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListOwnerConversations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/ListOwnerConversations',
+            chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStoredConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/DeleteStoredConversation',
+            chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteOwnerData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/DeleteOwnerData',
+            chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.DeleteOwnerDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportOwnerData(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/ExportOwnerData',
+            chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.ExportOwnerDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/ReadUsage',
+            chatmesh_dot_v1_dot_store__pb2.ReadUsageRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.ReadUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeExpired(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/PurgeExpired',
+            chatmesh_dot_v1_dot_store__pb2.PurgeExpiredRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.PurgeExpiredResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,24 @@ class StoreServiceStub:
     """Stores the user message, the reply and the usage of a claimed turn, once, in one transaction."""
     FailTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.FailTurnRequest, _store_pb2.FailTurnResponse]
     """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+    UpdateTurnProgress: _grpc.UnaryUnaryMultiCallable[_store_pb2.UpdateTurnProgressRequest, _store_pb2.UpdateTurnProgressResponse]
+    """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2)."""
+    ReadTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReadTurnRequest, _store_pb2.ReadTurnResponse]
+    """Returns one turn record: its state, the reply so far, its lease, and the stored reply when done."""
+    SaveSummary: _grpc.UnaryUnaryMultiCallable[_store_pb2.SaveSummaryRequest, _store_pb2.SaveSummaryResponse]
+    """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed)."""
+    ListOwnerConversations: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListOwnerConversationsRequest, _store_pb2.ListOwnerConversationsResponse]
+    """Lists an owner's conversations, most recently updated first."""
+    DeleteStoredConversation: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredConversationRequest, _store_pb2.DeleteStoredConversationResponse]
+    """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only)."""
+    DeleteOwnerData: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteOwnerDataRequest, _store_pb2.DeleteOwnerDataResponse]
+    """Deletes all of an owner's data, usage included."""
+    ExportOwnerData: _grpc.UnaryUnaryMultiCallable[_store_pb2.ExportOwnerDataRequest, _store_pb2.ExportOwnerDataResponse]
+    """Exports all of an owner's conversations, messages, summaries and usage as one JSON document."""
+    ReadUsage: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReadUsageRequest, _store_pb2.ReadUsageResponse]
+    """Returns an owner's token usage per UTC day."""
+    PurgeExpired: _grpc.UnaryUnaryMultiCallable[_store_pb2.PurgeExpiredRequest, _store_pb2.PurgeExpiredResponse]
+    """Deletes what is past retention now (the service also does this periodically)."""
 
 @_typing.type_check_only
 class StoreServiceAsyncStub(StoreServiceStub):
@@ -63,6 +81,24 @@ class StoreServiceAsyncStub(StoreServiceStub):
     """Stores the user message, the reply and the usage of a claimed turn, once, in one transaction."""
     FailTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.FailTurnRequest, _store_pb2.FailTurnResponse]  # type: ignore[assignment]
     """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+    UpdateTurnProgress: _aio.UnaryUnaryMultiCallable[_store_pb2.UpdateTurnProgressRequest, _store_pb2.UpdateTurnProgressResponse]  # type: ignore[assignment]
+    """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2)."""
+    ReadTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.ReadTurnRequest, _store_pb2.ReadTurnResponse]  # type: ignore[assignment]
+    """Returns one turn record: its state, the reply so far, its lease, and the stored reply when done."""
+    SaveSummary: _aio.UnaryUnaryMultiCallable[_store_pb2.SaveSummaryRequest, _store_pb2.SaveSummaryResponse]  # type: ignore[assignment]
+    """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed)."""
+    ListOwnerConversations: _aio.UnaryUnaryMultiCallable[_store_pb2.ListOwnerConversationsRequest, _store_pb2.ListOwnerConversationsResponse]  # type: ignore[assignment]
+    """Lists an owner's conversations, most recently updated first."""
+    DeleteStoredConversation: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredConversationRequest, _store_pb2.DeleteStoredConversationResponse]  # type: ignore[assignment]
+    """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only)."""
+    DeleteOwnerData: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteOwnerDataRequest, _store_pb2.DeleteOwnerDataResponse]  # type: ignore[assignment]
+    """Deletes all of an owner's data, usage included."""
+    ExportOwnerData: _aio.UnaryUnaryMultiCallable[_store_pb2.ExportOwnerDataRequest, _store_pb2.ExportOwnerDataResponse]  # type: ignore[assignment]
+    """Exports all of an owner's conversations, messages, summaries and usage as one JSON document."""
+    ReadUsage: _aio.UnaryUnaryMultiCallable[_store_pb2.ReadUsageRequest, _store_pb2.ReadUsageResponse]  # type: ignore[assignment]
+    """Returns an owner's token usage per UTC day."""
+    PurgeExpired: _aio.UnaryUnaryMultiCallable[_store_pb2.PurgeExpiredRequest, _store_pb2.PurgeExpiredResponse]  # type: ignore[assignment]
+    """Deletes what is past retention now (the service also does this periodically)."""
 
 class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """Durable conversation state: conversations, messages, summaries, turn records and usage.
@@ -108,5 +144,77 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.FailTurnResponse, _abc.Awaitable[_store_pb2.FailTurnResponse]]:
         """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+
+    @_abc_1.abstractmethod
+    def UpdateTurnProgress(
+        self,
+        request: _store_pb2.UpdateTurnProgressRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.UpdateTurnProgressResponse, _abc.Awaitable[_store_pb2.UpdateTurnProgressResponse]]:
+        """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2)."""
+
+    @_abc_1.abstractmethod
+    def ReadTurn(
+        self,
+        request: _store_pb2.ReadTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ReadTurnResponse, _abc.Awaitable[_store_pb2.ReadTurnResponse]]:
+        """Returns one turn record: its state, the reply so far, its lease, and the stored reply when done."""
+
+    @_abc_1.abstractmethod
+    def SaveSummary(
+        self,
+        request: _store_pb2.SaveSummaryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.SaveSummaryResponse, _abc.Awaitable[_store_pb2.SaveSummaryResponse]]:
+        """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed)."""
+
+    @_abc_1.abstractmethod
+    def ListOwnerConversations(
+        self,
+        request: _store_pb2.ListOwnerConversationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ListOwnerConversationsResponse, _abc.Awaitable[_store_pb2.ListOwnerConversationsResponse]]:
+        """Lists an owner's conversations, most recently updated first."""
+
+    @_abc_1.abstractmethod
+    def DeleteStoredConversation(
+        self,
+        request: _store_pb2.DeleteStoredConversationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.DeleteStoredConversationResponse, _abc.Awaitable[_store_pb2.DeleteStoredConversationResponse]]:
+        """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only)."""
+
+    @_abc_1.abstractmethod
+    def DeleteOwnerData(
+        self,
+        request: _store_pb2.DeleteOwnerDataRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.DeleteOwnerDataResponse, _abc.Awaitable[_store_pb2.DeleteOwnerDataResponse]]:
+        """Deletes all of an owner's data, usage included."""
+
+    @_abc_1.abstractmethod
+    def ExportOwnerData(
+        self,
+        request: _store_pb2.ExportOwnerDataRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ExportOwnerDataResponse, _abc.Awaitable[_store_pb2.ExportOwnerDataResponse]]:
+        """Exports all of an owner's conversations, messages, summaries and usage as one JSON document."""
+
+    @_abc_1.abstractmethod
+    def ReadUsage(
+        self,
+        request: _store_pb2.ReadUsageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ReadUsageResponse, _abc.Awaitable[_store_pb2.ReadUsageResponse]]:
+        """Returns an owner's token usage per UTC day."""
+
+    @_abc_1.abstractmethod
+    def PurgeExpired(
+        self,
+        request: _store_pb2.PurgeExpiredRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.PurgeExpiredResponse, _abc.Awaitable[_store_pb2.PurgeExpiredResponse]]:
+        """Deletes what is past retention now (the service also does this periodically)."""
 
 def add_StoreServiceServicer_to_server(servicer: StoreServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
