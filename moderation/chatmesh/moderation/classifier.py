@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,14 +36,17 @@ class ProfanityModel:
 
     def score_tokens(self, tokens: Iterable[str]) -> float:
         """Probability of profanity for a bag of lower-cased tokens."""
-        counts = Counter(t for t in tokens if t in self.idf)
+        idf = self.idf
+        counts: dict[str, int] = {}
+        for t in tokens:
+            if t in idf:
+                counts[t] = counts.get(t, 0) + 1
         sums = [0.0] * len(self.intercepts)
         norm2 = 0.0
         for token, count in counts.items():
-            x = count * self.idf[token]
+            x = count * idf[token]
             norm2 += x * x
-            for k, w in enumerate(self.weights[token]):
-                sums[k] += count * w
+            sums = [s + count * w for s, w in zip(sums, self.weights[token])]
         norm = math.sqrt(norm2) or 1.0
         total = 0.0
         for s, b, (a, c) in zip(sums, self.intercepts, self.calibration):

@@ -7,7 +7,7 @@ chunk). `validate` enforces the size limits; it is called by the servicer before
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from chatmesh.mesh.errors import InvalidArgument
@@ -81,19 +81,16 @@ class Moderator:
         self.model = model
 
     def check_input(self, text: str) -> Verdict:
-        words = tokens(text)
-        view, lowered = View(text, 0), text.lower()
-        scores = {c.name: s for c in self.policy.categories
-                  if (s := self._score(c, view, lowered, words)) is not None}
-        return decide(self.policy, Direction.INPUT, scores)
+        return self._judge(Direction.INPUT, View(text, 0), tokens(text))
 
     def open_output(self) -> OutputCheck:
         return OutputCheck(self)
 
-    def _score(self, category: Category, view: View, lowered: str, words: list[str]) -> CategoryScore | None:
+    def _score(self, category: Category, view: View, present: frozenset[str],
+               words: Sequence[str]) -> CategoryScore | None:
         best: CategoryScore | None = None
         for rule in category.rules:
-            if (best is not None and best.score >= rule.score) or not rule.may_match(lowered):
+            if (best is not None and best.score >= rule.score) or not rule.may_match(present):
                 continue
             for m in rule.pattern.finditer(view.text):
                 if view.is_new(m.end()) and validate(rule.validator, m.group()):
@@ -105,13 +102,21 @@ class Moderator:
                 best = CategoryScore(category.name, p, category.model)
         return best
 
+    def _judge(self, direction: Direction, view: View, words: Sequence[str]) -> Verdict:
+        present = self.policy.gates_in(view.text.lower())
+        scores = {c.name: s for c in self.policy.categories
+                  if (s := self._score(c, view, present, words)) is not None}
+        return decide(self.policy, direction, scores)
+
 
 class OutputCheck:
     """The check of one streamed reply: `check(chunk)` judges each chunk in order (mutable, one per stream)."""
 
     def __init__(self, moderator: Moderator) -> None:
         self._moderator = moderator
-        self._window = Window(moderator.policy.window_chars)
+        policy, model = moderator.policy, moderator.model
+        self._window = Window(policy.window_chars, policy.context_tokens,
+                              keep_as_context=lambda word: not model.leans_profane(word))
         self.chunks = 0
 
     @property
@@ -121,11 +126,4 @@ class OutputCheck:
     def check(self, chunk: str) -> Verdict:
         view = self._window.push(chunk)
         self.chunks += 1
-        old, new = view.words()
-        model = self._moderator.model
-        context = [w for w in old if not model.leans_profane(w)][-self._moderator.policy.context_tokens:]
-        words = context + new if new else []
-        lowered = view.text.lower()
-        scores = {c.name: s for c in self._moderator.policy.categories
-                  if (s := self._moderator._score(c, view, lowered, words)) is not None}
-        return decide(self._moderator.policy, Direction.OUTPUT, scores)
+        return self._moderator._judge(Direction.OUTPUT, view, view.words)

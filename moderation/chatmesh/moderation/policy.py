@@ -20,6 +20,7 @@ The policy is a JSON file (setting CHATMESH_MODERATION_POLICY_FILE); the built-i
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -116,9 +117,10 @@ class Rule:
     validator: Validator = Validator.NONE
     gate: tuple[str, ...] = ()
 
-    def may_match(self, lowered: str) -> bool:
-        """A cheap pre-check: the regex runs only when one of the gate literals is in the lower-cased text."""
-        return not self.gate or any(literal in lowered for literal in self.gate)
+    def may_match(self, present: frozenset[str]) -> bool:
+        """A cheap pre-check: the regex runs only when one of the gate literals is present in the text
+        (`present`: the policy's gate literals found in the lower-cased text, see `Policy.gates_in`)."""
+        return not self.gate or not present.isdisjoint(self.gate)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,14 @@ class Policy:
     @property
     def models(self) -> frozenset[str]:
         return frozenset(c.model for c in self.categories if c.model is not None)
+
+    @functools.cached_property
+    def _gate_literals(self) -> tuple[str, ...]:
+        return tuple(sorted({g for c in self.categories for r in c.rules for g in r.gate}))
+
+    def gates_in(self, lowered: str) -> frozenset[str]:
+        """The gate literals present in `lowered`: one substring test per distinct literal for all rules."""
+        return frozenset(g for g in self._gate_literals if g in lowered)
 
 
 def _threshold(raw: Any, direction: Direction, what: str) -> float | None:
