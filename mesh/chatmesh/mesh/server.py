@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import signal
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, TypeVar
@@ -94,9 +95,12 @@ def stream_errors(
 
 
 def _context_of(args: tuple[object, ...], kwargs: dict[str, object]) -> grpc.aio.ServicerContext[object, object]:
+    # grpc's runtime context (a Cython class) does not subclass the abstract grpc.aio.ServicerContext,
+    # so this is a cast, not an isinstance check.
     ctx = kwargs.get("context", args[0] if args else None)
-    assert isinstance(ctx, grpc.aio.ServicerContext)
-    return ctx
+    if ctx is None or not hasattr(ctx, "abort"):
+        raise TypeError("servicer method called without a gRPC context")
+    return typing.cast("grpc.aio.ServicerContext[object, object]", ctx)
 
 
 @dataclass
