@@ -12,8 +12,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from chatmesh.store.core import ConversationStore, Limits, create_schema
+from chatmesh.store.core import ConversationStore, Limits
 from chatmesh.store.db import make_engine
+from chatmesh.store.migrate import upgrade
 from tests.conftest import POSTGRES_URL, need, port_open
 
 
@@ -68,7 +69,7 @@ def clock() -> FakeClock:
 @pytest.fixture
 async def engine(backend: Backend) -> AsyncIterator[AsyncEngine]:
     eng = backend.engine()
-    await create_schema(eng)
+    await upgrade(eng)
     yield eng
     await eng.dispose()
 

@@ -1,0 +1,1 @@
+"""Alembic migrations of the conversation store (run through `chatmesh.store.migrate`)."""

@@ -1,0 +1,17 @@
+"""Alembic environment: runs on the connection `chatmesh.store.migrate` hands over (sync facade of the async
+engine), inside its transaction; there is no alembic.ini and no URL here."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy.engine import Connection
+
+from chatmesh.store.schema import Base
+
+connection = context.config.attributes.get("connection")
+if not isinstance(connection, Connection):
+    raise RuntimeError("run store migrations with `chatmesh store migrate` (chatmesh.store.migrate)")
+context.configure(connection=connection, target_metadata=Base.metadata,
+                  render_as_batch=connection.dialect.name == "sqlite", compare_type=True)
+with context.begin_transaction():
+    context.run_migrations()
