@@ -25,13 +25,15 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Mount, Route
 
-from chatmesh.gateway import routes, settings
+from chatmesh.gateway import login, openapi, page, routes, settings
+from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
 from chatmesh.gateway.limits import Budget, Limits, MemoryLimits
+from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
 from chatmesh.mesh import ids, logs
 from chatmesh.mesh import settings as mesh_settings
@@ -58,10 +60,12 @@ def budget_of(cfg: Config) -> Budget:
 
 
 def _limits(cfg: Config) -> Limits:
+    if cfg[settings.REDIS_URL]:
+        return RedisLimits(cfg[settings.REDIS_URL], budget_of(cfg))
     return MemoryLimits(budget_of(cfg))
 
 
-def route_table() -> list[Route]:
+def route_table() -> list[BaseRoute]:
     conv = "/v1/conversations/{conversation_id}"
     turn = conv + "/turns/{turn_id}"
     return [
@@ -76,6 +80,12 @@ def route_table() -> list[Route]:
         Route(turn + "/events", routes.attach_turn, methods=["GET"]),
         Route("/v1/usage", routes.usage, methods=["GET"]),
         Route("/v1/export", routes.export, methods=["GET"]),
+        Route("/v1/session", login.login, methods=["POST"]),
+        Route("/v1/session", login.whoami, methods=["GET"]),
+        Route("/v1/session", login.logout, methods=["DELETE"]),
+        Route("/openapi.json", openapi.document, methods=["GET"]),
+        Route("/", page.index, methods=["GET"]),
+        Mount("/static", app=page.static(), name="static"),
     ]
 
 
@@ -103,10 +113,13 @@ def create_app(cfg: Config) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         channel = grpc.aio.insecure_channel(cfg[mesh_settings.CHAT_ADDRESS])
         limits = _limits(cfg)
+        accounts = accounts_for(cfg)
+        await accounts.create_tables()
+        app.state.accounts = accounts
         local = ids.parse_owner_id(cfg[settings.LOCAL_USER], "CHATMESH_LOCAL_USER") \
             if cfg[settings.AUTH] == "local" else None
         app.state.edge = routes.Edge(
-            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(None, local), limits=limits,
+            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), limits=limits,
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], max_content_chars=cfg[settings.MAX_CONTENT_CHARS],
             deadline_s=cfg[settings.CHAT_DEADLINE_S])
@@ -116,11 +129,14 @@ def create_app(cfg: Config) -> Starlette:
         finally:
             await relays.drain(0)
             await limits.close()
+            await accounts.close()
             await channel.close(None)
 
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.relays = relays
+    app.state.accounts = None
+    app.state.secure_cookies = cfg[settings.SECURE_COOKIES] or bool(cfg[settings.TLS_CERT])
     return app
 
 

@@ -1,0 +1,203 @@
+"""The gateway's own tables (prefixed `auth_`, beside the store's on the same database): users, API keys and
+browser sessions. The gateway creates them at start (`create_all`, idempotent).
+
+- auth_users: a user id (the owner id every ChatService call carries), a unique name, an optional password
+  (scrypt, n=2^14 r=8 p=1, per-user salt).
+- auth_api_keys: SHA-256 digest of the key, never the key; the key is shown once by `chatmesh keys create`.
+  Keys are `cmk_` + 43 URL-safe characters (256 random bits), so a fast digest is enough.
+- auth_sessions: SHA-256 digest of the cookie value, the CSRF token handed to the page, and an expiry.
+
+Lookups on the request path are cached in this process for `cache_s` seconds (10 by default), so a burst of
+requests with one key costs one query; a revoked key or ended session stops working within that time here, and
+at once on logout from this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from chatmesh.gateway.auth import Session, digest
+from chatmesh.mesh import errors, ids
+from chatmesh.store.db import database_url as resolve_url
+from chatmesh.store.db import make_engine, reading
+
+metadata = sa.MetaData()
+
+users = sa.Table(
+    "auth_users", metadata,
+    sa.Column("user_id", sa.String(64), primary_key=True),
+    sa.Column("name", sa.String(128), nullable=False, unique=True),
+    sa.Column("password_hash", sa.String(256), nullable=True),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+)
+api_keys = sa.Table(
+    "auth_api_keys", metadata,
+    sa.Column("key_digest", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), sa.ForeignKey("auth_users.user_id", ondelete="CASCADE"), nullable=False,
+              index=True),
+    sa.Column("label", sa.String(128), nullable=False, default=""),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+    sa.Column("revoked_at_ms", sa.BigInteger, nullable=True),
+)
+sessions = sa.Table(
+    "auth_sessions", metadata,
+    sa.Column("session_digest", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(64), sa.ForeignKey("auth_users.user_id", ondelete="CASCADE"), nullable=False,
+              index=True),
+    sa.Column("csrf_token", sa.String(64), nullable=False),
+    sa.Column("expires_at_ms", sa.BigInteger, nullable=False, index=True),
+)
+
+_SCRYPT = {"n": 2**14, "r": 8, "p": 1}
+
+
+def hash_password(password: str) -> str:
+    salt = secrets.token_bytes(16)
+    dk = hashlib.scrypt(password.encode(), salt=salt, dklen=32, **_SCRYPT)
+    return f"scrypt${_SCRYPT['n']}${_SCRYPT['r']}${_SCRYPT['p']}${salt.hex()}${dk.hex()}"
+
+
+def check_password(password: str, stored: str) -> bool:
+    try:
+        scheme, n, r, p, salt, expected = stored.split("$")
+    except ValueError:
+        return False
+    if scheme != "scrypt":
+        return False
+    dk = hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), dklen=32, n=int(n), r=int(r), p=int(p))
+    return hmac.compare_digest(dk.hex(), expected)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class NewSession:
+    token: str
+    csrf_token: str
+    owner: ids.OwnerId
+    max_age_s: int
+
+
+class Accounts:
+    """Users, keys and sessions on the auth_ tables; implements `auth.Credentials`."""
+
+    def __init__(self, engine: AsyncEngine, session_ttl_s: int = 7 * 24 * 3600, cache_s: float = 10.0):
+        self._engine = engine
+        self._session_ttl_s = session_ttl_s
+        self._cache_s = cache_s
+        self._keys: dict[str, tuple[float, ids.OwnerId | None]] = {}
+        self._sessions: dict[str, tuple[float, Session | None]] = {}
+
+    async def create_tables(self) -> None:
+        async with self._engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    async def create_user(self, name: str, password: str | None = None) -> ids.OwnerId:
+        if not name or len(name) > 128 or not name.isprintable():
+            raise errors.InvalidArgument("name must be 1-128 printable characters")
+        user_id = ids.OwnerId(str(uuid.uuid4()))
+        async with self._engine.begin() as conn:
+            exists = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
+            if exists is not None:
+                raise errors.Conflict(f"user {name!r} exists")
+            await conn.execute(users.insert().values(
+                user_id=user_id, name=name, password_hash=hash_password(password) if password else None,
+                created_at_ms=_now_ms()))
+        return user_id
+
+    async def user_named(self, name: str) -> ids.OwnerId | None:
+        async with self._engine.connect() as conn:
+            conn = await reading(conn)
+            found = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
+        return ids.OwnerId(found) if found is not None else None
+
+    async def create_key(self, name: str, label: str = "") -> str:
+        owner = await self.user_named(name)
+        if owner is None:
+            raise errors.NotFound(f"no user {name!r}")
+        key = "cmk_" + secrets.token_urlsafe(32)
+        async with self._engine.begin() as conn:
+            await conn.execute(api_keys.insert().values(
+                key_digest=digest(key), user_id=owner, label=label, prefix=key[:10], created_at_ms=_now_ms()))
+        return key
+
+    async def revoke_key(self, key: str) -> bool:
+        key_digest = digest(key)
+        self._keys.pop(key_digest, None)
+        async with self._engine.begin() as conn:
+            done = await conn.execute(api_keys.update().where(
+                api_keys.c.key_digest == key_digest, api_keys.c.revoked_at_ms.is_(None)).values(
+                revoked_at_ms=_now_ms()))
+        return bool(done.rowcount)
+
+    async def owner_for_key(self, key_digest: str) -> ids.OwnerId | None:
+        cached = self._keys.get(key_digest)
+        now = time.monotonic()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        async with self._engine.connect() as conn:
+            conn = await reading(conn)
+            found = await conn.scalar(sa.select(api_keys.c.user_id).where(
+                api_keys.c.key_digest == key_digest, api_keys.c.revoked_at_ms.is_(None)))
+        owner = ids.OwnerId(found) if found is not None else None
+        if len(self._keys) > 50_000:
+            self._keys.clear()
+        self._keys[key_digest] = (now + self._cache_s, owner)
+        return owner
+
+    async def login(self, name: str, password: str) -> NewSession | None:
+        async with self._engine.connect() as conn:
+            conn = await reading(conn)
+            row = (await conn.execute(sa.select(users.c.user_id, users.c.password_hash).where(
+                users.c.name == name))).first()
+        if row is None or row.password_hash is None or not check_password(password, row.password_hash):
+            return None
+        return await self.start_session(ids.OwnerId(row.user_id))
+
+    async def start_session(self, owner: ids.OwnerId) -> NewSession:
+        token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+        async with self._engine.begin() as conn:
+            await conn.execute(sessions.delete().where(sessions.c.expires_at_ms < _now_ms()))
+            await conn.execute(sessions.insert().values(
+                session_digest=digest(token), user_id=owner, csrf_token=csrf,
+                expires_at_ms=_now_ms() + self._session_ttl_s * 1000))
+        return NewSession(token, csrf, owner, self._session_ttl_s)
+
+    async def session(self, session_digest: str) -> Session | None:
+        cached = self._sessions.get(session_digest)
+        now = time.monotonic()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        async with self._engine.connect() as conn:
+            conn = await reading(conn)
+            row = (await conn.execute(sa.select(sessions.c.user_id, sessions.c.csrf_token).where(
+                sessions.c.session_digest == session_digest, sessions.c.expires_at_ms > _now_ms()))).first()
+        found = Session(ids.OwnerId(row.user_id), row.csrf_token) if row is not None else None
+        if len(self._sessions) > 50_000:
+            self._sessions.clear()
+        self._sessions[session_digest] = (now + self._cache_s, found)
+        return found
+
+    async def end_session(self, session_digest: str) -> None:
+        self._sessions.pop(session_digest, None)
+        async with self._engine.begin() as conn:
+            await conn.execute(sessions.delete().where(sessions.c.session_digest == session_digest))
+
+
+def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 * 3600) -> Accounts:
+    """The auth_ tables on the store's database: `database_url` if set, else the embedded SQLite file."""
+    return Accounts(make_engine(resolve_url(database_url, data_dir), pool_size=5), session_ttl_s)

@@ -1,0 +1,170 @@
+"""Per-user limits in Redis, shared by every gateway process (same buckets as `limits.MemoryLimits`).
+
+Each check is ONE Lua script, so it is atomic across processes without locks or retries, and the clock is
+Redis's own (`TIME`), so gateways with skewed clocks still refill one bucket at one rate:
+- ADMIT: refill the prompt-token bucket and refuse if it is not positive; refill the turn bucket and take one
+  token or refuse; answers (allowed, retry_after_ms, which);
+- CHARGE: refill the prompt-token bucket and subtract the turn's prompt tokens (it may go negative);
+- OPEN: drop expired stream leases from the owner's sorted set (score = expiry), refuse when the set is full,
+  else add this lease.
+Buckets are hashes {tokens, at_ms} that expire once they would be full again. A stream lease expires after
+`lease_ttl_s` unless renewed: one task per process renews all its live leases every third of that, so a
+crashed gateway frees its users' stream slots within `lease_ttl_s`. Redis unreachable -> 503 (fail closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.limits import Budget, StreamLease, refused
+from chatmesh.mesh import ids, logs
+
+log = logs.get("chatmesh.gateway.limits")
+
+_REFILL = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function level(key, cap, rate, now)
+  local v = redis.call('HMGET', key, 'tokens', 'at')
+  local tokens, at = tonumber(v[1]), tonumber(v[2])
+  if tokens == nil or at == nil then return cap end
+  return math.min(cap, tokens + (now - at) * rate)
+end
+local function store(key, tokens, cap, rate, now)
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'at', now)
+  redis.call('PEXPIRE', key, math.ceil((cap - tokens) / rate) + 1000)
+end
+"""
+
+ADMIT = _REFILL + """
+local now = now_ms()
+local tcap, trate = tonumber(ARGV[1]), tonumber(ARGV[2])
+local pcap, prate = tonumber(ARGV[3]), tonumber(ARGV[4])
+local p = level(KEYS[2], pcap, prate, now)
+if p <= 0 then return {0, math.ceil((1 - p) / prate), 'prompt'} end
+local t = level(KEYS[1], tcap, trate, now)
+if t < 1 then return {0, math.ceil((1 - t) / trate), 'turns'} end
+store(KEYS[1], t - 1, tcap, trate, now)
+return {1, 0, ''}
+"""
+
+CHARGE = _REFILL + """
+local now = now_ms()
+local pcap, prate, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+store(KEYS[1], level(KEYS[1], pcap, prate, now) - cost, pcap, prate, now)
+return 1
+"""
+
+OPEN = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local limit, ttl = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ttl)
+return 1
+"""
+
+RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', now + ttl, ARGV[i + 1])
+  redis.call('PEXPIRE', key, ttl)
+end
+return #KEYS
+"""
+
+
+def _unavailable(err: RedisError) -> ApiError:
+    log.warning("limits_backend_unavailable", error=type(err).__name__)
+    return ApiError(503, "unavailable", "the limits backend is unavailable; retry later")
+
+
+class _RedisLease:
+    def __init__(self, limits: RedisLimits, key: str, lease: str):
+        self._limits = limits
+        self.key = key
+        self.lease = lease
+
+    async def release(self) -> None:
+        if self._limits.live.pop(self.lease, None) is not None:
+            await self._limits.redis.zrem(self.key, self.lease)
+
+
+class RedisLimits:
+    def __init__(self, url: str, budget: Budget, prefix: str = "chatmesh:limits:", lease_ttl_s: float = 90.0):
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(url)
+        self._budget = budget
+        self._prefix = prefix
+        self._ttl_ms = int(lease_ttl_s * 1000)
+        self._admit = self.redis.register_script(ADMIT)
+        self._charge = self.redis.register_script(CHARGE)
+        self._open = self.redis.register_script(OPEN)
+        self._renew = self.redis.register_script(RENEW)
+        self.live: dict[str, _RedisLease] = {}
+        self._renewer: asyncio.Task[None] | None = None
+
+    def _key(self, owner: ids.OwnerId, what: str) -> str:
+        return f"{self._prefix}{{{owner}}}:{what}"  # one hash slot per owner (Redis Cluster)
+
+    async def admit_turn(self, owner: ids.OwnerId) -> None:
+        b = self._budget
+        try:
+            allowed, retry_ms, which = await self._admit(
+                keys=[self._key(owner, "turns"), self._key(owner, "prompt")],
+                args=[b.turns_per_minute, b.turns_per_minute / 60_000, b.prompt_tokens_per_hour,
+                      b.prompt_tokens_per_hour / 3_600_000])
+        except RedisError as err:
+            raise _unavailable(err) from None
+        if not allowed:
+            what = "prompt tokens per hour" if which == b"prompt" else "turns per minute"
+            raise refused(what, int(retry_ms) / 1000)
+
+    async def open_stream(self, owner: ids.OwnerId) -> StreamLease:
+        key, lease = self._key(owner, "streams"), uuid.uuid4().hex
+        try:
+            ok = await self._open(keys=[key], args=[lease, self._budget.open_streams, self._ttl_ms])
+        except RedisError as err:
+            raise _unavailable(err) from None
+        if not ok:
+            raise refused("open streams", 1.0)
+        handle = self.live[lease] = _RedisLease(self, key, lease)
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_forever())
+        return handle
+
+    async def charge_prompt_tokens(self, owner: ids.OwnerId, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        b = self._budget
+        await self._charge(keys=[self._key(owner, "prompt")],
+                           args=[b.prompt_tokens_per_hour, b.prompt_tokens_per_hour / 3_600_000, tokens])
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_ms / 3000)
+            leases = list(self.live.values())
+            for start in range(0, len(leases), 500):
+                batch = leases[start:start + 500]
+                try:
+                    await self._renew(keys=[h.key for h in batch], args=[self._ttl_ms, *[h.lease for h in batch]])
+                except RedisError as err:
+                    log.warning("lease_renewal_failed", error=type(err).__name__, leases=len(batch))
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        await self.redis.aclose()
