@@ -1,0 +1,145 @@
+"""Deletion reaches every row (checked by direct SQL), purge removes exactly what is past retention, export,
+usage per day, and summaries."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.store.core import DAY_MS, ConversationStore
+from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
+from tests.store.conftest import FakeClock
+
+ALICE, BOB = OwnerId("alice"), OwnerId("bob")
+TABLES = ("conversations", "messages", "turns")
+
+
+async def stored_turn(store: ConversationStore, owner: OwnerId, conv: ConversationId, content: str = "hi",
+                      reply: str = "hello") -> TurnId:
+    turn = TurnId(str(uuid.uuid4()))
+    claim = await store.begin_turn(owner, conv, turn, content=content, lease_holder="chat-1")
+    assert isinstance(claim, Claimed)
+    await store.finish_turn(owner, conv, turn, claim.lease_id,
+                            Reply(2, reply, 3, MessageStatus.COMPLETE, Usage(10, 4, 3)))
+    return turn
+
+
+async def pending_turn(store: ConversationStore, owner: OwnerId, conv: ConversationId) -> TurnId:
+    turn = TurnId(str(uuid.uuid4()))
+    assert isinstance(await store.begin_turn(owner, conv, turn, content="pending", lease_holder="c"), Claimed)
+    return turn
+
+
+async def rows(engine: AsyncEngine, table: str, column: str, value: str) -> int:
+    async with engine.connect() as conn:
+        count: int = (await conn.execute(text(f"SELECT count(*) FROM {table} WHERE {column} = :v"),
+                                         {"v": value})).scalar_one()
+    return count
+
+
+async def test_delete_conversation_leaves_no_row(store: ConversationStore, engine: AsyncEngine) -> None:
+    gone = (await store.insert_conversation(ALICE)).conversation_id
+    kept = (await store.insert_conversation(ALICE)).conversation_id
+    for conv in (gone, kept):
+        await stored_turn(store, ALICE, conv)
+        await pending_turn(store, ALICE, conv)
+    await store.save_summary(ALICE, gone, "a summary", 0, 2)
+    assert [await rows(engine, t, "conversation_id", gone) for t in TABLES] == [1, 2, 2]
+    assert await store.delete_conversation(ALICE, gone) == [gone]
+    assert [await rows(engine, t, "conversation_id", gone) for t in TABLES] == [0, 0, 0]
+    assert [await rows(engine, t, "conversation_id", kept) for t in TABLES] == [1, 2, 2]
+    assert await rows(engine, "usage_days", "owner_id", ALICE) == 1  # numbers only, kept
+    with pytest.raises(NotFound):
+        await store.delete_conversation(ALICE, gone)
+
+
+async def test_delete_user_data_leaves_no_row_of_the_owner(store: ConversationStore, engine: AsyncEngine) -> None:
+    mine = [(await store.insert_conversation(ALICE)).conversation_id for _ in range(3)]
+    theirs = (await store.insert_conversation(BOB)).conversation_id
+    for conv in mine:
+        await stored_turn(store, ALICE, conv)
+    await pending_turn(store, ALICE, mine[0])
+    await stored_turn(store, BOB, theirs)
+    assert sorted(await store.delete_user_data(ALICE)) == sorted(mine)
+    for table in (*TABLES, "usage_days"):
+        assert await rows(engine, table, "owner_id", ALICE) == 0
+        assert await rows(engine, table, "owner_id", BOB) >= 1
+    assert await store.delete_user_data(ALICE) == []
+
+
+async def test_purge_removes_exactly_what_is_past_retention(store: ConversationStore, engine: AsyncEngine,
+                                                            clock: FakeClock) -> None:
+    old = (await store.insert_conversation(ALICE)).conversation_id
+    await stored_turn(store, ALICE, old)
+    abandoned = await pending_turn(store, BOB, (bob_conv := (await store.insert_conversation(BOB)).conversation_id))
+    clock.advance(1)
+    boundary = (await store.insert_conversation(ALICE)).conversation_id  # idle exactly the retention period
+    clock.advance(10 * DAY_MS)
+    fresh_turn = await stored_turn(store, BOB, bob_conv)  # bob's conversation is active again
+    clock.advance(20 * DAY_MS)
+    purged = await store.purge_expired()
+    assert purged.conversations == [(ALICE, old)]
+    assert purged.abandoned_turns == 1
+    assert [await rows(engine, t, "conversation_id", old) for t in TABLES] == [0, 0, 0]
+    assert await rows(engine, "turns", "turn_id", abandoned) == 0
+    assert await rows(engine, "turns", "turn_id", fresh_turn) == 1
+    assert await rows(engine, "conversations", "conversation_id", boundary) == 1
+    assert await rows(engine, "messages", "conversation_id", bob_conv) == 2
+    clock.advance(1)
+    assert (await store.purge_expired()).conversations == [(ALICE, boundary)]
+    assert (await store.purge_expired()).conversations == []
+
+
+async def test_export_is_the_owners_data_only(store: ConversationStore) -> None:
+    conv = (await store.insert_conversation(ALICE, "greetings", "v1")).conversation_id
+    await stored_turn(store, ALICE, conv, "héllo", "hi!")
+    await store.save_summary(ALICE, conv, "a greeting", 1, 3)
+    other = (await store.insert_conversation(BOB)).conversation_id
+    await stored_turn(store, BOB, other, "secret", "shh")
+    document = json.loads(json.dumps(await store.export_user_data(ALICE)))
+    assert document["owner_id"] == "alice" and len(document["conversations"]) == 1
+    [exported] = document["conversations"]
+    assert exported["conversation_id"] == conv and exported["title"] == "greetings"
+    assert [(m["role"], m["content"]) for m in exported["messages"]] == [("user", "héllo"), ("assistant", "hi!")]
+    assert exported["summary"]["text"] == "a greeting"
+    assert document["usage"][0]["turns"] == 1
+    assert "secret" not in json.dumps(document)
+
+
+async def test_usage_per_day_newest_first(store: ConversationStore, clock: FakeClock) -> None:
+    conv = (await store.insert_conversation(ALICE)).conversation_id
+    await stored_turn(store, ALICE, conv)
+    clock.advance(DAY_MS)
+    await stored_turn(store, ALICE, conv)
+    await stored_turn(store, ALICE, conv)
+    days = await store.usage(ALICE, days=2)
+    assert [(d.turns, d.usage) for d in days] == [(2, Usage(20, 8, 6)), (1, Usage(10, 4, 3))]
+    assert days[0].day > days[1].day
+    assert len(await store.usage(ALICE, days=1)) == 1
+    assert await store.usage(BOB) == []
+
+
+async def test_summary_and_windowed_reads(store: ConversationStore) -> None:
+    conv = (await store.insert_conversation(ALICE)).conversation_id
+    for i in range(3):
+        await stored_turn(store, ALICE, conv, f"q{i}", f"a{i}")
+    assert (await store.read_conversation(ALICE, conv)).summary is None
+    await store.save_summary(ALICE, conv, "q0 and q1 were asked", 3, 7)
+    history = await store.read_conversation(ALICE, conv, from_index=4)
+    assert history.summary is not None and history.summary.covers_through_index == 3
+    assert [m.content for m in history.messages] == ["q2", "a2"]
+    assert [m.index for m in (await store.read_conversation(ALICE, conv, max_messages=3)).messages] == [3, 4, 5]
+    with pytest.raises(FailedPrecondition):
+        await store.save_summary(ALICE, conv, "older", 1, 2)
+    with pytest.raises(InvalidArgument, match="past the last message"):
+        await store.save_summary(ALICE, conv, "future", 6, 2)
+    with pytest.raises(NotFound):
+        await store.save_summary(BOB, conv, "not yours", 1, 2)
+    listed = await store.list_conversations(ALICE)
+    assert [c.conversation_id for c in listed] == [conv] and listed[0].message_count == 6
