@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 def _config(**extra: str) -> Config:
     env = {"CHATMESH_ENGINE": "sim", "CHATMESH_SIM_STEP_MS": "2", "CHATMESH_QUEUE_LIMIT": "4",
-           "CHATMESH_DEVICE_BLOCKS": "256", "CHATMESH_HOST_BLOCKS": "256", "CHATMESH_MAX_BATCH": "2"}
+           "CHATMESH_DEVICE_BLOCKS": "256", "CHATMESH_HOST_BLOCKS": "256", "CHATMESH_MAX_BATCH": "2",
+           "CHATMESH_SIM_TEXT": "words"}
     env.update(extra)
     return Config(env=env)
 
@@ -77,17 +78,18 @@ async def test_invalid_requests_are_invalid_argument(stub: generate_pb2_grpc.Gen
 
 
 async def test_full_queue_is_resource_exhausted(stub: generate_pb2_grpc.GenerateServiceAsyncStub) -> None:
-    calls = [stub.Generate(_request(max_tokens=10_000)) for _ in range(8)]
-    codes: list[grpc.StatusCode] = []
-    for call in calls:
-        try:
-            await call.read()
-            codes.append(grpc.StatusCode.OK)
-        except grpc.aio.AioRpcError as err:
-            codes.append(err.code())
-    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
-    assert grpc.StatusCode.OK in codes
-    for call in calls:
+    running = [stub.Generate(_request(max_tokens=10_000)) for _ in range(2)]  # max batch 2
+    for call in running:
+        assert isinstance(await call.read(), generate_pb2.GenerateResponse)
+    queued = [stub.Generate(_request(max_tokens=10_000)) for _ in range(4)]  # queue limit 4
+    for _ in range(500):
+        if (await stub.GetStats(generate_pb2.GetStatsRequest())).stats.queue_depth == 4:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Generate(_request()).read()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for call in running + queued:
         call.cancel()
 
 

@@ -1,95 +1,97 @@
-"""The `sim` backend (first cut): deterministic tokens from text.PASSAGE at a fixed per-token delay.
+"""The `sim` backend: the real engine core (block manager, scheduler, streams) over an executor that computes
+nothing and times each step with the roofline model (roofline.py) of the configured node.
 
-No KV cache yet: every prompt is a miss. The engine core (block manager, scheduler, roofline executor) replaces
-this behind the same `build_backend`.
+Tokens: each sampled token is the next token of a deterministic English text (text.PASSAGE, encoded by the
+engine's tokenizer, so they are real SmolLM2 ids when the model file is present), read at an offset chosen by
+the seed and the token's position, so streams read as words and the same seed and prompt give the same reply.
+`sim` never samples a stop token by itself; replies end at max_tokens (or at a requested stop token id).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import Sequence
 
 from chatmesh.engine_adapter import settings
-from chatmesh.engine_adapter.backend import (
-    Backend,
-    Delta,
-    EngineStats,
-    Finished,
-    FinishReason,
-    GenerateEvent,
-    GenerateParams,
-    Started,
-    TierStats,
-    Usage,
-)
-from chatmesh.engine_adapter.text import PASSAGE, WordCodec
+from chatmesh.engine_adapter.backend import Backend
+from chatmesh.engine_adapter.block_manager import BlockConfig
+from chatmesh.engine_adapter.engine import Clock, EngineCore, RealClock
+from chatmesh.engine_adapter.executor import BlockCopy, SeqWork, StepResult
+from chatmesh.engine_adapter.roofline import PRESETS, NodeModel
+from chatmesh.engine_adapter.scheduler import SchedulerConfig
+from chatmesh.engine_adapter.text import PASSAGE, TextCodec, WordCodec
+from chatmesh.mesh import logs
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import ResourceExhausted
-from chatmesh.mesh.ids import ConversationId
+
+log = logs.get("chatmesh.engine.sim")
 
 
-class FixedStepSim:
-    """Every running generation yields one token per `step_s`; at most `queue_limit` generations at once."""
+class SimExecutor:
+    """An Executor that samples from a script and reports roofline step times (or a fixed step time)."""
 
     name = "sim"
 
-    def __init__(self, replica_id: str, step_s: float, queue_limit: int, block_size: int = 32):
-        self.replica_id = replica_id
-        self.step_s = step_s
-        self.queue_limit = queue_limit
+    def __init__(self, node: NodeModel, script: Sequence[int], block_size: int, fixed_step_s: float = 0.0):
+        if not script:
+            raise ValueError("the sim script must not be empty")
+        self.node = node
+        self.script = list(script)
         self.block_size = block_size
-        self.codec = WordCodec()
-        self._script = self.codec.encode(PASSAGE)
-        self._running = 0
-        self._generations = 0
-        self._miss = 0
-        self._open = False
+        self.fixed_step_s = fixed_step_s
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
-        if self._running >= self.queue_limit:
-            raise ResourceExhausted(f"engine queue is full ({self.queue_limit})")
-        self._running += 1
-        self._generations += 1
-        self._miss += len(params.prompt_token_ids)
-        try:
-            yield Started(cached_tokens=0, host_cached_tokens=0)
-            decoder = self.codec.decoder()
-            start = (params.sampling.seed * 7919 + len(params.prompt_token_ids)) % len(self._script)
-            out = 0
-            while out < params.max_tokens:
-                await asyncio.sleep(self.step_s)
-                token = self._script[(start + out) % len(self._script)]
-                out += 1
-                if token in params.stop_token_ids or token in self.codec.stop_token_ids:
-                    yield Finished(FinishReason.STOP, Usage(len(params.prompt_token_ids), 0, out))
-                    return
-                yield Delta((token,), decoder.feed([token]))
-            yield Finished(FinishReason.LENGTH, Usage(len(params.prompt_token_ids), 0, out))
-        finally:
-            self._running -= 1
+    def execute(self, work: Sequence[SeqWork]) -> StepResult:
+        kv_read = prefill = 0
+        next_tokens: dict[int, int] = {}
+        script, n_script = self.script, len(self.script)
+        for w in work:
+            n = len(w.token_ids)
+            end = w.start_pos + n
+            kv_read += end
+            if n > 1:
+                prefill += n
+            if w.sample:
+                next_tokens[w.seq_id] = script[(w.sampling.seed * 7919 + end) % n_script]
+        duration = self.fixed_step_s or self.node.step_s(prefill, kv_read)
+        return StepResult(next_tokens, duration)
 
-    async def evict_conversation(self, conversation_id: ConversationId) -> int:
-        return 0
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> float:
+        return 0.0 if self.fixed_step_s else self.node.copy_s(len(copies), self.block_size)
 
-    async def evict_salt(self, salt: bytes) -> int:
-        return 0
+    def release(self, seq_id: int) -> None:
+        pass
 
-    def stats(self) -> EngineStats:
-        return EngineStats(self.replica_id, self.name, queue_depth=0, running_sequences=self._running,
-                           block_size=self.block_size, device=TierStats(0, 0, 0), host=TierStats(0, 0, 0),
-                           miss_tokens=self._miss, generations=self._generations)
 
-    async def start(self) -> None:
-        self._open = True
+def codec_for(cfg: Config) -> TextCodec:
+    """SmolLM2's tokenizer when CHATMESH_SIM_TEXT allows and the model file is there, else the word codec."""
+    choice = cfg[settings.SIM_TEXT]
+    if choice == "words":
+        return WordCodec()
+    from chatmesh.model import assets
+    from chatmesh.model.settings import MODEL_DIR
+    from chatmesh.model.tokenizer import load
 
-    async def close(self) -> None:
-        self._open = False
+    try:
+        return load(cfg[MODEL_DIR])
+    except assets.ModelMissing:
+        if choice == "tokenizer":
+            raise
+        log.warning("sim_text_words", reason="model file absent; sim streams use the word codec")
+        return WordCodec()
 
-    def ready(self) -> bool:
-        return self._open
+
+def build_sim(cfg: Config, *, codec: TextCodec | None = None, clock: Clock | None = None) -> EngineCore:
+    node = PRESETS[cfg[settings.SIM_PRESET]]
+    bs = cfg[settings.BLOCK_SIZE]
+    device = cfg[settings.DEVICE_BLOCKS]
+    host = cfg[settings.HOST_BLOCKS]
+    blocks = BlockConfig(bs, device if device >= 0 else int(node.kv_tokens // bs),
+                         host if host >= 0 else int(node.host_kv_tokens // bs))
+    sched = SchedulerConfig(cfg[settings.MAX_BATCH], cfg[settings.STEP_TOKEN_BUDGET], cfg[settings.QUEUE_LIMIT])
+    codec = codec or codec_for(cfg)
+    executor = SimExecutor(node, codec.encode(PASSAGE), bs, cfg[settings.SIM_STEP_MS] / 1000)
+    return EngineCore(executor, blocks, sched, codec, replica_id=cfg[settings.REPLICA_ID],
+                      flush_interval_s=cfg[settings.FLUSH_INTERVAL_MS] / 1000,
+                      clock=clock or RealClock(cfg[settings.SIM_SPEED]))
 
 
 def build_backend(cfg: Config) -> Backend:
-    step_ms = cfg[settings.SIM_STEP_MS] or 12.7
-    return FixedStepSim(cfg[settings.REPLICA_ID], step_ms / 1000 / cfg[settings.SIM_SPEED],
-                        cfg[settings.QUEUE_LIMIT], cfg[settings.BLOCK_SIZE])
+    return build_sim(cfg)

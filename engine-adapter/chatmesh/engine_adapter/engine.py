@@ -1,0 +1,265 @@
+"""EngineCore: the in-process engine (block manager + scheduler + an Executor) as a `Backend`.
+
+One asyncio task runs the step loop: schedule, run the queued tier copies and the step on the executor,
+apply the sampled tokens, hand them to the streams, then pace. Pacing is the clock's: `RealClock` waits until
+the step's modelled duration (divided by the speed factor) has passed, so `sim` runs at the node's speed and a
+measured executor (`local`, whose duration is its own wall time) is never slowed; `VirtualClock` only advances
+a counter, so tests run the roofline in virtual time as fast as the CPU allows.
+
+Streaming efficiency: a stream is woken when the tokens it has accumulated are at least `flush_interval_s`
+old in clock time (or when it starts or finishes); it then sends everything produced since its last send as
+one Delta. The message rate per stream is thus at most 1 / flush interval (40/s at 25 ms), whatever the step
+rate, and detokenisation runs once per send, not once per token.
+
+The `local` backend constructs this with its executor: `EngineCore(executor, BlockConfig(...),
+SchedulerConfig(...), codec, offload=True)` (offload runs each step in a worker thread so the event loop
+keeps serving RPCs while the model computes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from chatmesh.engine_adapter.backend import (
+    Delta,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerateEvent,
+    GenerateParams,
+    Started,
+    TierStats,
+    Usage,
+)
+from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager
+from chatmesh.engine_adapter.executor import BlockCopy, Executor, SeqWork, StepResult
+from chatmesh.engine_adapter.scheduler import Scheduler, SchedulerConfig, Seq, SeqState, Step
+from chatmesh.engine_adapter.text import TextCodec
+from chatmesh.mesh import logs
+from chatmesh.mesh.errors import Unavailable
+from chatmesh.mesh.ids import ConversationId
+
+log = logs.get("chatmesh.engine")
+
+
+class Clock(Protocol):
+    """The engine's time: what `now` is, and how a step's modelled duration is waited out."""
+
+    def now(self) -> float: ...
+
+    async def pace(self, modelled_s: float, spent_s: float) -> None:
+        """Called after each step: it was modelled to take `modelled_s` and took `spent_s` of wall time."""
+        ...
+
+
+class RealClock:
+    """Wall time; a step lasts max(modelled / speed, what it really took)."""
+
+    def __init__(self, speed: float = 1.0):
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        self.speed = speed
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def pace(self, modelled_s: float, spent_s: float) -> None:
+        wait = modelled_s / self.speed - spent_s
+        await asyncio.sleep(wait if wait > 0 else 0)
+
+
+class VirtualClock:
+    """Virtual time: a step advances `now` by its modelled duration and yields to the event loop once."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def pace(self, modelled_s: float, spent_s: float) -> None:
+        self.t += modelled_s
+        await asyncio.sleep(0)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step, for observers (tests, metrics): its modelled duration and its shape."""
+
+    duration_s: float
+    decode_seqs: int
+    prefill_tokens: int
+    copies: int
+    at: float  # clock time when the step ended
+
+
+class _Stream:
+    __slots__ = ("seq", "wake", "last_flush")
+
+    def __init__(self, seq: Seq, now: float):
+        self.seq = seq
+        self.wake = asyncio.Event()
+        self.last_flush = now
+
+
+class EngineCore:
+    """A Backend over an Executor."""
+
+    def __init__(self, executor: Executor, blocks: BlockConfig, scheduler: SchedulerConfig, codec: TextCodec, *,
+                 replica_id: str = "engine-0", flush_interval_s: float = 0.025, clock: Clock | None = None,
+                 offload: bool = False, on_step: Callable[[StepReport], None] | None = None):
+        self.executor = executor
+        self.codec = codec
+        self.replica_id = replica_id
+        self.flush_interval_s = flush_interval_s
+        self.clock: Clock = clock or RealClock()
+        self.offload = offload
+        self.on_step = on_step
+        self.blocks = BlockManager(blocks)
+        self.scheduler = Scheduler(scheduler, self.blocks, codec.stop_token_ids)
+        self._streams: dict[int, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self.executor.name
+
+    # ---- Backend -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._closed = False
+            self._task = asyncio.create_task(self._loop(), name=f"engine-{self.replica_id}")
+
+    async def close(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        for seq in self.scheduler.abort_all():
+            self._finished(seq)
+
+    def ready(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
+        if not self.ready():
+            raise Unavailable("engine is not running")
+        seq = self.scheduler.add(params)
+        stream = _Stream(seq, self.clock.now())
+        self._streams[seq.seq_id] = stream
+        self._wake.set()
+        decoder = self.codec.decoder()
+        started = False
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                if not started and (seq.hit is not None or seq.state is SeqState.FINISHED):
+                    started = True
+                    hit = seq.hit
+                    yield Started(hit.cached_tokens if hit else 0, hit.host_cached_tokens if hit else 0)
+                new = seq.take_new()
+                if new:
+                    yield Delta(tuple(new), decoder.feed(new))
+                if seq.state is SeqState.FINISHED:
+                    tail = decoder.flush()
+                    if tail:
+                        yield Delta((), tail)
+                    assert seq.finish is not None
+                    cached = seq.hit.cached_tokens if seq.hit else 0
+                    yield Finished(seq.finish, Usage(seq.prompt_len, cached, seq.output_tokens), seq.error)
+                    return
+        finally:
+            self._streams.pop(seq.seq_id, None)
+            if seq.state is not SeqState.FINISHED:
+                self.scheduler.cancel(seq)  # freed by the next step
+                self._wake.set()
+
+    async def evict_conversation(self, conversation_id: ConversationId) -> int:
+        return self.blocks.evict_conversation(conversation_id)
+
+    async def evict_salt(self, salt: bytes) -> int:
+        return self.blocks.evict_salt(salt)
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters()
+        b = self.blocks.stats()
+        return EngineStats(
+            replica_id=self.replica_id, backend=self.name, queue_depth=c.queue_depth, running_sequences=c.running,
+            block_size=self.blocks.block_size,
+            device=TierStats(b.device_total, b.device_used, b.device_free),
+            host=TierStats(b.host_total, b.host_used, b.host_free),
+            hit_tokens=c.hit_tokens, miss_tokens=c.miss_tokens, host_hit_tokens=c.host_hit_tokens,
+            device_evictions=b.device_evictions, host_evictions=b.host_evictions, preemptions=c.preemptions,
+            generations=c.generations)
+
+    # ---- the step loop -------------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while not self._closed:
+            if not self.scheduler.has_work():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            step = self.scheduler.schedule()
+            for seq in step.admitted:
+                if (stream := self._streams.get(seq.seq_id)) is not None:
+                    stream.wake.set()
+            for seq in step.finished:
+                self._finished(seq)
+            if not step.work and not step.copies:
+                if not step.admitted and not step.finished:  # blocked: wait for a cancel or a new request
+                    self._wake.clear()
+                    await self._wake.wait()
+                continue
+            try:
+                if self.offload:
+                    copy_s, result = await asyncio.to_thread(self._run, step.copies, step.work)
+                else:
+                    copy_s, result = self._run(step.copies, step.work)
+            except Exception as exc:  # the executor failed: these sequences end with an error, the engine goes on
+                log.error("step_failed", sequences=len(step.work), exc_info=exc)
+                seqs = [self.scheduler.seq(w.seq_id) for w in step.work]
+                self.scheduler.fail(seqs, f"engine step failed: {type(exc).__name__}")
+                for seq in seqs:
+                    self._finished(seq)
+                continue
+            modelled = copy_s + (result.duration_s if result else 0.0)
+            now = self.clock.now()
+            if result is not None:
+                for seq in self.scheduler.complete(step, result):
+                    if seq.state is SeqState.FINISHED:
+                        self._finished(seq)
+                    else:
+                        stream = self._streams.get(seq.seq_id)
+                        if stream is not None and now - stream.last_flush >= self.flush_interval_s:
+                            stream.last_flush = now
+                            stream.wake.set()
+            await self.clock.pace(modelled, time.perf_counter() - t0)
+            if self.on_step is not None:
+                self.on_step(_report(step, modelled, self.clock.now()))
+
+    def _run(self, copies: Sequence[BlockCopy], work: Sequence[SeqWork]) -> tuple[float, StepResult | None]:
+        copy_s = self.executor.copy_blocks(copies) if copies else 0.0
+        return copy_s, (self.executor.execute(work) if work else None)
+
+    def _finished(self, seq: Seq) -> None:
+        self.executor.release(seq.seq_id)
+        stream = self._streams.get(seq.seq_id)
+        if stream is not None:
+            stream.wake.set()
+
+
+def _report(step: Step, duration_s: float, at: float) -> StepReport:
+    decode = sum(1 for w in step.work if len(w.token_ids) == 1)
+    prefill = sum(len(w.token_ids) for w in step.work if len(w.token_ids) > 1)
+    return StepReport(duration_s, decode, prefill, len(step.copies), at)
