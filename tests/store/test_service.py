@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -131,3 +132,65 @@ async def test_status_codes(stub: Stub) -> None:
     for call, want, text in cases:
         code, details = await code_of(call)
         assert (code, text in details) == (want, True), details
+
+
+async def finished_turn(stub: Stub, conv: str, content: str = "hi", regenerates: str = "") -> str:
+    turn = str(uuid.uuid4())
+    claimed = await stub.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, content=content, lease_holder="chat-1",
+        regenerates_turn_id=regenerates))
+    assert claimed.WhichOneof("outcome") == "claimed"
+    await stub.FinishTurn(store_pb2.FinishTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
+        reply=f"reply to {content or 'regenerate'}", usage=common_pb2.Usage(prompt_tokens=7, output_tokens=2)))
+    return turn
+
+
+async def test_attach_regenerate_summary(stub: Stub) -> None:
+    conv = await new_conversation(stub)
+    turn = str(uuid.uuid4())
+    lease = (await stub.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, content="hi", lease_holder="chat-1"))).claimed.lease_id
+    progress = await stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=lease, partial_text="hel", event_sequence=3))
+    assert progress.held and progress.lease_expires_at_ms > 0
+    seen = await stub.ReadTurn(store_pb2.ReadTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn))
+    assert (seen.state, seen.partial_text, seen.event_sequence) == (store_pb2.TURN_STATE_RUNNING, "hel", 3)
+    assert not seen.HasField("reply")
+    await stub.FinishTurn(store_pb2.FinishTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn,
+                                                      lease_id=lease, reply="hello"))
+    seen = await stub.ReadTurn(store_pb2.ReadTurnRequest(owner_id="alice", conversation_id=conv, turn_id=turn))
+    assert seen.state == store_pb2.TURN_STATE_STORED and seen.reply.content == "hello"
+    await finished_turn(stub, conv, content="", regenerates=turn)
+    summary = await stub.SaveSummary(store_pb2.SaveSummaryRequest(
+        owner_id="alice", conversation_id=conv, text="greetings", covers_through_index=0, token_count=2))
+    assert summary.summary.covers_through_index == 0
+    read = await stub.ReadConversation(store_pb2.ReadConversationRequest(owner_id="alice", conversation_id=conv))
+    assert [(m.content, m.superseded) for m in read.messages] == [
+        ("hi", False), ("hello", True), ("reply to regenerate", False)]
+    assert read.summary.text == "greetings" and read.message_count == 3
+    windowed = await stub.ReadConversation(store_pb2.ReadConversationRequest(
+        owner_id="alice", conversation_id=conv, from_index=1, max_messages=1))
+    assert [m.index for m in windowed.messages] == [2]
+
+
+async def test_list_usage_export_delete_purge(stub: Stub) -> None:
+    first, second = await new_conversation(stub), await new_conversation(stub)
+    await finished_turn(stub, first)
+    await finished_turn(stub, second)
+    listed = await stub.ListOwnerConversations(store_pb2.ListOwnerConversationsRequest(owner_id="alice"))
+    assert {c.conversation_id for c in listed.conversations} == {first, second}
+    usage = await stub.ReadUsage(store_pb2.ReadUsageRequest(owner_id="alice"))
+    assert [(d.turns, d.usage.prompt_tokens) for d in usage.days] == [(2, 14)]
+    exported = json.loads((await stub.ExportOwnerData(store_pb2.ExportOwnerDataRequest(owner_id="alice"))).json)
+    assert len(exported["conversations"]) == 2
+    deleted = await stub.DeleteStoredConversation(store_pb2.DeleteStoredConversationRequest(
+        owner_id="alice", conversation_id=first))
+    assert list(deleted.evict_conversation_ids) == [first]
+    code, _ = await code_of(stub.DeleteStoredConversation(store_pb2.DeleteStoredConversationRequest(
+        owner_id="alice", conversation_id=first)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    everything = await stub.DeleteOwnerData(store_pb2.DeleteOwnerDataRequest(owner_id="alice"))
+    assert list(everything.evict_conversation_ids) == [second]
+    purged = await stub.PurgeExpired(store_pb2.PurgeExpiredRequest())
+    assert len(purged.purged) == 0 and purged.abandoned_turns == 0
