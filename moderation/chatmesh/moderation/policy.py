@@ -91,7 +91,7 @@ def card_number_ok(text: str) -> bool:
     digits = "".join(ch for ch in text if ch.isdigit())
     if not 13 <= len(digits) <= 19 or len(set(digits)) == 1:
         return False
-    issuer = (digits[0] in "45" or digits[:2] in ("34", "37", "62", "65", "35", "36", "38", "39")
+    issuer = (digits[0] in "45" or digits[:2] in ("30", "34", "35", "36", "37", "38", "39", "62", "65")
               or digits[:4] == "6011" or 2221 <= int(digits[:4]) <= 2720)
     return issuer and luhn_ok(digits)
 
