@@ -50,16 +50,17 @@ def _serve(args: argparse.Namespace) -> int:
         return result
     module_name, address = GRPC_SERVICES[args.service]
     module = importlib.import_module(module_name)
-    service = module.build(cfg)
     listen = cfg[settings.LISTEN] or cfg[address]
-    asyncio.run(_run(service, listen, cfg[settings.SHUTDOWN_GRACE_S]))
+    asyncio.run(_run(module, cfg, listen))
     return 0
 
 
-async def _run(service: Any, listen: str, grace_s: float) -> None:
+async def _run(module: Any, cfg: Config, listen: str) -> None:
     from chatmesh.mesh.server import serve
 
-    await serve(service, listen, grace_s)
+    # Built inside the running loop: grpc.aio channels and asyncio primitives bind to the loop that makes them.
+    service = module.build(cfg)
+    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S])
 
 
 README_START = "<!-- settings-table:start -->"
