@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import need  # type: ignore[import-not-found]  # tests/ is not on mypy_path
+from tests.conftest import need
 
 from chatmesh.engine_adapter.triton.launcher import TritonInstall, TritonMissing, TritonServer
 

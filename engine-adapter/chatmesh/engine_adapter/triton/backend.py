@@ -1,0 +1,284 @@
+"""The `triton` backend: GenerateService's `Backend` forwarded to chatmesh's model on Triton Inference Server.
+
+Transport: tritonclient's asyncio gRPC client, one `ModelStreamInfer` stream per generation (so cancelling one
+generation cancels one stream and nothing else), on one shared channel. The request half of the stream stays open
+until the generation finishes; responses are wire.py's started / delta / finished tensors.
+
+Failure rules (the servicer maps the typed errors to gRPC statuses):
+- Triton unreachable or answering UNAVAILABLE before the first event: retried `retries` times with a short
+  backoff (nothing was streamed, so a retry cannot duplicate output), then `Unavailable` naming the address.
+- Any other Triton-level error before the first event (model not loaded, deadline): `Unavailable` naming the
+  address: this replica cannot serve, the router should try another.
+- The model's own refusals arrive typed: `InvalidArgument`, `ResourceExhausted` (queue full), never retried.
+- After the first event nothing is retried: the stream ends with `Finished(ERROR)` and what was produced.
+- Deadline: `timeout_s` bounds the whole stream (gRPC deadline).
+- Cancel: closing the event iterator cancels the gRPC call; Triton marks the request cancelled, the model aborts
+  the sequence and frees its blocks (python_model.py).
+
+Stats and readiness: a poller asks the model for its EngineStats every `stats_interval_s` (and every Finished
+carries fresh ones); readiness is Triton's ModelReady for the model, refreshed by the same poller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+
+from chatmesh.engine_adapter.backend import (
+    Delta,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerateEvent,
+    GenerateParams,
+    TierStats,
+    Usage,
+)
+from chatmesh.engine_adapter import settings as engine_settings
+from chatmesh.engine_adapter.triton import settings, wire
+from chatmesh.engine_adapter.triton.launcher import TritonServer
+from chatmesh.engine_adapter.triton.render import Deployment, render
+from chatmesh.mesh import logs
+from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.config import Config, Setting
+from chatmesh.mesh.errors import Unavailable
+from chatmesh.mesh.ids import ConversationId
+
+log = logs.get("chatmesh.triton.backend")
+
+_INPUT_TYPES = {name: wire.CLIENT_DTYPE[dtype] for name, dtype, _ in wire.INPUTS}
+RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
+
+
+class _StreamFailed(Exception):
+    """A Triton-level failure of one stream; `code` is the gRPC status when there is one."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class TritonOptions:
+    address: str
+    model: str = wire.MODEL_NAME
+    replica_id: str = "triton-0"
+    timeout_s: float = 600.0
+    retries: int = 2
+    stats_interval_s: float = 1.0
+    ready_timeout_s: float = 60.0
+
+
+class TritonBackend:
+    """A `Backend` whose engine runs inside Triton. `server`, when given, is started and stopped with it."""
+
+    name = "triton"
+
+    def __init__(self, options: TritonOptions, server: TritonServer | None = None):
+        self.options = options
+        self.server = server
+        self._client: grpcclient.InferenceServerClient | None = None
+        self._stats = EngineStats(options.replica_id, self.name, 0, 0, 0, TierStats(0, 0, 0), TierStats(0, 0, 0))
+        self._ready = False
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address if self.server is not None else self.options.address
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.server is not None and not self.server.running():
+            await asyncio.to_thread(self.server.start)
+        self._client = grpcclient.InferenceServerClient(self.address)
+        deadline = asyncio.get_running_loop().time() + self.options.ready_timeout_s
+        while not await self._model_ready():
+            if asyncio.get_running_loop().time() > deadline:
+                raise Unavailable(f"Triton at {self.address}: model {self.options.model} not ready "
+                                  f"after {self.options.ready_timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+        await self.refresh_stats()
+        self._poller = asyncio.create_task(self._poll())
+        log.info("triton_backend_ready", address=self.address, model=self.options.model)
+
+    async def close(self) -> None:
+        self._ready = False
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+    def ready(self) -> bool:
+        return self._ready
+
+    async def _model_ready(self) -> bool:
+        assert self._client is not None
+        try:
+            self._ready = bool(await self._client.is_model_ready(self.options.model, client_timeout=2.0))
+        except Exception:  # noqa: BLE001  (any failure to answer means "not ready")
+            self._ready = False
+        return self._ready
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.stats_interval_s)
+            if await self._model_ready():
+                with contextlib.suppress(Unavailable):
+                    await self.refresh_stats()
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
+        inputs = wire.request_tensors(params)
+        prompt = len(params.prompt_token_ids)
+        attempt = 0
+        while True:
+            produced = 0
+            streamed = False
+            try:
+                async with contextlib.aclosing(self._stream(inputs)) as responses:
+                    async for get in responses:
+                        event = self._event(get, prompt)
+                        if isinstance(event, Delta):
+                            produced += len(event.token_ids)
+                        streamed = True
+                        yield event
+                        if isinstance(event, Finished):
+                            return
+                raise _StreamFailed("the stream ended before the generation finished")
+            except _StreamFailed as err:
+                if streamed:
+                    log.warning("triton_stream_failed", address=self.address, code=str(err.code), produced=produced)
+                    yield Finished(FinishReason.ERROR, Usage(prompt, 0, produced), f"Triton at {self.address}: {err}")
+                    return
+                if err.code is grpc.StatusCode.UNAVAILABLE and attempt < self.options.retries:
+                    await asyncio.sleep(RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)])
+                    attempt += 1
+                    continue
+                raise Unavailable(f"Triton at {self.address} is unavailable: {err}") from None
+
+    def _event(self, get: wire.Getter, prompt_tokens: int) -> GenerateEvent:
+        """The event one response carries; the model's typed refusals are raised."""
+        if wire.kind_of(get) is wire.EventKind.ERROR:
+            error = wire.error_of(get)
+            if error is not None:
+                raise error
+            return Finished(FinishReason.ERROR, Usage(prompt_tokens, 0, 0), wire.error_message_of(get))
+        event = wire.event_of(get)
+        if isinstance(event, Finished):
+            stats = wire.stats_of(get)
+            if stats is not None:
+                self._stats = self._own(stats)
+        return event
+
+    async def _stream(self, inputs: Mapping[str, wire.Array]) -> AsyncGenerator[wire.Getter, None]:
+        """One request on its own stream; yields each response's outputs. Leaving early cancels the stream."""
+        if self._client is None:
+            raise _StreamFailed("the backend is not started", grpc.StatusCode.UNAVAILABLE)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": self.options.model, "inputs": _infer_inputs(inputs)}
+            await done.wait()  # keep the request half open until the last response
+
+        call = self._client.stream_infer(requests(), stream_timeout=self.options.timeout_s)
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise _StreamFailed(str(error))
+                yield result.as_numpy
+                if wire.kind_of(result.as_numpy) is not wire.EventKind.STARTED and wire.kind_of(
+                        result.as_numpy) is not wire.EventKind.DELTA:
+                    return  # that was the request's last response
+        except grpc.aio.AioRpcError as err:
+            raise _StreamFailed(_describe(err), err.code()) from None
+        finally:
+            done.set()
+            call.cancel()  # a no-op after the last response; otherwise it cancels the request in Triton
+
+    async def _command(self, command: wire.Command, argument: bytes | str = b"") -> wire.Getter:
+        try:
+            async with contextlib.aclosing(self._stream(wire.command_tensors(command, argument))) as responses:
+                async for get in responses:
+                    if wire.kind_of(get) is wire.EventKind.ERROR:
+                        error = wire.error_of(get)
+                        raise error if error is not None else Unavailable(
+                            f"Triton at {self.address}: {wire.error_message_of(get)}")
+                    return get
+        except _StreamFailed as err:
+            raise Unavailable(f"Triton at {self.address} is unavailable: {err}") from None
+        raise Unavailable(f"Triton at {self.address}: no answer to {command.value}")
+
+    # ---- control ---------------------------------------------------------------------------------------------
+
+    async def refresh_stats(self) -> EngineStats:
+        """Reads the engine's statistics from the model now (stats() returns the latest read)."""
+        stats = wire.stats_of(await self._command(wire.Command.STATS))
+        if stats is not None:
+            self._stats = self._own(stats)
+        return self._stats
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _own(self, stats: EngineStats) -> EngineStats:
+        return dataclasses.replace(stats, replica_id=self.options.replica_id, backend=self.name)
+
+    async def evict_conversation(self, conversation_id: ConversationId) -> int:
+        return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_CONVERSATION, conversation_id))
+
+    async def evict_salt(self, salt: bytes) -> int:
+        return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_SALT, salt))
+
+
+def _infer_inputs(tensors: Mapping[str, wire.Array]) -> list[Any]:
+    out = []
+    for name, value in tensors.items():
+        item = grpcclient.InferInput(name, list(value.shape), _INPUT_TYPES[name])
+        item.set_data_from_numpy(np.ascontiguousarray(value))
+        out.append(item)
+    return out
+
+
+def _describe(err: grpc.aio.AioRpcError) -> str:
+    return f"{err.code().name}: {err.details() or 'no details'}"
+
+
+def repository_for(path: str, data_dir: str) -> Path:
+    return Path(path) if path else Path(data_dir).expanduser() / "triton" / "repository"
+
+
+def from_config(cfg: Config) -> TritonBackend:
+    """The backend the settings describe; with no address, a local tritonserver it starts and stops itself."""
+    options = TritonOptions(
+        address=cfg[settings.TRITON_ADDRESS], model=cfg[settings.TRITON_MODEL],
+        replica_id=cfg[engine_settings.REPLICA_ID], timeout_s=cfg[settings.TRITON_TIMEOUT_S],
+        retries=cfg[settings.TRITON_RETRIES], stats_interval_s=cfg[settings.TRITON_STATS_INTERVAL_MS] / 1000)
+    if options.address:
+        return TritonBackend(options)
+    repository = repository_for(cfg[settings.TRITON_REPOSITORY], cfg[mesh_settings.DATA_DIR])
+    if not cfg[settings.TRITON_REPOSITORY]:
+        engine_env = {k: v for k, v in cfg.as_env(_engine_settings()).items()
+                      if k in {s.env for s in _engine_settings()} and k != engine_settings.ENGINE.env}
+        render(Deployment(name=options.model, engine=cfg[settings.TRITON_ENGINE], engine_env=engine_env,
+                          replica_id=options.replica_id), repository)
+    return TritonBackend(options, TritonServer(repository, models=[options.model]))
+
+
+def _engine_settings() -> list[Setting[Any]]:
+    return [v for v in vars(engine_settings).values() if isinstance(v, Setting)]

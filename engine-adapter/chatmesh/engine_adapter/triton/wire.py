@@ -1,0 +1,334 @@
+"""The tensors between the `triton` backend and chatmesh's Triton model (`chatmesh_llm`), both directions.
+
+One Triton request is one generation, or one control command (stats, evict). The model is decoupled: a
+generation answers with a stream of responses, each naming its kind in the `event` output:
+
+    started   cached_prompt_tokens, host_cached_prompt_tokens
+    delta     token_ids, text
+    finished  finish_reason, prompt_tokens, cached_prompt_tokens, output_tokens, error_message, stats_json
+    error     error_kind, error_message   (the request was refused before it started: bad argument, queue full)
+    stats     stats_json
+    evicted   blocks_evicted
+
+Inputs (every one optional in config.pbtxt; the model validates through `GenerateParams`):
+    command                 BYTES [1]   generate (default), stats, evict_conversation, evict_salt
+    prompt_token_ids        INT32 [-1]  the prompt, token ids of the served model's tokenizer
+    max_tokens              INT32 [1]
+    temperature, top_p      FP32 [1]    0 temperature is greedy; 0 top_p means 1
+    seed                    UINT64 [1]
+    cache_salt              BYTES [1]   the owner's salt (I1)
+    platform_prefix_tokens  INT32 [1]   leading prompt tokens shared across owners
+    stop_token_ids          INT32 [-1]  extra stop ids (end of turn always stops)
+    conversation_id, turn_id, request_id  BYTES [1]
+
+Everything here is numpy and chatmesh values: the model (inside Triton's stub) and the client share it, and the
+round trip is tested without a server.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+
+import numpy as np
+import numpy.typing as npt
+
+from chatmesh.engine_adapter.backend import (
+    Delta,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerateEvent,
+    GenerateParams,
+    Started,
+    TierStats,
+    Usage,
+)
+from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
+from chatmesh.mesh.ids import parse_conversation_id, parse_turn_id
+
+Array = npt.NDArray[np.generic]
+Getter = Callable[[str], Array | None]
+
+MODEL_NAME = "chatmesh_llm"
+
+
+class Command(enum.Enum):
+    GENERATE = "generate"
+    STATS = "stats"
+    EVICT_CONVERSATION = "evict_conversation"
+    EVICT_SALT = "evict_salt"
+
+
+class EventKind(enum.Enum):
+    STARTED = "started"
+    DELTA = "delta"
+    FINISHED = "finished"
+    ERROR = "error"
+    STATS = "stats"
+    EVICTED = "evicted"
+
+
+class ErrorKind(enum.Enum):
+    """A refusal the model reports as a typed error, so the client raises the matching core error."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    INTERNAL = "internal"
+
+
+# (name, Triton data type, dims) of every input and output: config.pbtxt is rendered from these.
+INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("command", "TYPE_STRING", (1,)),
+    ("prompt_token_ids", "TYPE_INT32", (-1,)),
+    ("max_tokens", "TYPE_INT32", (1,)),
+    ("temperature", "TYPE_FP32", (1,)),
+    ("top_p", "TYPE_FP32", (1,)),
+    ("seed", "TYPE_UINT64", (1,)),
+    ("cache_salt", "TYPE_STRING", (1,)),
+    ("platform_prefix_tokens", "TYPE_INT32", (1,)),
+    ("stop_token_ids", "TYPE_INT32", (-1,)),
+    ("conversation_id", "TYPE_STRING", (1,)),
+    ("turn_id", "TYPE_STRING", (1,)),
+    ("request_id", "TYPE_STRING", (1,)),
+)
+OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("event", "TYPE_STRING", (1,)),
+    ("token_ids", "TYPE_INT32", (-1,)),
+    ("text", "TYPE_STRING", (1,)),
+    ("cached_prompt_tokens", "TYPE_INT32", (1,)),
+    ("host_cached_prompt_tokens", "TYPE_INT32", (1,)),
+    ("finish_reason", "TYPE_STRING", (1,)),
+    ("prompt_tokens", "TYPE_INT32", (1,)),
+    ("output_tokens", "TYPE_INT32", (1,)),
+    ("error_kind", "TYPE_STRING", (1,)),
+    ("error_message", "TYPE_STRING", (1,)),
+    ("stats_json", "TYPE_STRING", (1,)),
+    ("blocks_evicted", "TYPE_INT64", (1,)),
+)
+# Triton's data types as tritonclient spells them.
+CLIENT_DTYPE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32",
+                "TYPE_UINT64": "UINT64"}
+
+
+def _bytes(value: bytes | str) -> Array:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+def _i32(values: object) -> Array:
+    return np.asarray(values, dtype=np.int32).reshape(-1)
+
+
+def _scalar(get: Getter, name: str) -> object | None:
+    arr = get(name)
+    if arr is None or arr.size == 0:
+        return None
+    value: object = arr.reshape(-1)[0]
+    return value
+
+
+def text_of(get: Getter, name: str) -> str:
+    value = _scalar(get, name)
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def bytes_of(get: Getter, name: str) -> bytes:
+    value = _scalar(get, name)
+    if value is None:
+        return b""
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _int(get: Getter, name: str, default: int = 0) -> int:
+    value = _scalar(get, name)
+    return default if value is None else int(value)  # type: ignore[call-overload]
+
+
+def _float(get: Getter, name: str, default: float = 0.0) -> float:
+    value = _scalar(get, name)
+    return default if value is None else float(value)  # type: ignore[arg-type]
+
+
+# ---- requests -------------------------------------------------------------------------------------------------
+
+def command_tensors(command: Command, argument: bytes | str = b"") -> dict[str, Array]:
+    out = {"command": _bytes(command.value)}
+    match command:
+        case Command.GENERATE | Command.STATS:
+            pass
+        case Command.EVICT_CONVERSATION:
+            out["conversation_id"] = _bytes(argument)
+        case Command.EVICT_SALT:
+            out["cache_salt"] = _bytes(argument)
+        case _:
+            raise AssertionError(command)
+    return out
+
+
+def request_tensors(params: GenerateParams) -> dict[str, Array]:
+    """The inputs of one generation."""
+    s = params.sampling
+    return {
+        "command": _bytes(Command.GENERATE.value),
+        "prompt_token_ids": _i32(params.prompt_token_ids),
+        "max_tokens": _i32([params.max_tokens]),
+        "temperature": np.array([s.temperature], dtype=np.float32),
+        "top_p": np.array([s.top_p], dtype=np.float32),
+        "seed": np.array([s.seed], dtype=np.uint64),
+        "cache_salt": _bytes(params.cache_salt),
+        "platform_prefix_tokens": _i32([params.platform_prefix_tokens]),
+        "stop_token_ids": _i32(sorted(params.stop_token_ids)),
+        "conversation_id": _bytes(params.conversation_id or ""),
+        "turn_id": _bytes(params.turn_id or ""),
+        "request_id": _bytes(params.request_id),
+    }
+
+
+def command_of(get: Getter) -> Command:
+    name = text_of(get, "command") or Command.GENERATE.value
+    try:
+        return Command(name)
+    except ValueError:
+        raise InvalidArgument(f"unknown command {name[:40]!r}") from None
+
+
+def params_of(get: Getter) -> GenerateParams:
+    """The GenerateParams of a generate request; InvalidArgument names the bad input."""
+    prompt = get("prompt_token_ids")
+    if prompt is None:
+        raise InvalidArgument("prompt_token_ids is required")
+    conversation = text_of(get, "conversation_id")
+    turn = text_of(get, "turn_id")
+    stops = get("stop_token_ids")
+    return GenerateParams(
+        prompt_token_ids=tuple(int(t) for t in prompt.reshape(-1)),
+        max_tokens=_int(get, "max_tokens", 0),
+        request_id=text_of(get, "request_id"),
+        conversation_id=parse_conversation_id(conversation) if conversation else None,
+        turn_id=parse_turn_id(turn) if turn else None,
+        cache_salt=bytes_of(get, "cache_salt"),
+        platform_prefix_tokens=_int(get, "platform_prefix_tokens"),
+        sampling=SamplingParams(temperature=_float(get, "temperature"), top_p=_float(get, "top_p") or 1.0,
+                                seed=_int(get, "seed")),
+        stop_token_ids=frozenset(int(t) for t in stops.reshape(-1)) if stops is not None else frozenset(),
+    )
+
+
+# ---- responses ------------------------------------------------------------------------------------------------
+
+def stats_to_json(stats: EngineStats) -> str:
+    return json.dumps(asdict(stats), separators=(",", ":"))
+
+
+def stats_from_json(text: str) -> EngineStats:
+    raw = json.loads(text)
+    raw["device"] = TierStats(**raw["device"])
+    raw["host"] = TierStats(**raw["host"])
+    return EngineStats(**raw)
+
+
+def event_tensors(event: GenerateEvent, stats: EngineStats | None = None) -> dict[str, Array]:
+    """The outputs of one generation event; a Finished carries the engine's stats after it, when given."""
+    match event:
+        case Started():
+            return {"event": _bytes(EventKind.STARTED.value),
+                    "cached_prompt_tokens": _i32([event.cached_tokens]),
+                    "host_cached_prompt_tokens": _i32([event.host_cached_tokens])}
+        case Delta():
+            return {"event": _bytes(EventKind.DELTA.value), "token_ids": _i32(event.token_ids),
+                    "text": _bytes(event.text)}
+        case Finished():
+            u = event.usage
+            out = {"event": _bytes(EventKind.FINISHED.value), "finish_reason": _bytes(event.reason.value),
+                   "prompt_tokens": _i32([u.prompt_tokens]), "cached_prompt_tokens": _i32([u.cached_prompt_tokens]),
+                   "output_tokens": _i32([u.output_tokens]), "error_message": _bytes(event.error)}
+            if stats is not None:
+                out["stats_json"] = _bytes(stats_to_json(stats))
+            return out
+        case _:
+            raise AssertionError(f"unknown event {event!r}")
+
+
+def error_tensors(err: CoreError | Exception) -> dict[str, Array]:
+    """A refusal before the generation started."""
+    match err:
+        case InvalidArgument():
+            kind = ErrorKind.INVALID_ARGUMENT
+        case ResourceExhausted():
+            kind = ErrorKind.RESOURCE_EXHAUSTED
+        case _:
+            kind = ErrorKind.INTERNAL
+    return {"event": _bytes(EventKind.ERROR.value), "error_kind": _bytes(kind.value),
+            "error_message": _bytes(str(err) if isinstance(err, CoreError) else f"{type(err).__name__}: {err}")}
+
+
+def stats_tensors(stats: EngineStats) -> dict[str, Array]:
+    return {"event": _bytes(EventKind.STATS.value), "stats_json": _bytes(stats_to_json(stats))}
+
+
+def evicted_tensors(blocks: int) -> dict[str, Array]:
+    return {"event": _bytes(EventKind.EVICTED.value), "blocks_evicted": np.array([blocks], dtype=np.int64)}
+
+
+def kind_of(get: Getter) -> EventKind:
+    return EventKind(text_of(get, "event"))
+
+
+def event_of(get: Getter) -> GenerateEvent:
+    """The generation event a started/delta/finished response carries."""
+    kind = kind_of(get)
+    match kind:
+        case EventKind.STARTED:
+            return Started(cached_tokens=_int(get, "cached_prompt_tokens"),
+                           host_cached_tokens=_int(get, "host_cached_prompt_tokens"))
+        case EventKind.DELTA:
+            ids = get("token_ids")
+            return Delta(token_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
+                         text=text_of(get, "text"))
+        case EventKind.FINISHED:
+            return Finished(reason=FinishReason(text_of(get, "finish_reason")),
+                            usage=Usage(prompt_tokens=_int(get, "prompt_tokens"),
+                                        cached_prompt_tokens=_int(get, "cached_prompt_tokens"),
+                                        output_tokens=_int(get, "output_tokens")),
+                            error=text_of(get, "error_message"))
+        case EventKind.ERROR | EventKind.STATS | EventKind.EVICTED:
+            raise ValueError(f"a {kind.value} response is not a generation event")
+        case _:
+            raise AssertionError(kind)
+
+
+def error_of(get: Getter) -> CoreError | None:
+    """The core error an `error` response reports (INTERNAL is None: the caller reports it its own way)."""
+    kind = ErrorKind(text_of(get, "error_kind"))
+    message = text_of(get, "error_message")
+    match kind:
+        case ErrorKind.INVALID_ARGUMENT:
+            return InvalidArgument(message)
+        case ErrorKind.RESOURCE_EXHAUSTED:
+            return ResourceExhausted(message)
+        case ErrorKind.INTERNAL:
+            return None
+        case _:
+            raise AssertionError(kind)
+
+
+def error_message_of(get: Getter) -> str:
+    return text_of(get, "error_message")
+
+
+def stats_of(get: Getter) -> EngineStats | None:
+    text = text_of(get, "stats_json")
+    return stats_from_json(text) if text else None
+
+
+def blocks_evicted_of(get: Getter) -> int:
+    return _int(get, "blocks_evicted")
+
+
+def getter(tensors: Mapping[str, Array]) -> Getter:
+    return tensors.get

@@ -1,0 +1,114 @@
+"""The tensors between the triton backend and its model, and the rendered config, without a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+
+from chatmesh.engine_adapter.backend import (
+    Delta,
+    EngineStats,
+    Finished,
+    FinishReason,
+    GenerateParams,
+    Started,
+    TierStats,
+    Usage,
+)
+from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.triton import python_model, wire
+from chatmesh.engine_adapter.triton.render import Deployment, parse_model_config, planned_host_cache_bytes, render
+from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted
+from chatmesh.mesh.ids import ConversationId, TurnId
+
+CONVERSATION = ConversationId("8a3d7f0e-3f51-4c1e-9c63-0d6a2b1f9e11")
+
+
+def test_generate_params_round_trip_through_tensors() -> None:
+    params = GenerateParams(
+        prompt_token_ids=(5, 6, 7, 8), max_tokens=9, request_id="r-1", conversation_id=CONVERSATION,
+        turn_id=TurnId("1b4e28ba-2fa1-41d2-883f-0016d3cca427"), cache_salt=b"\x00owner\xff",
+        platform_prefix_tokens=2, sampling=SamplingParams(temperature=0.5, top_p=0.75, seed=2**63 + 5),
+        stop_token_ids=frozenset({3, 1}))
+    assert wire.params_of(wire.getter(wire.request_tensors(params))) == params
+
+
+def test_missing_or_bad_inputs_are_invalid_arguments() -> None:
+    tensors = wire.request_tensors(GenerateParams(prompt_token_ids=(1,), max_tokens=1))
+    del tensors["prompt_token_ids"]
+    with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+        wire.params_of(wire.getter(tensors))
+    with pytest.raises(InvalidArgument, match="unknown command"):
+        wire.command_of(wire.getter({"command": wire._bytes("reboot")}))
+
+
+@pytest.mark.parametrize("event", [
+    Started(cached_tokens=48, host_cached_tokens=16),
+    Delta(token_ids=(1, 2, 3), text="héllo"),
+    Finished(FinishReason.STOP, Usage(prompt_tokens=10, cached_prompt_tokens=4, output_tokens=3)),
+    Finished(FinishReason.ERROR, Usage(1, 0, 0), error="engine failed"),
+])
+def test_events_round_trip_through_tensors(event: Started | Delta | Finished) -> None:
+    assert wire.event_of(wire.getter(wire.event_tensors(event))) == event
+
+
+def test_finished_carries_stats_and_refusals_come_back_typed() -> None:
+    stats = EngineStats("r", "sim", 1, 2, 16, TierStats(10, 4, 6), TierStats(5, 0, 5), hit_tokens=7)
+    get = wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1)), stats))
+    assert wire.stats_of(get) == stats
+    assert isinstance(wire.error_of(wire.getter(wire.error_tensors(ResourceExhausted("full")))), ResourceExhausted)
+    assert isinstance(wire.error_of(wire.getter(wire.error_tensors(InvalidArgument("bad")))), InvalidArgument)
+    internal = wire.getter(wire.error_tensors(RuntimeError("boom")))
+    assert wire.error_of(internal) is None and "boom" in wire.error_message_of(internal)
+
+
+def test_rendered_config_parses_and_declares_the_wire_tensors(tmp_path: Path) -> None:
+    from tritonclient.grpc import model_config_pb2
+
+    folder = render(Deployment(engine="sim", engine_env={"CHATMESH_SIM_STEP_MS": "5"}), tmp_path)
+    config = parse_model_config((folder / "config.pbtxt").read_text())
+    assert isinstance(config, model_config_pb2.ModelConfig)
+    assert config.model_transaction_policy.decoupled
+    type_name = model_config_pb2.DataType.Name
+    assert [(i.name, type_name(i.data_type), tuple(i.dims)) for i in config.input] == list(wire.INPUTS)
+    assert [(o.name, type_name(o.data_type), tuple(o.dims)) for o in config.output] == list(wire.OUTPUTS)
+    assert config.parameters["engine_env"].string_value == "CHATMESH_SIM_STEP_MS=5"
+    assert python_model.parse_engine_env(config.parameters["engine_env"].string_value) == {
+        "CHATMESH_SIM_STEP_MS": "5"}
+    assert (folder / "1" / "model.py").read_text().count("TritonPythonModel") >= 1
+
+
+def test_llm_config_uses_the_llm_api_names(tmp_path: Path) -> None:
+    d = Deployment(tensor_parallel_size=8, free_gpu_memory_fraction=0.85, host_cache_bytes=64 << 30)
+    folder = render(d, tmp_path)
+    cfg = json.loads((folder / "llm_config.json").read_text())
+    assert cfg["backend"] == "pytorch" and cfg["tensor_parallel_size"] == 8 and cfg["enable_chunked_prefill"]
+    kv = cfg["kv_cache_config"]
+    assert kv["enable_block_reuse"] and kv["host_cache_size"] == 64 << 30 and kv["free_gpu_memory_fraction"] == 0.85
+    assert kv["event_buffer_max_size"] > 0
+    assert cfg["chatmesh"]["salt_policy"] == "owner"
+
+
+def test_a_broken_config_fails_to_parse() -> None:
+    with pytest.raises(text_format.ParseError):
+        parse_model_config('name: "x"\nbackend: "python"\nmax_batch_size: zero\n')
+    with pytest.raises(ValueError, match="engine_env"):
+        Deployment(engine_env={"CHATMESH_X": 'a";b'})
+
+
+def test_planned_host_cache_holds_the_idle_history_share() -> None:
+    # reference: 58.6 M idle tokens over 20 nodes, 20 KiB per token per GPU: about 60 GB per rank
+    per_rank = planned_host_cache_bytes(gpu="h100", tp=8, host_memory_gib=4096)
+    assert 50e9 < per_rank < 70e9
+    assert planned_host_cache_bytes(gpu="h100", tp=8, host_memory_gib=80) == 10 << 30
+
+
+def test_auto_engine_falls_back_where_tensorrt_llm_is_absent() -> None:
+    import importlib.util
+
+    expected = "trtllm" if importlib.util.find_spec("tensorrt_llm") else "sim"
+    assert python_model.engine_choice("auto", "sim") == expected
+    assert python_model.engine_choice("local", "sim") == "local"
