@@ -1,0 +1,89 @@
+"""The `local` executor: runs each engine step through PagedLlama on the CPU and samples the next tokens.
+
+It owns two KV pools: DEVICE (the blocks attention reads; block tables name these) and HOST (the spill tier).
+On a CPU both are ordinary memory, so offloading and onboarding a block is a tensor copy between them, timed.
+The pools are allocated lazily by the OS (torch.empty), so their resident size grows with the blocks used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, StepResult, Tier
+from chatmesh.engine_adapter.local.model import KVPool, LoadedModel, PagedLlama, SeqSlice
+from chatmesh.engine_adapter.local.sampling import new_generator, sample
+
+
+class LocalExecutor:
+    """Executor protocol (engine_adapter/executor.py) over a real SmolLM2 forward."""
+
+    name = "local"
+
+    def __init__(self, model: LoadedModel, device_blocks: int, host_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.net = PagedLlama(model.config, model.weights)
+        self.block_size = block_size
+        self.pools = {Tier.DEVICE: KVPool(model.config, device_blocks, block_size, kv_dtype),
+                      Tier.HOST: KVPool(model.config, host_blocks, block_size, kv_dtype)}
+        self._generators: dict[int, torch.Generator] = {}
+        self.prefill_tokens = 0  # tokens run by steps of more than one token per sequence (counters for tests)
+        self.decode_tokens = 0
+        self.steps = 0
+        self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> logits of its last sampled step (tests)
+        self.keep_logits = False
+
+    def execute(self, work: Sequence[SeqWork]) -> StepResult:
+        t0 = time.perf_counter()
+        slices = [SeqSlice(w.token_ids, w.start_pos, w.block_table) for w in work]
+        rows: list[int] = []
+        sampled: list[SeqWork] = []
+        row = 0
+        for w in work:
+            n = len(w.token_ids)
+            if n > 1:
+                self.prefill_tokens += n
+            else:
+                self.decode_tokens += n
+            row += n
+            if w.sample:
+                rows.append(row - 1)
+                sampled.append(w)
+        logits = self.net.forward(slices, self.pools[Tier.DEVICE], rows)
+        next_tokens: dict[int, int] = {}
+        greedy = [i for i, w in enumerate(sampled) if w.sampling.temperature <= 0.0]
+        if greedy:
+            picks = torch.argmax(logits[greedy], dim=-1).tolist()
+            for i, tok in zip(greedy, picks):
+                next_tokens[sampled[i].seq_id] = int(tok)
+        for i, w in enumerate(sampled):
+            if w.sampling.temperature > 0.0:
+                next_tokens[w.seq_id] = sample(logits[i], w.sampling, self._generator(w.seq_id, w.sampling))
+            if self.keep_logits:
+                self.last_logits[w.seq_id] = logits[i].clone()
+        self.steps += 1
+        return StepResult(next_tokens=next_tokens, duration_s=time.perf_counter() - t0)
+
+    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = self._generators[seq_id] = new_generator(params.seed)
+        return gen
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> float:
+        t0 = time.perf_counter()
+        groups: dict[tuple[Tier, Tier], tuple[list[int], list[int]]] = {}
+        for c in copies:
+            src, dst = groups.setdefault((c.src_tier, c.dst_tier), ([], []))
+            src.append(c.src_block)
+            dst.append(c.dst_block)
+        for (src_tier, dst_tier), (src, dst) in groups.items():
+            self.pools[src_tier].copy_to(self.pools[dst_tier], src, dst)
+        return time.perf_counter() - t0
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+        self.last_logits.pop(seq_id, None)

@@ -1,0 +1,171 @@
+"""The paged SmolLM2 forward against an independent dense one, prefix reuse, batching and sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, Tier
+from chatmesh.engine_adapter.local.executor import LocalExecutor
+from chatmesh.engine_adapter.local.model import LoadedModel
+from chatmesh.model.template import Role, render
+
+from .reference import dense_logits
+
+BS = 16  # small blocks so short prompts span several
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def model(loaded: object) -> LoadedModel:
+    assert isinstance(loaded, LoadedModel)
+    return loaded
+
+
+def _executor(model: LoadedModel, device_blocks: int = 64, host_blocks: int = 16) -> LocalExecutor:
+    ex = LocalExecutor(model, device_blocks, host_blocks, BS)
+    ex.keep_logits = True
+    return ex
+
+
+def _prompt(model: LoadedModel, text: str) -> list[int]:
+    return list(render(model.tokenizer, [(Role.USER, text)]).token_ids)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _run(ex: LocalExecutor, seq_id: int, tokens: Sequence[int], start: int, table: Sequence[int],
+         chunk: int = 1 << 30) -> torch.Tensor:
+    """Prefills tokens[start:] in chunks; returns the logits after the last one."""
+    pos = start
+    while pos < len(tokens):
+        end = min(pos + chunk, len(tokens))
+        ex.execute([SeqWork(seq_id, tokens[pos:end], pos, table, end == len(tokens), GREEDY)])
+        pos = end
+    return ex.last_logits[seq_id]
+
+
+def _greedy(ex: LocalExecutor, seq_id: int, prompt: list[int], table: Sequence[int], n: int) -> list[int]:
+    _run(ex, seq_id, prompt, 0, table)
+    out = [int(ex.last_logits[seq_id].argmax())]
+    while len(out) < n:
+        pos = len(prompt) + len(out) - 1
+        r = ex.execute([SeqWork(seq_id, [out[-1]], pos, table, True, GREEDY)])
+        out.append(r.next_tokens[seq_id])
+    return out
+
+
+def test_logits_match_the_dense_reference(model: LoadedModel) -> None:
+    ex = _executor(model)
+    prompt = _prompt(model, "Name three colours of the rainbow.")
+    table = [5, 2, 9, 7, 11]  # scattered physical blocks
+    paged = _run(ex, 1, prompt, 0, table, chunk=13)  # chunked prefill: later chunks read earlier ones' blocks
+    ref = dense_logits(model, prompt)
+    assert _rel_err(paged, ref[-1]) < 1e-3
+    assert int(paged.argmax()) == int(ref[-1].argmax())
+
+
+def test_greedy_32_tokens_match_the_dense_reference(model: LoadedModel) -> None:
+    ex = _executor(model)
+    prompt = _prompt(model, "What is the capital of France?")
+    out = _greedy(ex, 1, prompt, list(range(10, 20)), 32)
+    # Teacher forcing: the reference's argmax at every position of prompt + output[:-1] is the next output token.
+    ref = dense_logits(model, prompt + out[:-1])
+    ref_next = ref[len(prompt) - 1:].argmax(dim=-1).tolist()
+    assert out == ref_next
+    assert "Paris" in model.tokenizer.decode(out)
+    # decode-step logits too, not just their argmax
+    assert _rel_err(ex.last_logits[1], ref[-1]) < 1e-3
+
+
+def test_prefix_reuse_is_exact_and_prefills_only_new_tokens(model: LoadedModel) -> None:
+    tok = model.tokenizer
+    turn1 = render(tok, [(Role.SYSTEM, "You are terse."), (Role.USER, "Say hello in French.")]).token_ids
+    cached = _executor(model)
+    table = [3, 4, 5, 6, 7, 8, 9]
+    reply = _greedy(cached, 1, list(turn1), table, 8)
+    turn2 = render(tok, [(Role.SYSTEM, "You are terse."), (Role.USER, "Say hello in French."),
+                         (Role.ASSISTANT, tok.decode(reply)), (Role.USER, "And in Spanish?")]).token_ids
+    reused = (len(turn1) // BS) * BS  # the engine reuses full blocks only
+    assert list(turn2[:reused]) == list(turn1[:reused])
+    before = cached.prefill_tokens
+    second = _run(cached, 2, list(turn2), reused, table)
+    assert cached.prefill_tokens - before == len(turn2) - reused
+
+    fresh = _executor(model)
+    full = _run(fresh, 1, list(turn2), 0, [20, 21, 22, 23, 24, 25, 26])
+    assert fresh.prefill_tokens == len(turn2)
+    assert _rel_err(second, full) < 1e-4
+
+
+def test_blocks_spilled_to_host_and_onboarded_elsewhere_give_the_same_logits(model: LoadedModel) -> None:
+    ex = _executor(model)
+    prompt = _prompt(model, "Count from one to five.")
+    first = _run(ex, 1, prompt, 0, [0, 1, 2])
+    full_blocks = len(prompt) // BS
+    assert ex.copy_blocks([BlockCopy(Tier.DEVICE, b, Tier.HOST, 10 + b) for b in range(full_blocks)]) >= 0.0
+    ex.pools[Tier.DEVICE].k.zero_()  # forget the device copies
+    ex.pools[Tier.DEVICE].v.zero_()
+    ex.copy_blocks([BlockCopy(Tier.HOST, 10 + b, Tier.DEVICE, 30 + b) for b in range(full_blocks)])
+    table = [30 + b for b in range(full_blocks)] + [40]
+    again = _run(ex, 2, prompt, full_blocks * BS, table)
+    assert _rel_err(again, first) < 1e-4
+
+
+def test_batched_decode_gives_the_same_greedy_tokens(model: LoadedModel) -> None:
+    prompts = [_prompt(model, "What is the capital of France?"),
+               _prompt(model, "Write a haiku about the sea, please, with a title."),
+               _prompt(model, "Hi")]
+    tables = [[0, 1, 2, 3, 4], [10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
+    n = 12
+    alone = [_greedy(_executor(model), 7, p, t, n) for p, t in zip(prompts, tables)]
+
+    ex = _executor(model)
+    outs: list[list[int]] = [[], [], []]
+    # seq 0 and 1 prefill together in one step; seq 2 joins later, prefilling in chunks while the others decode
+    r = ex.execute([SeqWork(i, prompts[i], 0, tables[i], True, GREEDY) for i in (0, 1)])
+    for i in (0, 1):
+        outs[i].append(r.next_tokens[i])
+    p2 = 0
+    while any(len(o) < n for o in outs):
+        work = [SeqWork(i, [outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True, GREEDY)
+                for i in range(3) if outs[i] and len(outs[i]) < n]
+        if p2 < len(prompts[2]) and len(outs[0]) >= 3:
+            end = min(p2 + 10, len(prompts[2]))
+            work.append(SeqWork(2, prompts[2][p2:end], p2, tables[2], end == len(prompts[2]), GREEDY))
+            p2 = end
+        r = ex.execute(work)
+        for i, t in r.next_tokens.items():
+            outs[i].append(t)
+    assert outs == alone
+
+
+def test_sampling_is_reproducible_by_seed_and_top_p_near_zero_is_greedy(model: LoadedModel) -> None:
+    prompt = _prompt(model, "Tell me a story.")
+
+    def draw(params: SamplingParams) -> list[int]:
+        ex = _executor(model)
+        out = [ex.execute([SeqWork(1, prompt, 0, [0, 1, 2, 3], True, params)]).next_tokens[1]]
+        for i in range(5):
+            out.append(ex.execute([SeqWork(1, [out[-1]], len(prompt) + i, [0, 1, 2, 3], True, params)])
+                       .next_tokens[1])
+        return out
+
+    hot = SamplingParams(temperature=1.5, top_p=1.0, seed=42)
+    assert draw(hot) == draw(hot)
+    assert draw(hot) != draw(SamplingParams(temperature=1.5, top_p=1.0, seed=43))
+    assert draw(SamplingParams(temperature=1.0, top_p=1e-6, seed=1)) == draw(GREEDY)
+
+
+def test_release_forgets_the_generator(model: LoadedModel) -> None:
+    ex = _executor(model)
+    prompt = _prompt(model, "Hi")
+    params = SamplingParams(temperature=1.0, seed=5)
+    ex.execute([SeqWork(1, prompt, 0, [0, 1], True, params)])
+    assert 1 in ex._generators
+    ex.release(1)
+    assert 1 not in ex._generators and 1 not in ex.last_logits
