@@ -82,7 +82,7 @@ class SlowModerator(Moderator):
 
 async def test_slow_service_hits_the_client_timeout() -> None:
     registry = CollectorRegistry()
-    async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "5000"},
+    async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "5000", "CHATMESH_MODERATION_CHECK_THREAD": "1"},
                        SlowModerator(load(), profanity_model())) as address:
         moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_TIMEOUT_MS="50",
                             CHATMESH_MODERATION_INPUT_FAILURE="closed")
@@ -104,3 +104,21 @@ async def test_service_going_away_mid_reply_fails_over() -> None:
     assert "output failing closed" in after.reason
     await session.close()
     await moderation.close()
+
+
+async def test_concurrent_sessions_share_one_stream_without_mixing_windows() -> None:
+    import asyncio
+
+    registry = CollectorRegistry()
+    async with running() as address:
+        moderation = client(address, registry)
+
+        async def reply(n: int) -> list[Action]:
+            chunks = ["Honestly, you are such a lo", "ser. Bye"] if n % 2 else ["Here is a lo", "ng answer."]
+            async with moderation.output(CONV) as session:
+                return [(await session.check(c)).action for c in chunks]
+
+        results = await asyncio.gather(*(reply(n) for n in range(40)))
+        await moderation.close()
+    for n, actions in enumerate(results):
+        assert actions == ([Action.ALLOW, Action.BLOCK] if n % 2 else [Action.ALLOW, Action.ALLOW]), n

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
-from chatmesh.moderation.moderator import Moderator
+from chatmesh.moderation.moderator import Moderator, Verdict
 from chatmesh.moderation.policy import Action, PolicyError, card_number_ok, load, luhn_ok, parse
 
 MODERATOR = Moderator(load(), profanity_model())
@@ -118,3 +120,24 @@ def test_policy_file_overrides_the_default(tmp_path: Path) -> None:
 def test_bad_policies_are_refused_with_the_reason(doc: dict[str, object], complaint: str) -> None:
     with pytest.raises(PolicyError, match=complaint):
         parse(doc)
+
+
+async def test_inline_batcher_sheds_checks_past_their_deadline_but_slides_the_window() -> None:
+    batcher = CheckBatcher()
+    check = MODERATOR.open_output()
+    with pytest.raises(TimeoutError):
+        await batcher.run(lambda: check.check("you are an id"), lambda: check.skip("you are an id"), -1.0)
+    assert batcher.shed == 1 and check.chunks == 1
+    verdict = await batcher.run(lambda: check.check("iot."), lambda: None, 1.0)
+    assert verdict.action is Action.BLOCK  # the shed chunk is still in the window
+
+
+async def test_batcher_runs_the_checks_of_one_turn_as_one_batch() -> None:
+    import asyncio
+
+    batcher = CheckBatcher(threaded=True)
+    results = await asyncio.gather(*(batcher.run(functools.partial(pow, n, 2), lambda: None, 5.0)
+                                     for n in range(10)))
+    batcher.close()
+    assert results == [n * n for n in range(10)]
+    assert batcher.batches == 1 and batcher.checks == 10

@@ -108,7 +108,7 @@ class SlowOutputCheck(OutputCheck):
 
 
 async def test_past_the_deadline_the_direction_policy_decides() -> None:
-    env = {"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "20", "CHATMESH_MODERATION_INPUT_FAILURE": "closed",
+    env = {"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "20", "CHATMESH_MODERATION_CHECK_THREAD": "1", "CHATMESH_MODERATION_INPUT_FAILURE": "closed",
            "CHATMESH_MODERATION_OUTPUT_FAILURE": "open"}
     async with running(env, SlowModerator(load(), profanity_model())) as address:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -119,3 +119,28 @@ async def test_past_the_deadline_the_direction_policy_decides() -> None:
             out = [r async for r in stub.CheckOutput(iter([moderate_pb2.CheckOutputRequest(text="hello")]))]
             assert out[0].verdict.fallback and out[0].verdict.action == ALLOW
             assert "failing open" in out[0].verdict.reason
+
+
+async def test_batch_stream_keeps_one_window_per_reply(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    chunk = moderate_pb2.OutputChunk
+    requests = [
+        moderate_pb2.CheckOutputBatchRequest(chunks=[chunk(reply_id="a", text="You are such a lo"),
+                                                     chunk(reply_id="b", text="Card 4111 1111 ")]),
+        moderate_pb2.CheckOutputBatchRequest(chunks=[chunk(reply_id="b", text="1111 1111 saved.", final=True),
+                                                     chunk(reply_id="a", text="ser.")]),
+        # "b" was final: a new reply under the same id starts with an empty window
+        moderate_pb2.CheckOutputBatchRequest(chunks=[chunk(reply_id="b", text="1111 1111 again")]),
+    ]
+    responses = [r async for r in stub.CheckOutputBatch(iter(requests))]
+    got = [[(v.reply_id, v.chunk_index, v.verdict.action) for v in r.verdicts] for r in responses]
+    assert got == [[("a", 0, ALLOW), ("b", 0, ALLOW)], [("b", 1, BLOCK), ("a", 1, BLOCK)], [("b", 0, ALLOW)]]
+    assert responses[1].verdicts[0].checked_chars == len("Card 4111 1111 1111 1111 saved.")
+
+
+async def test_batch_stream_refuses_a_missing_reply_id(channel: grpc.aio.Channel) -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+    request = moderate_pb2.CheckOutputBatchRequest(chunks=[moderate_pb2.OutputChunk(text="hello")])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _ = [r async for r in stub.CheckOutputBatch(iter([request]))]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -123,6 +123,11 @@ class OutputCheck:
     def checked_chars(self) -> int:
         return self._window.checked_chars
 
+    def skip(self, chunk: str) -> None:
+        """Slides the window over a chunk that will not be judged (its check was shed past its deadline)."""
+        self._window.push(chunk)
+        self.chunks += 1
+
     def check(self, chunk: str) -> Verdict:
         view = self._window.push(chunk)
         self.chunks += 1

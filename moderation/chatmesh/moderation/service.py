@@ -1,8 +1,11 @@
 """ModerateService: the thin gRPC layer over the moderation core (`moderator.py`).
 
 CheckInput judges one user message; CheckOutput judges a streamed reply chunk by chunk, one verdict per chunk
-in order, through the sliding window of one `OutputCheck` per stream. Checks run on the `CheckBatcher` worker
-under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
+in order, through the sliding window of one `OutputCheck` per stream; CheckOutputBatch does the same for many
+replies multiplexed on one stream (one `OutputCheck` per reply id), one message per batch of chunks, which
+is what the client uses: gRPC's per-message cost in Python, not the check, is what limits a core. Checks go through the `CheckBatcher`
+(batched across streams; inline, or on a worker thread with CHATMESH_MODERATION_CHECK_THREAD) under
+CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
 decides and the verdict says so (`fallback`, and why in `reason`).
 
 Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter as Counter_
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
@@ -27,12 +31,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from chatmesh.mesh import logs
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
 from chatmesh.mesh.server import Service, status_for
 from chatmesh.moderation import settings
 from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
-from chatmesh.moderation.moderator import Moderator, Verdict, validate_text
+from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict, validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode, load
 from chatmesh.v1 import moderate_pb2
 
@@ -41,6 +45,8 @@ log = logs.get("chatmesh.moderation.service")
 SERVICE_NAME = moderate_pb2.DESCRIPTOR.services_by_name["ModerateService"].full_name
 Context = grpc.aio.ServicerContext[Any, Any]
 M = TypeVar("M", bound=Message)
+MAX_REPLY_ID_BYTES = 128
+MAX_OPEN_REPLIES = 4096
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -151,17 +157,18 @@ def _stream_core_errors(
 
 
 class ModerateServicer:
-    def __init__(self, moderator: Moderator, batcher: CheckBatcher[Verdict], limits: Limits,
+    def __init__(self, moderator: Moderator, batcher: CheckBatcher, limits: Limits,
                  metrics: Metrics) -> None:
         self._moderator = moderator
         self._batcher = batcher
         self._limits = limits
         self._metrics = metrics
 
-    async def _run(self, direction: Direction, check: Callable[[], Verdict]) -> Verdict:
+    async def _run(self, direction: Direction, check: Callable[[], Verdict],
+                   late: Callable[[], object] = lambda: None) -> Verdict:
         start = time.perf_counter()
         try:
-            verdict = await self._batcher.run(check, self._limits.deadline_s)
+            verdict = await self._batcher.run(check, late, self._limits.deadline_s)
         except TimeoutError:
             verdict = self._fallback(direction, "deadline", "check deadline passed")
         except CoreError:
@@ -172,6 +179,28 @@ class ModerateServicer:
         self._metrics.latency.labels(direction.value).observe(time.perf_counter() - start)
         self._metrics.checks.labels(direction.value, verdict.action.name.lower()).inc()
         return verdict
+
+    async def _run_batch(self, checks: list[tuple[OutputCheck, str]]) -> list[Verdict]:
+        """Judges the chunks of one CheckOutputBatch request as one batcher job."""
+        start = time.perf_counter()
+        try:
+            def skip_all() -> None:
+                for check, text in checks:
+                    check.skip(text)
+
+            verdicts = await self._batcher.run(lambda: [check.check(text) for check, text in checks], skip_all,
+                                               self._limits.deadline_s)
+        except TimeoutError:
+            verdicts = [self._fallback(Direction.OUTPUT, "deadline", "check deadline passed")] * len(checks)
+        except CoreError:
+            raise
+        except Exception as exc:  # the classifier failed: the failure policy answers, the error is logged
+            log.error("check_failed", direction="output", exc_info=exc)
+            verdicts = [self._fallback(Direction.OUTPUT, "error", f"check failed ({type(exc).__name__})")] * len(checks)
+        self._metrics.latency.labels("output").observe(time.perf_counter() - start)
+        for action, n in Counter_(v.action for v in verdicts).items():
+            self._metrics.checks.labels("output", action.name.lower()).inc(n)
+        return verdicts
 
     def _fallback(self, direction: Direction, label: str, why: str) -> Verdict:
         mode = self._limits.failure(direction)
@@ -198,7 +227,8 @@ class ModerateServicer:
                 request = _decoded(raw)
                 validate_text(request.text, self._limits.max_bytes, "chunk text", allow_empty=True)
                 conversation_id = conversation_id or request.conversation_id
-                verdict = await self._run(Direction.OUTPUT, functools.partial(check.check, request.text))
+                verdict = await self._run(Direction.OUTPUT, functools.partial(check.check, request.text),
+                                          functools.partial(check.skip, request.text))
                 chars += len(request.text)
                 worst = max(worst, verdict.action)
                 yield moderate_pb2.CheckOutputResponse(chunk_index=chunks, verdict=verdict_pb(verdict),
@@ -211,6 +241,57 @@ class ModerateServicer:
                      worst=worst.name)
 
 
+    @_stream_core_errors
+    async def CheckOutputBatch(self, requests: AsyncIterator[moderate_pb2.CheckOutputBatchRequest | Undecodable],
+                               context: Context) -> AsyncIterator[moderate_pb2.CheckOutputBatchResponse]:
+        replies: dict[str, _Reply] = {}
+        try:
+            async for raw in requests:
+                request = _decoded(raw)
+                batch: list[tuple[str, _Reply, str, bool]] = []
+                for chunk in request.chunks:
+                    reply_id = chunk.reply_id
+                    if not reply_id or len(reply_id.encode()) > MAX_REPLY_ID_BYTES:
+                        raise InvalidArgument(f"reply_id must be 1-{MAX_REPLY_ID_BYTES} bytes")
+                    validate_text(chunk.text, self._limits.max_bytes, "chunk text", allow_empty=True)
+                    reply = replies.get(reply_id)
+                    if reply is None:
+                        if len(replies) >= MAX_OPEN_REPLIES:
+                            raise ResourceExhausted(f"more than {MAX_OPEN_REPLIES} replies open on one stream")
+                        reply = replies[reply_id] = _Reply(self._moderator.open_output(), chunk.conversation_id)
+                    batch.append((reply_id, reply, chunk.text, chunk.final))
+                verdicts = await self._run_batch([(reply.check, text) for _, reply, text, _ in batch])
+                out = moderate_pb2.CheckOutputBatchResponse()
+                for (reply_id, reply, text, final), verdict in zip(batch, verdicts):
+                    reply.chars += len(text)
+                    reply.worst = max(reply.worst, verdict.action)
+                    out.verdicts.append(moderate_pb2.OutputVerdict(
+                        reply_id=reply_id, chunk_index=reply.chunks, verdict=verdict_pb(verdict),
+                        checked_chars=reply.chars))
+                    reply.chunks += 1
+                    if final and replies.pop(reply_id, None) is not None:
+                        reply.log()
+                yield out
+        finally:
+            for reply in replies.values():
+                reply.log()
+
+
+class _Reply:
+    """One reply open on a CheckOutputBatch stream."""
+
+    def __init__(self, check: OutputCheck, conversation_id: str) -> None:
+        self.check = check
+        self.conversation_id = conversation_id
+        self.chunks = 0
+        self.chars = 0
+        self.worst = Action.ALLOW
+
+    def log(self) -> None:
+        log.info("output_checked", conversation_id=self.conversation_id, chunks=self.chunks, chars=self.chars,
+                 worst=self.worst.name)
+
+
 def _register(server: grpc.aio.Server, servicer: ModerateServicer) -> Sequence[str]:
     handlers = {
         "CheckInput": grpc.unary_unary_rpc_method_handler(
@@ -219,6 +300,9 @@ def _register(server: grpc.aio.Server, servicer: ModerateServicer) -> Sequence[s
         "CheckOutput": grpc.stream_stream_rpc_method_handler(
             servicer.CheckOutput, request_deserializer=lenient(moderate_pb2.CheckOutputRequest),
             response_serializer=moderate_pb2.CheckOutputResponse.SerializeToString),
+        "CheckOutputBatch": grpc.stream_stream_rpc_method_handler(
+            servicer.CheckOutputBatch, request_deserializer=lenient(moderate_pb2.CheckOutputBatchRequest),
+            response_serializer=moderate_pb2.CheckOutputBatchResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     return [SERVICE_NAME]
@@ -233,7 +317,7 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
                     on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
                     on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
     metrics = Metrics()
-    batcher: CheckBatcher[Verdict] = CheckBatcher()
+    batcher = CheckBatcher(threaded=cfg[settings.CHECK_THREAD])
     servicer = ModerateServicer(moderator, batcher, limits, metrics)
 
     async def start() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chatmesh.mesh.config import Setting
+from chatmesh.mesh.config import Setting, parse_bool
 
 FAILURE_MODES = ("closed", "open")
 
@@ -24,3 +24,6 @@ OUTPUT_FAILURE = Setting("CHATMESH_MODERATION_OUTPUT_FAILURE", "open",
                          choices=FAILURE_MODES)
 METRICS_PORT = Setting("CHATMESH_MODERATION_METRICS_PORT", 0,
                        "port of ModerateService's Prometheus metrics endpoint; 0: none", int)
+CHECK_THREAD = Setting("CHATMESH_MODERATION_CHECK_THREAD", False,
+                       "run checks on a worker thread (for backends that wait, such as a guard model) instead of "
+                       "inline on the event loop with load shedding past the deadline", parse_bool)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/moderate.proto\x12\x0b\x63hatmesh.v1\"0\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x8a\x01\n\x07Verdict\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.chatmesh.v1.ModerationAction\x12.\n\ncategories\x18\x02 \x03(\x0b\x32\x1a.chatmesh.v1.CategoryScore\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\x08\":\n\x11\x43heckInputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\";\n\x12\x43heckInputResponse\x12%\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\"J\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"h\n\x13\x43heckOutputResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x03\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\x12\x15\n\rchecked_chars\x18\x03 \x01(\x03*\x8b\x01\n\x10ModerationAction\x12!\n\x1dMODERATION_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODERATION_ACTION_ALLOW\x10\x01\x12\x1a\n\x16MODERATION_ACTION_FLAG\x10\x02\x12\x1b\n\x17MODERATION_ACTION_BLOCK\x10\x03\x32\xb6\x01\n\x0fModerateService\x12M\n\nCheckInput\x12\x1e.chatmesh.v1.CheckInputRequest\x1a\x1f.chatmesh.v1.CheckInputResponse\x12T\n\x0b\x43heckOutput\x12\x1f.chatmesh.v1.CheckOutputRequest\x1a .chatmesh.v1.CheckOutputResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/moderate.proto\x12\x0b\x63hatmesh.v1\"0\n\rCategoryScore\x12\x10\n\x08\x63\x61tegory\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x8a\x01\n\x07Verdict\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.chatmesh.v1.ModerationAction\x12.\n\ncategories\x18\x02 \x03(\x0b\x32\x1a.chatmesh.v1.CategoryScore\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x10\n\x08\x66\x61llback\x18\x04 \x01(\x08\":\n\x11\x43heckInputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\";\n\x12\x43heckInputResponse\x12%\n\x07verdict\x18\x01 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\"J\n\x12\x43heckOutputRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\"h\n\x13\x43heckOutputResponse\x12\x13\n\x0b\x63hunk_index\x18\x01 \x01(\x03\x12%\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\x12\x15\n\rchecked_chars\x18\x03 \x01(\x03\"U\n\x0bOutputChunk\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\"C\n\x17\x43heckOutputBatchRequest\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.chatmesh.v1.OutputChunk\"t\n\rOutputVerdict\x12\x10\n\x08reply_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\x03\x12%\n\x07verdict\x18\x03 \x01(\x0b\x32\x14.chatmesh.v1.Verdict\x12\x15\n\rchecked_chars\x18\x04 \x01(\x03\"H\n\x18\x43heckOutputBatchResponse\x12,\n\x08verdicts\x18\x01 \x03(\x0b\x32\x1a.chatmesh.v1.OutputVerdict*\x8b\x01\n\x10ModerationAction\x12!\n\x1dMODERATION_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17MODERATION_ACTION_ALLOW\x10\x01\x12\x1a\n\x16MODERATION_ACTION_FLAG\x10\x02\x12\x1b\n\x17MODERATION_ACTION_BLOCK\x10\x03\x32\x9b\x02\n\x0fModerateService\x12M\n\nCheckInput\x12\x1e.chatmesh.v1.CheckInputRequest\x1a\x1f.chatmesh.v1.CheckInputResponse\x12T\n\x0b\x43heckOutput\x12\x1f.chatmesh.v1.CheckOutputRequest\x1a .chatmesh.v1.CheckOutputResponse(\x01\x30\x01\x12\x63\n\x10\x43heckOutputBatch\x12$.chatmesh.v1.CheckOutputBatchRequest\x1a%.chatmesh.v1.CheckOutputBatchResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.moderate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODERATIONACTION']._serialized_start=538
-  _globals['_MODERATIONACTION']._serialized_end=677
+  _globals['_MODERATIONACTION']._serialized_start=886
+  _globals['_MODERATIONACTION']._serialized_end=1025
   _globals['_CATEGORYSCORE']._serialized_start=43
   _globals['_CATEGORYSCORE']._serialized_end=91
   _globals['_VERDICT']._serialized_start=94
@@ -45,6 +45,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKOUTPUTREQUEST']._serialized_end=429
   _globals['_CHECKOUTPUTRESPONSE']._serialized_start=431
   _globals['_CHECKOUTPUTRESPONSE']._serialized_end=535
-  _globals['_MODERATESERVICE']._serialized_start=680
-  _globals['_MODERATESERVICE']._serialized_end=862
+  _globals['_OUTPUTCHUNK']._serialized_start=537
+  _globals['_OUTPUTCHUNK']._serialized_end=622
+  _globals['_CHECKOUTPUTBATCHREQUEST']._serialized_start=624
+  _globals['_CHECKOUTPUTBATCHREQUEST']._serialized_end=691
+  _globals['_OUTPUTVERDICT']._serialized_start=693
+  _globals['_OUTPUTVERDICT']._serialized_end=809
+  _globals['_CHECKOUTPUTBATCHRESPONSE']._serialized_start=811
+  _globals['_CHECKOUTPUTBATCHRESPONSE']._serialized_end=883
+  _globals['_MODERATESERVICE']._serialized_start=1028
+  _globals['_MODERATESERVICE']._serialized_end=1311
 # @@protoc_insertion_point(module_scope)

@@ -71,3 +71,39 @@ class CheckOutputResponse(_message.Message):
     verdict: Verdict
     checked_chars: int
     def __init__(self, chunk_index: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., checked_chars: _Optional[int] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("reply_id", "text", "conversation_id", "final")
+    REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    reply_id: str
+    text: str
+    conversation_id: str
+    final: bool
+    def __init__(self, reply_id: _Optional[str] = ..., text: _Optional[str] = ..., conversation_id: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class CheckOutputBatchRequest(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[OutputChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[OutputChunk, _Mapping]]] = ...) -> None: ...
+
+class OutputVerdict(_message.Message):
+    __slots__ = ("reply_id", "chunk_index", "verdict", "checked_chars")
+    REPLY_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    CHECKED_CHARS_FIELD_NUMBER: _ClassVar[int]
+    reply_id: str
+    chunk_index: int
+    verdict: Verdict
+    checked_chars: int
+    def __init__(self, reply_id: _Optional[str] = ..., chunk_index: _Optional[int] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., checked_chars: _Optional[int] = ...) -> None: ...
+
+class CheckOutputBatchResponse(_message.Message):
+    __slots__ = ("verdicts",)
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedCompositeFieldContainer[OutputVerdict]
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[OutputVerdict, _Mapping]]] = ...) -> None: ...

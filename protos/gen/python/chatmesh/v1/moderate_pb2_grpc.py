@@ -45,6 +45,11 @@ class ModerateServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputResponse.FromString,
                 _registered_method=True)
+        self.CheckOutputBatch = channel.stream_stream(
+                '/chatmesh.v1.ModerateService/CheckOutputBatch',
+                request_serializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchResponse.FromString,
+                _registered_method=True)
 
 
 class ModerateServiceServicer:
@@ -65,6 +70,16 @@ class ModerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckOutputBatch(self, request_iterator, context):
+        """Checks many replies at once over one stream: each request carries the next chunks of any number of
+        replies (told apart by a caller-chosen reply id), each response the verdicts on one request's chunks, in
+        the same order. The same per-reply sliding window as CheckOutput; one message per batch instead of one
+        per chunk is what lets one core keep up with every stream of a node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +92,11 @@ def add_ModerateServiceServicer_to_server(servicer, server):
                     servicer.CheckOutput,
                     request_deserializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputResponse.SerializeToString,
+            ),
+            'CheckOutputBatch': grpc.stream_stream_rpc_method_handler(
+                    servicer.CheckOutputBatch,
+                    request_deserializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +154,33 @@ class ModerateService:
             '/chatmesh.v1.ModerateService/CheckOutput',
             chatmesh_dot_v1_dot_moderate__pb2.CheckOutputRequest.SerializeToString,
             chatmesh_dot_v1_dot_moderate__pb2.CheckOutputResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckOutputBatch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chatmesh.v1.ModerateService/CheckOutputBatch',
+            chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchRequest.SerializeToString,
+            chatmesh_dot_v1_dot_moderate__pb2.CheckOutputBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

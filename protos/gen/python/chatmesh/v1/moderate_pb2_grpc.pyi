@@ -37,6 +37,12 @@ class ModerateServiceStub:
     """Checks one user message."""
     CheckOutput: _grpc.StreamStreamMultiCallable[_moderate_pb2.CheckOutputRequest, _moderate_pb2.CheckOutputResponse]
     """Checks a reply as it streams: chunks in, one verdict per chunk out, in order."""
+    CheckOutputBatch: _grpc.StreamStreamMultiCallable[_moderate_pb2.CheckOutputBatchRequest, _moderate_pb2.CheckOutputBatchResponse]
+    """Checks many replies at once over one stream: each request carries the next chunks of any number of
+    replies (told apart by a caller-chosen reply id), each response the verdicts on one request's chunks, in
+    the same order. The same per-reply sliding window as CheckOutput; one message per batch instead of one
+    per chunk is what lets one core keep up with every stream of a node.
+    """
 
 @_typing.type_check_only
 class ModerateServiceAsyncStub(ModerateServiceStub):
@@ -47,6 +53,12 @@ class ModerateServiceAsyncStub(ModerateServiceStub):
     """Checks one user message."""
     CheckOutput: _aio.StreamStreamMultiCallable[_moderate_pb2.CheckOutputRequest, _moderate_pb2.CheckOutputResponse]  # type: ignore[assignment]
     """Checks a reply as it streams: chunks in, one verdict per chunk out, in order."""
+    CheckOutputBatch: _aio.StreamStreamMultiCallable[_moderate_pb2.CheckOutputBatchRequest, _moderate_pb2.CheckOutputBatchResponse]  # type: ignore[assignment]
+    """Checks many replies at once over one stream: each request carries the next chunks of any number of
+    replies (told apart by a caller-chosen reply id), each response the verdicts on one request's chunks, in
+    the same order. The same per-reply sliding window as CheckOutput; one message per batch instead of one
+    per chunk is what lets one core keep up with every stream of a node.
+    """
 
 class ModerateServiceServicer(metaclass=_abc_1.ABCMeta):
     """Screens user input before the engine sees it, and model output as it streams."""
@@ -66,5 +78,17 @@ class ModerateServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_moderate_pb2.CheckOutputResponse], _abc.AsyncIterator[_moderate_pb2.CheckOutputResponse]]:
         """Checks a reply as it streams: chunks in, one verdict per chunk out, in order."""
+
+    @_abc_1.abstractmethod
+    def CheckOutputBatch(
+        self,
+        request_iterator: _MaybeAsyncIterator[_moderate_pb2.CheckOutputBatchRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_moderate_pb2.CheckOutputBatchResponse], _abc.AsyncIterator[_moderate_pb2.CheckOutputBatchResponse]]:
+        """Checks many replies at once over one stream: each request carries the next chunks of any number of
+        replies (told apart by a caller-chosen reply id), each response the verdicts on one request's chunks, in
+        the same order. The same per-reply sliding window as CheckOutput; one message per batch instead of one
+        per chunk is what lets one core keep up with every stream of a node.
+        """
 
 def add_ModerateServiceServicer_to_server(servicer: ModerateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
