@@ -57,8 +57,8 @@ def test_events_round_trip_through_tensors(event: Started | Delta | Finished) ->
 
 def test_finished_carries_stats_and_refusals_come_back_typed() -> None:
     stats = EngineStats("r", "sim", 1, 2, 16, TierStats(10, 4, 6), TierStats(5, 0, 5), hit_tokens=7)
-    get = wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1)), stats))
-    assert wire.stats_of(get) == stats
+    get = wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1)), wire.Snapshot("e1", 3, stats)))
+    assert wire.stats_of(get) == wire.Snapshot("e1", 3, stats)
     assert isinstance(wire.error_of(wire.getter(wire.error_tensors(ResourceExhausted("full")))), ResourceExhausted)
     assert isinstance(wire.error_of(wire.getter(wire.error_tensors(InvalidArgument("bad")))), InvalidArgument)
     internal = wire.getter(wire.error_tensors(RuntimeError("boom")))

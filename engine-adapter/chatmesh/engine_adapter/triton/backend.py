@@ -57,6 +57,7 @@ log = logs.get("chatmesh.triton.backend")
 
 _INPUT_TYPES = {name: wire.CLIENT_DTYPE[dtype] for name, dtype, _ in wire.INPUTS}
 RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
+CANCEL_REFRESH_S = (0.05, 0.15, 0.5)  # after a cancel, stats are re-read at these delays (the model's check is 20 ms)
 
 
 class _StreamFailed(Exception):
@@ -88,6 +89,9 @@ class TritonBackend:
         self.server = server
         self._client: grpcclient.InferenceServerClient | None = None
         self._stats = EngineStats(options.replica_id, self.name, 0, 0, 0, TierStats(0, 0, 0), TierStats(0, 0, 0))
+        self._stats_epoch = ""
+        self._stats_version = -1
+        self._background: set[asyncio.Task[None]] = set()
         self._ready = False
         self._poller: asyncio.Task[None] | None = None
 
@@ -113,6 +117,8 @@ class TritonBackend:
 
     async def close(self) -> None:
         self._ready = False
+        for task in list(self._background):
+            task.cancel()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -161,6 +167,9 @@ class TritonBackend:
                         if isinstance(event, Finished):
                             return
                 raise _StreamFailed("the stream ended before the generation finished")
+            except (GeneratorExit, asyncio.CancelledError):
+                self._refresh_soon()  # the caller cancelled: the model frees the sequence within a cancel check
+                raise
             except _StreamFailed as err:
                 if streamed:
                     log.warning("triton_stream_failed", address=self.address, code=str(err.code), produced=produced)
@@ -180,10 +189,7 @@ class TritonBackend:
                 raise error
             return Finished(FinishReason.ERROR, Usage(prompt_tokens, 0, 0), wire.error_message_of(get))
         event = wire.event_of(get)
-        if isinstance(event, Finished):
-            stats = wire.stats_of(get)
-            if stats is not None:
-                self._stats = self._own(stats)
+        self._take(wire.stats_of(get))
         return event
 
     async def _stream(self, inputs: Mapping[str, wire.Array]) -> AsyncGenerator[wire.Getter, None]:
@@ -228,16 +234,31 @@ class TritonBackend:
 
     async def refresh_stats(self) -> EngineStats:
         """Reads the engine's statistics from the model now (stats() returns the latest read)."""
-        stats = wire.stats_of(await self._command(wire.Command.STATS))
-        if stats is not None:
-            self._stats = self._own(stats)
+        self._take(wire.stats_of(await self._command(wire.Command.STATS)))
         return self._stats
+
+    def _refresh_soon(self) -> None:
+        async def refresh() -> None:
+            for delay in CANCEL_REFRESH_S:
+                await asyncio.sleep(delay)
+                with contextlib.suppress(Unavailable):
+                    await self.refresh_stats()
+
+        task = asyncio.get_running_loop().create_task(refresh())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def stats(self) -> EngineStats:
         return self._stats
 
-    def _own(self, stats: EngineStats) -> EngineStats:
-        return dataclasses.replace(stats, replica_id=self.options.replica_id, backend=self.name)
+    def _take(self, snapshot: wire.Snapshot | None) -> None:
+        """Keeps the newest snapshot, as this replica's stats."""
+        if snapshot is None:
+            return
+        if snapshot.epoch == self._stats_epoch and snapshot.version <= self._stats_version:
+            return  # an older snapshot that arrived late
+        self._stats_epoch, self._stats_version = snapshot.epoch, snapshot.version
+        self._stats = dataclasses.replace(snapshot.stats, replica_id=self.options.replica_id, backend=self.name)
 
     async def evict_conversation(self, conversation_id: ConversationId) -> int:
         return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_CONVERSATION, conversation_id))
@@ -259,8 +280,8 @@ def _describe(err: grpc.aio.AioRpcError) -> str:
     return f"{err.code().name}: {err.details() or 'no details'}"
 
 
-def repository_for(path: str, data_dir: str) -> Path:
-    return Path(path) if path else Path(data_dir).expanduser() / "triton" / "repository"
+def repository_for(path: str, data_dir: str, replica_id: str) -> Path:
+    return Path(path) if path else Path(data_dir).expanduser() / "triton" / replica_id / "repository"
 
 
 def from_config(cfg: Config) -> TritonBackend:
@@ -271,7 +292,7 @@ def from_config(cfg: Config) -> TritonBackend:
         retries=cfg[settings.TRITON_RETRIES], stats_interval_s=cfg[settings.TRITON_STATS_INTERVAL_MS] / 1000)
     if options.address:
         return TritonBackend(options)
-    repository = repository_for(cfg[settings.TRITON_REPOSITORY], cfg[mesh_settings.DATA_DIR])
+    repository = repository_for(cfg[settings.TRITON_REPOSITORY], cfg[mesh_settings.DATA_DIR], options.replica_id)
     if not cfg[settings.TRITON_REPOSITORY]:
         engine_env = {k: v for k, v in cfg.as_env(_engine_settings()).items()
                       if k in {s.env for s in _engine_settings()} and k != engine_settings.ENGINE.env}

@@ -28,13 +28,14 @@ import importlib.util
 import json
 import os
 import threading
+import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
 
 import numpy as np
 
-from chatmesh.engine_adapter.backend import Backend, Finished, GenerateEvent
+from chatmesh.engine_adapter.backend import Backend, Finished, GenerateEvent, Started
 from chatmesh.engine_adapter.triton import wire
 from chatmesh.mesh.errors import CoreError
 from chatmesh.mesh.ids import parse_conversation_id
@@ -107,6 +108,8 @@ class ChatmeshModel:
         self._watcher = threading.Thread(target=self._watch_cancellation, name="chatmesh-cancel", daemon=True)
         self._cancel_check_s = DEFAULT_CANCEL_CHECK_MS / 1000
         self._next_key = 0
+        self._stats_version = 0
+        self._epoch = uuid.uuid4().hex
 
     # ---- Triton's entry points -------------------------------------------------------------------------------
 
@@ -152,6 +155,12 @@ class ChatmeshModel:
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def _snapshot(self) -> wire.Snapshot:
+        """The engine's stats now (called on the engine loop only, so the version counter needs no lock)."""
+        assert self.backend is not None
+        self._stats_version += 1
+        return wire.Snapshot(self._epoch, self._stats_version, self.backend.stats())
+
     def _get(self, request: Any) -> wire.Getter:
         def get(name: str) -> wire.Array | None:
             tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -186,7 +195,7 @@ class ChatmeshModel:
                         events = self.backend.generate(wire.params_of(get))
                         event = await anext(events, None)  # admission errors surface here, before any event
                     case wire.Command.STATS:
-                        send(wire.stats_tensors(self.backend.stats()), final=True)
+                        send(wire.stats_tensors(self._snapshot()), final=True)
                         return
                     case wire.Command.EVICT_CONVERSATION:
                         conversation = parse_conversation_id(wire.text_of(get, "conversation_id"))
@@ -204,9 +213,9 @@ class ChatmeshModel:
             while event is not None:
                 if isinstance(event, Finished):
                     await _close(events)  # the sequence is released before the stats that ride on Finished
-                    send(wire.event_tensors(event, self.backend.stats()), final=True)
+                    send(wire.event_tensors(event, self._snapshot()), final=True)
                     return
-                send(wire.event_tensors(event))
+                send(wire.event_tensors(event, self._snapshot() if isinstance(event, Started) else None))
                 event = await anext(events, None)
             raise RuntimeError("the engine's event stream ended without a Finished event")
         except asyncio.CancelledError:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -221,19 +221,38 @@ def params_of(get: Getter) -> GenerateParams:
 
 # ---- responses ------------------------------------------------------------------------------------------------
 
-def stats_to_json(stats: EngineStats) -> str:
-    return json.dumps(asdict(stats), separators=(",", ":"))
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's statistics at one moment; a later snapshot has a larger version (responses of different
+    streams can arrive out of order, so the client keeps the newest)."""
+
+    epoch: str  # one model instance's lifetime: versions restart when the model (re)loads
+    version: int
+    stats: EngineStats
 
 
-def stats_from_json(text: str) -> EngineStats:
+def stats_to_json(snapshot: Snapshot) -> str:
+    return json.dumps({"epoch": snapshot.epoch, "version": snapshot.version, "stats": asdict(snapshot.stats)},
+                      separators=(",", ":"))
+
+
+def stats_from_json(text: str) -> Snapshot:
     raw = json.loads(text)
-    raw["device"] = TierStats(**raw["device"])
-    raw["host"] = TierStats(**raw["host"])
-    return EngineStats(**raw)
+    stats = raw["stats"]
+    stats["device"] = TierStats(**stats["device"])
+    stats["host"] = TierStats(**stats["host"])
+    return Snapshot(str(raw["epoch"]), int(raw["version"]), EngineStats(**stats))
 
 
-def event_tensors(event: GenerateEvent, stats: EngineStats | None = None) -> dict[str, Array]:
-    """The outputs of one generation event; a Finished carries the engine's stats after it, when given."""
+def event_tensors(event: GenerateEvent, snapshot: Snapshot | None = None) -> dict[str, Array]:
+    """The outputs of one generation event, with the engine's statistics when given (on Started and Finished)."""
+    out = _event_tensors(event)
+    if snapshot is not None:
+        out["stats_json"] = _bytes(stats_to_json(snapshot))
+    return out
+
+
+def _event_tensors(event: GenerateEvent) -> dict[str, Array]:
     match event:
         case Started():
             return {"event": _bytes(EventKind.STARTED.value),
@@ -244,12 +263,9 @@ def event_tensors(event: GenerateEvent, stats: EngineStats | None = None) -> dic
                     "text": _bytes(event.text)}
         case Finished():
             u = event.usage
-            out = {"event": _bytes(EventKind.FINISHED.value), "finish_reason": _bytes(event.reason.value),
-                   "prompt_tokens": _i32([u.prompt_tokens]), "cached_prompt_tokens": _i32([u.cached_prompt_tokens]),
-                   "output_tokens": _i32([u.output_tokens]), "error_message": _bytes(event.error)}
-            if stats is not None:
-                out["stats_json"] = _bytes(stats_to_json(stats))
-            return out
+            return {"event": _bytes(EventKind.FINISHED.value), "finish_reason": _bytes(event.reason.value),
+                    "prompt_tokens": _i32([u.prompt_tokens]), "cached_prompt_tokens": _i32([u.cached_prompt_tokens]),
+                    "output_tokens": _i32([u.output_tokens]), "error_message": _bytes(event.error)}
         case _:
             raise AssertionError(f"unknown event {event!r}")
 
@@ -267,8 +283,8 @@ def error_tensors(err: CoreError | Exception) -> dict[str, Array]:
             "error_message": _bytes(str(err) if isinstance(err, CoreError) else f"{type(err).__name__}: {err}")}
 
 
-def stats_tensors(stats: EngineStats) -> dict[str, Array]:
-    return {"event": _bytes(EventKind.STATS.value), "stats_json": _bytes(stats_to_json(stats))}
+def stats_tensors(snapshot: Snapshot) -> dict[str, Array]:
+    return {"event": _bytes(EventKind.STATS.value), "stats_json": _bytes(stats_to_json(snapshot))}
 
 
 def evicted_tensors(blocks: int) -> dict[str, Array]:
@@ -321,7 +337,7 @@ def error_message_of(get: Getter) -> str:
     return text_of(get, "error_message")
 
 
-def stats_of(get: Getter) -> EngineStats | None:
+def stats_of(get: Getter) -> Snapshot | None:
     text = text_of(get, "stats_json")
     return stats_from_json(text) if text else None
 
