@@ -11,7 +11,7 @@ the evaluation set's outputs (mostly benign text, some violations) and cut into 
    and checks per CPU-second the server process used (from /proc), the fair "one core" figure on a shared
    machine. The service batches the checks of all streams per event-loop turn.
 
-Run: .venv/bin/python -m bench.moderation_checks [--seconds 5] [--streams 1,64,256]
+Run: .venv/bin/python -m bench.moderation_checks [--seconds 5] [--streams 1,64,256] [--rate 40]
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ async def wait_ready(address: str, limit_s: float = 120) -> None:
                 await asyncio.sleep(0.5)
 
 
-async def drive(address: str, streams: int, seconds: float) -> tuple[list[float], int]:
+async def drive(address: str, streams: int, seconds: float, rate: float) -> tuple[list[float], int]:
+    """`streams` replies at once; each sends its next chunk when the verdict is back (rate 0) or every
+    1/rate seconds (paced, like a real reply), and starts a new reply when one ends."""
     env = {"CHATMESH_MODERATION_ADDRESS": address, "CHATMESH_MODERATION_CLIENT_TIMEOUT_MS": "5000"}
     client = ModerationClient.from_config(Config(env=env))
     chunks_of = replies()
@@ -97,6 +99,8 @@ async def drive(address: str, streams: int, seconds: float) -> tuple[list[float]
 
     async def one(n: int) -> None:
         nonlocal fallbacks
+        if rate:
+            await asyncio.sleep(n / streams / rate)  # spread the streams over one chunk interval
         while time.perf_counter() < deadline:
             async with client.output(f"bench-{n}") as session:
                 for chunk in chunks_of[n % len(chunks_of)]:
@@ -106,13 +110,15 @@ async def drive(address: str, streams: int, seconds: float) -> tuple[list[float]
                     fallbacks += outcome.fallback
                     if time.perf_counter() >= deadline:
                         break
+                    if rate:
+                        await asyncio.sleep(max(0.0, 1 / rate - (time.perf_counter() - t)))
 
     await asyncio.gather(*(one(n) for n in range(streams)))
     await client.close()
     return times, fallbacks
 
 
-def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, str]) -> None:
+def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, str], rate: float) -> None:
     port = 50900 + os.getpid() % 90
     address = f"127.0.0.1:{port}"
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
@@ -126,10 +132,11 @@ def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, 
         for streams in streams_list:
             cpu0 = cpu_seconds(server.pid)
             t0 = time.perf_counter()
-            times, fallbacks = asyncio.run(drive(address, streams, seconds))
+            times, fallbacks = asyncio.run(drive(address, streams, seconds, rate))
             wall = time.perf_counter() - t0
             cpu = cpu_seconds(server.pid) - cpu0
-            print(f"service {extra_env or ''}, {streams} streams: {len(times) / wall:,.0f} checks/s "
+            mode = f"paced {rate:g} chunks/s each" if rate else "closed loop"
+            print(f"service {extra_env or ''}, {streams} streams, {mode}: {len(times) / wall:,.0f} checks/s "
                   f"({len(times) / max(cpu, 1e-9):,.0f} per server CPU-second, server CPU {cpu / wall:.0%}); "
                   f"round trip p50 {pct(times, 50) * 1e3:.2f} ms, p95 {pct(times, 95) * 1e3:.2f} ms; "
                   f"fallbacks {fallbacks}")
@@ -144,14 +151,15 @@ def main() -> None:
     parser.add_argument("--streams", default="1,64,256")
     parser.add_argument("--skip-service", action="store_true")
     parser.add_argument("--threaded", action="store_true", help="also run the service with a check thread")
+    parser.add_argument("--rate", type=float, default=0.0, help="chunks/s per stream (0: as fast as verdicts come)")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores; chunk {CHUNK_CHARS} chars (~25 ms of tokens)")
     bench_core(args.seconds)
     if not args.skip_service:
         streams = [int(s) for s in args.streams.split(",")]
-        bench_service(args.seconds, streams, {})
+        bench_service(args.seconds, streams, {}, args.rate)
         if args.threaded:
-            bench_service(args.seconds, streams, {"CHATMESH_MODERATION_CHECK_THREAD": "1"})
+            bench_service(args.seconds, streams, {"CHATMESH_MODERATION_CHECK_THREAD": "1"}, args.rate)
 
 
 if __name__ == "__main__":

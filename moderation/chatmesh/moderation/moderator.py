@@ -40,6 +40,9 @@ class Verdict:
         return Verdict(action, (), why, fallback=True)
 
 
+ALLOW = Verdict(Action.ALLOW, (), "")
+
+
 def validate_text(text: str, max_bytes: int, what: str, allow_empty: bool = False) -> None:
     """Raises InvalidArgument for empty (unless allowed) or oversized text."""
     if not text and not allow_empty:
@@ -79,6 +82,9 @@ class Moderator:
             raise InvalidArgument(f"policy names models this backend does not have: {sorted(unknown)}")
         self.policy = policy
         self.model = model
+        self._quiet_below = {d: min([policy.report_at, *(t for c in policy.categories
+                                                         for t in (c.thresholds(d).flag_at, c.thresholds(d).block_at)
+                                                         if t is not None)]) for d in Direction}
 
     def check_input(self, text: str) -> Verdict:
         return self._judge(Direction.INPUT, View(text, 0), tokens(text))
@@ -90,7 +96,7 @@ class Moderator:
                words: Sequence[str]) -> CategoryScore | None:
         best: CategoryScore | None = None
         for rule in category.rules:
-            if (best is not None and best.score >= rule.score) or not rule.may_match(present):
+            if (best is not None and best.score >= rule.score) or (rule.gate and present.isdisjoint(rule.gate)):
                 continue
             for m in rule.pattern.finditer(view.text):
                 if view.is_new(m.end()) and validate(rule.validator, m.group()):
@@ -106,6 +112,8 @@ class Moderator:
         present = self.policy.gates_in(view.text.lower())
         scores = {c.name: s for c in self.policy.categories
                   if (s := self._score(c, view, present, words)) is not None}
+        if all(cs.score < self._quiet_below[direction] for cs in scores.values()):
+            return ALLOW  # nothing reaches a report or flag threshold: the common case, without the bookkeeping
         return decide(self.policy, direction, scores)
 
 
