@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from collections.abc import AsyncIterator
 
@@ -14,13 +13,7 @@ from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 from chatmesh.engine_adapter import service as engine_service
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.server import serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from tests.conftest import free_port
 
 
 def _config(**extra: str) -> Config:
@@ -33,7 +26,7 @@ def _config(**extra: str) -> Config:
 
 @pytest.fixture
 async def stub() -> AsyncIterator[generate_pb2_grpc.GenerateServiceAsyncStub]:
-    port = _free_port()
+    port = free_port()
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(serve(engine_service.build(_config()), f"127.0.0.1:{port}", 0.5, ready, stop))
     await asyncio.wait_for(ready.wait(), 10)

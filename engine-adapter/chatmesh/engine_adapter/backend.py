@@ -99,11 +99,13 @@ GenerateEvent = Started | Delta | Finished
 
 @dataclass(frozen=True)
 class TierStats:
-    """Occupancy of one KV tier, in blocks: used (referenced or cached) + free = total."""
+    """Occupancy of one KV tier, in blocks: used (referenced or cached) + free = total; `cached` of the used
+    blocks are held by no running sequence (reusable by a prefix hit, reclaimed on demand)."""
 
     total: int
     used: int
     free: int
+    cached: int = 0
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class BlockStats:
 
     device_total: int
     device_free: int
+    device_cached: int  # used, but held by no sequence (idle, evictable)
     host_total: int
     host_free: int
     device_evictions: int
@@ -250,7 +251,7 @@ class BlockManager:
 
     def stats(self) -> BlockStats:
         return BlockStats(
-            device_total=self.cfg.device_blocks, device_free=len(self._dev_free),
+            device_total=self.cfg.device_blocks, device_free=len(self._dev_free), device_cached=len(self._dev_idle),
             host_total=self.cfg.host_blocks, host_free=len(self._host_free),
             device_evictions=self.device_evictions, host_evictions=self.host_evictions)
 

@@ -94,7 +94,7 @@ class StepReport:
     decode_seqs: int
     prefill_tokens: int
     copies: int
-    at: float  # clock time when the step ended
+    at: float  # clock time when the step's tokens were handed out (before pacing)
 
 
 class _Stream:
@@ -195,8 +195,8 @@ class EngineCore:
         return EngineStats(
             replica_id=self.replica_id, backend=self.name, queue_depth=c.queue_depth, running_sequences=c.running,
             block_size=self.blocks.block_size,
-            device=TierStats(b.device_total, b.device_used, b.device_free),
-            host=TierStats(b.host_total, b.host_used, b.host_free),
+            device=TierStats(b.device_total, b.device_used, b.device_free, b.device_cached),
+            host=TierStats(b.host_total, b.host_used, b.host_free, b.host_used),
             hit_tokens=c.hit_tokens, miss_tokens=c.miss_tokens, host_hit_tokens=c.host_hit_tokens,
             device_evictions=b.device_evictions, host_evictions=b.host_evictions, preemptions=c.preemptions,
             generations=c.generations)
@@ -244,9 +244,9 @@ class EngineCore:
                         if stream is not None and now - stream.last_flush >= self.flush_interval_s:
                             stream.last_flush = now
                             stream.wake.set()
-            await self.clock.pace(modelled, time.perf_counter() - t0)
             if self.on_step is not None:
-                self.on_step(_report(step, modelled, self.clock.now()))
+                self.on_step(_report(step, modelled, now))
+            await self.clock.pace(modelled, time.perf_counter() - t0)
 
     def _run(self, copies: Sequence[BlockCopy], work: Sequence[SeqWork]) -> tuple[float, StepResult | None]:
         copy_s = self.executor.copy_blocks(copies) if copies else 0.0

@@ -27,6 +27,7 @@ from chatmesh.engine_adapter.backend import (
     GenerateEvent,
     GenerateParams,
     Started,
+    TierStats,
 )
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.config import Config
@@ -98,13 +99,16 @@ def event_to_proto(event: GenerateEvent, replica_id: str) -> generate_pb2.Genera
             raise AssertionError(f"unknown event {event!r}")
 
 
+def _tier(t: TierStats) -> generate_pb2.KvTierStats:
+    return generate_pb2.KvTierStats(blocks_total=t.total, blocks_used=t.used, blocks_free=t.free,
+                                    blocks_cached=t.cached)
+
+
 def stats_to_proto(s: EngineStats) -> generate_pb2.EngineStats:
     return generate_pb2.EngineStats(
         replica_id=s.replica_id, backend=s.backend, queue_depth=s.queue_depth,
         running_sequences=s.running_sequences, block_size=s.block_size,
-        device=generate_pb2.KvTierStats(blocks_total=s.device.total, blocks_used=s.device.used,
-                                        blocks_free=s.device.free),
-        host=generate_pb2.KvTierStats(blocks_total=s.host.total, blocks_used=s.host.used, blocks_free=s.host.free),
+        device=_tier(s.device), host=_tier(s.host),
         hit_tokens=s.hit_tokens, miss_tokens=s.miss_tokens, host_hit_tokens=s.host_hit_tokens,
         device_evictions=s.device_evictions, host_evictions=s.host_evictions, preemptions=s.preemptions,
         generations=s.generations)

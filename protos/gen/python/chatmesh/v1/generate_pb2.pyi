@@ -122,14 +122,16 @@ class WatchStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class KvTierStats(_message.Message):
-    __slots__ = ("blocks_total", "blocks_used", "blocks_free")
+    __slots__ = ("blocks_total", "blocks_used", "blocks_free", "blocks_cached")
     BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     blocks_total: int
     blocks_used: int
     blocks_free: int
-    def __init__(self, blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_free: _Optional[int] = ...) -> None: ...
+    blocks_cached: int
+    def __init__(self, blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations")
