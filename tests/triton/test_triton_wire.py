@@ -112,3 +112,16 @@ def test_auto_engine_falls_back_where_tensorrt_llm_is_absent() -> None:
     expected = "trtllm" if importlib.util.find_spec("tensorrt_llm") else "sim"
     assert python_model.engine_choice("auto", "sim") == expected
     assert python_model.engine_choice("local", "sim") == "local"
+
+
+def test_chatmesh_triton_render_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from chatmesh.mesh.cli import main
+
+    code = main(["triton", "render", "--out", str(tmp_path), "--tp", "4", "--host-cache-gib", "8",
+                 "--engine-env", "CHATMESH_SIM_STEP_MS=3"])
+    assert code == 0 and "parsed as ModelConfig" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "chatmesh_llm" / "llm_config.json").read_text())
+    assert cfg["tensor_parallel_size"] == 4 and cfg["kv_cache_config"]["host_cache_size"] == 8 << 30
+    config = parse_model_config((tmp_path / "chatmesh_llm" / "config.pbtxt").read_text())
+    assert config.parameters["engine_env"].string_value == "CHATMESH_SIM_STEP_MS=3"  # type: ignore[attr-defined]
+    assert main(["triton", "render", "--out", str(tmp_path), "--kv-fraction", "1.5"]) == 1

@@ -103,7 +103,7 @@ class TritonBackend:
 
     async def start(self) -> None:
         if self.server is not None and not self.server.running():
-            await asyncio.to_thread(self.server.start)
+            await self.server.start_async()
         self._client = grpcclient.InferenceServerClient(self.address)
         deadline = asyncio.get_running_loop().time() + self.options.ready_timeout_s
         while not await self._model_ready():

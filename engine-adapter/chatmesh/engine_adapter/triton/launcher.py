@@ -14,11 +14,13 @@ Environment the stub needs (each one a measured failure without it):
 
 Ports are ephemeral (picked free, then bound by tritonserver; a lost race is retried). Readiness is the server's
 own gRPC `ServerReady` + `ModelReady`. `stop()` sends SIGTERM, waits, then kills the whole process group (the
-server and its stubs): no tritonserver outlives the launcher.
+server and its stubs): no tritonserver outlives the launcher, and on Linux the server also gets SIGTERM when
+the launching process dies without stopping it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import shutil
@@ -99,6 +101,15 @@ class TritonInstall:
         return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM when the launching process dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,21 +171,39 @@ class TritonServer:
         return self._proc.pid if self._proc is not None else None
 
     def start(self, attempts: int = 3) -> TritonServer:
+        """Starts the server and blocks until it and its models are ready."""
+        for attempt in range(1, attempts + 1):
+            self._spawn_new()
+            if self._ready_or_retry(attempt, attempts):
+                return self
+        raise AssertionError("unreachable")
+
+    async def start_async(self, attempts: int = 3) -> TritonServer:
+        """`start` for an event loop: the process is spawned from the loop's thread (the parent-death signal
+        follows the spawning thread, and a worker thread may exit before the process does); the wait runs in a
+        worker thread."""
+        for attempt in range(1, attempts + 1):
+            self._spawn_new()
+            if await asyncio.to_thread(self._ready_or_retry, attempt, attempts):
+                return self
+        raise AssertionError("unreachable")
+
+    def _spawn_new(self) -> None:
         install = self._install or TritonInstall.find()
         backends = install.prepare_backends(self.work_dir / "backends")
-        env = install.environment()
-        for attempt in range(1, attempts + 1):
-            self.ports = Ports.pick()
-            self._spawn(install, backends, env)
-            try:
-                self._wait_ready()
-                log.info("triton_ready", address=self.address, pid=self.pid, attempt=attempt)
-                return self
-            except TritonStartFailed as err:
-                self._terminate()
-                if "already in use" not in str(err) or attempt == attempts:
-                    raise
-        raise AssertionError("unreachable")
+        self.ports = Ports.pick()
+        self._spawn(install, backends, install.environment())
+
+    def _ready_or_retry(self, attempt: int, attempts: int) -> bool:
+        try:
+            self._wait_ready()
+        except TritonStartFailed as err:
+            self._terminate()
+            if "already in use" not in str(err) or attempt == attempts:
+                raise
+            return False
+        log.info("triton_ready", address=self.address, pid=self.pid, attempt=attempt)
+        return True
 
     def _spawn(self, install: TritonInstall, backends: Path, env: dict[str, str]) -> None:
         assert self.ports is not None
@@ -200,7 +229,8 @@ class TritonServer:
             args.extend(f"--load-model={name}" for name in self.models)
         with open(self.log_path, "ab") as out:
             self._proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
 
     def _wait_ready(self) -> None:
         import tritonclient.grpc as grpcclient
