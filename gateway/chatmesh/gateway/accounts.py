@@ -20,14 +20,14 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from chatmesh.gateway.auth import Session, digest
 from chatmesh.mesh import errors, ids
 from chatmesh.store.db import database_url as resolve_url
-from chatmesh.store.db import make_engine, reading
 
 metadata = sa.MetaData()
 
@@ -110,18 +110,17 @@ class Accounts:
         if not name or len(name) > 128 or not name.isprintable():
             raise errors.InvalidArgument("name must be 1-128 printable characters")
         user_id = ids.OwnerId(str(uuid.uuid4()))
-        async with self._engine.begin() as conn:
-            exists = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
-            if exists is not None:
-                raise errors.Conflict(f"user {name!r} exists")
-            await conn.execute(users.insert().values(
-                user_id=user_id, name=name, password_hash=hash_password(password) if password else None,
-                created_at_ms=_now_ms()))
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(users.insert().values(
+                    user_id=user_id, name=name, password_hash=hash_password(password) if password else None,
+                    created_at_ms=_now_ms()))
+        except sa.exc.IntegrityError:
+            raise errors.Conflict(f"user {name!r} exists") from None
         return user_id
 
     async def user_named(self, name: str) -> ids.OwnerId | None:
         async with self._engine.connect() as conn:
-            conn = await reading(conn)
             found = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
         return ids.OwnerId(found) if found is not None else None
 
@@ -150,7 +149,6 @@ class Accounts:
         if cached is not None and cached[0] > now:
             return cached[1]
         async with self._engine.connect() as conn:
-            conn = await reading(conn)
             found = await conn.scalar(sa.select(api_keys.c.user_id).where(
                 api_keys.c.key_digest == key_digest, api_keys.c.revoked_at_ms.is_(None)))
         owner = ids.OwnerId(found) if found is not None else None
@@ -161,7 +159,6 @@ class Accounts:
 
     async def login(self, name: str, password: str) -> NewSession | None:
         async with self._engine.connect() as conn:
-            conn = await reading(conn)
             row = (await conn.execute(sa.select(users.c.user_id, users.c.password_hash).where(
                 users.c.name == name))).first()
         if row is None or row.password_hash is None or not check_password(password, row.password_hash):
@@ -183,7 +180,6 @@ class Accounts:
         if cached is not None and cached[0] > now:
             return cached[1]
         async with self._engine.connect() as conn:
-            conn = await reading(conn)
             row = (await conn.execute(sa.select(sessions.c.user_id, sessions.c.csrf_token).where(
                 sessions.c.session_digest == session_digest, sessions.c.expires_at_ms > _now_ms()))).first()
         found = Session(ids.OwnerId(row.user_id), row.csrf_token) if row is not None else None
@@ -199,5 +195,19 @@ class Accounts:
 
 
 def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 * 3600) -> Accounts:
-    """The auth_ tables on the store's database: `database_url` if set, else the embedded SQLite file."""
-    return Accounts(make_engine(resolve_url(database_url, data_dir), pool_size=5), session_ttl_s)
+    """The auth_ tables on the store's database: `database_url` if set, else the embedded SQLite file (WAL and
+    a busy timeout, so the gateway and the store processes can share it)."""
+    url = resolve_url(database_url, data_dir)
+    if not url.startswith("sqlite"):
+        return Accounts(create_async_engine(url, pool_size=5, max_overflow=5), session_ttl_s)
+    engine = create_async_engine(url, connect_args={"timeout": 30})
+
+    @sa.event.listens_for(engine.sync_engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    return Accounts(engine, session_ttl_s)

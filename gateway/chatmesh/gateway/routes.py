@@ -50,11 +50,14 @@ class Edge:
         except grpc.aio.AioRpcError as err:
             raise ApiError.from_rpc(err) from None
 
-    async def relay(self, owner: ids.OwnerId, make: Callable[[], TurnCall]) -> TurnRelay:
-        """Takes an open-stream slot, starts the gRPC turn stream `make()` and relays it."""
+    async def relay(self, owner: ids.OwnerId, make: Callable[[], TurnCall], *, new_turn: bool) -> TurnRelay:
+        """Takes an open-stream slot (and, for a new turn, a turn from the budget: after the slot, so a refused
+        stream costs no turn), starts the gRPC turn stream `make()` and relays it."""
         lease = await self.limits.open_stream(owner)
         call: TurnCall | None = None
         try:
+            if new_turn:
+                await self.limits.admit_turn(owner)
             call = make()
             return await open_relay(call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s,
                                     relays=self.relays, on_end=lambda outcome: self._ended(owner, lease, outcome))
@@ -136,10 +139,9 @@ async def send_turn(request: Request) -> Response:
     edge, who = await _who(request)
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     turn = bodies.turn_body(await bodies.json_object(request, edge.max_body_bytes), edge.max_content_chars)
-    await edge.limits.admit_turn(who.owner)
     req = chat_pb2.SendTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id,
                                    content=turn.content)
-    return await edge.relay(who.owner, lambda: edge.chat.SendTurn(req))
+    return await edge.relay(who.owner, lambda: edge.chat.SendTurn(req), new_turn=True)
 
 
 async def regenerate_turn(request: Request) -> Response:
@@ -147,9 +149,8 @@ async def regenerate_turn(request: Request) -> Response:
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     bodies.turn_path(request.path_params["turn_id"])  # the reply being replaced; ChatService picks the last one
     new_turn = bodies.turn_id_field(await bodies.json_object(request, edge.max_body_bytes))
-    await edge.limits.admit_turn(who.owner)
     req = chat_pb2.RegenerateTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=new_turn)
-    return await edge.relay(who.owner, lambda: edge.chat.RegenerateTurn(req))
+    return await edge.relay(who.owner, lambda: edge.chat.RegenerateTurn(req), new_turn=True)
 
 
 async def attach_turn(request: Request) -> Response:
@@ -159,7 +160,7 @@ async def attach_turn(request: Request) -> Response:
     after = _after_sequence(request)
     req = chat_pb2.AttachTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn,
                                      after_sequence=after)
-    return await edge.relay(who.owner, lambda: edge.chat.AttachTurn(req))
+    return await edge.relay(who.owner, lambda: edge.chat.AttachTurn(req), new_turn=False)
 
 
 async def stop_turn(request: Request) -> Response:

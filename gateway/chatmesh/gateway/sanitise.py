@@ -4,8 +4,9 @@ A reply rendered by a client can carry data to someone else's server: an image i
 a link's URL can hold whatever the model was tricked into writing. So the edge rewrites the reply text as it
 streams, before any client sees it:
 
-- Markdown images `![alt](url)` and `![alt][ref]`, and HTML media tags (`<img>`, `<picture>`, `<svg>`,
-  `<iframe>`, ...) are removed;
+- Markdown images `![alt](url)` and `![alt][ref]` are removed; of raw HTML only plain text tags (`<b>`, `<code>`,
+  `<li>`, ...) survive, re-emitted without attributes, so `<img>`, `<svg>`, `<iframe>`, `<style>`, event handlers
+  and everything else that could load or run something is removed (their text content stays);
 - inline links `[text](url)` keep their URL only when it is http(s) to an allowlisted host (or a subdomain of
   one); otherwise they are reduced to their (sanitised) text; HTML `<a href>` likewise loses its tags;
   autolinks `<https://...>` off the list become the bare URL text;
@@ -24,13 +25,15 @@ code starts would let an image through; mangling a rare `](` inside code is the 
 
 from __future__ import annotations
 
+import html
 import re
 from urllib.parse import urlsplit
 
 MAX_HOLD = 2048
 
-_MEDIA_TAGS = frozenset({"img", "image", "picture", "source", "video", "audio", "iframe", "frame", "object",
-                         "embed", "svg", "link", "meta", "base", "input", "form", "track", "style", "script"})
+_TEXT_TAGS = frozenset({"b", "i", "em", "strong", "code", "pre", "kbd", "samp", "sub", "sup", "br", "p", "ul",
+                        "ol", "li", "blockquote", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "del", "s", "u",
+                        "table", "thead", "tbody", "tr", "th", "td"})
 _TAG = re.compile(r"<\s*(/?)\s*([a-zA-Z][a-zA-Z0-9-]*)")
 _HREF = re.compile(r"""href\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))""", re.IGNORECASE)
 _AUTOLINK = re.compile(r"<([a-zA-Z][a-zA-Z0-9+.-]{1,31}:[^\s<>]*)>")
@@ -153,29 +156,31 @@ class Sanitiser:
             if not final:
                 raise _Incomplete
             return "", len(buf)  # an unterminated tag at the very end: dropped
+        if buf.find("<", i + 1, close) >= 0:
+            return "<", i + 1  # no tag: a `<` before the `>` starts the next candidate
         tag = buf[i:close + 1]
         auto = _AUTOLINK.fullmatch(tag)
         if auto:
             return (tag if host_allowed(auto.group(1), self._allow) else auto.group(1)), close + 1
         m = _TAG.match(tag)
         if m is None:
-            return tag, close + 1  # a comment or declaration: inert text for a Markdown renderer
+            return "<", i + 1  # `<!...`: not a tag we know, so its inside is scanned like any text
         closing, name = m.group(1) == "/", m.group(2).lower()
-        if name in _MEDIA_TAGS:
-            return "", close + 1
         if name == "a":
             if closing:
                 if self._dropped_anchors:
                     self._dropped_anchors -= 1
                     return "", close + 1
-                return tag, close + 1
+                return "</a>", close + 1
             href = _HREF.search(tag)
             url = next((g for g in href.groups() if g is not None), "") if href else ""
             if host_allowed(url, self._allow):
-                return tag, close + 1
+                return f'<a href="{html.escape(url.strip(), quote=True)}">', close + 1
             self._dropped_anchors += 1
             return "", close + 1
-        return tag, close + 1
+        if name in _TEXT_TAGS:  # re-emitted bare: attributes (handlers, styles, sources) never pass
+            return f"</{name}>" if closing else f"<{name}>", close + 1
+        return "", close + 1  # media and every other tag: removed, their text content stays
 
 
 def _next_special(buf: str, i: int) -> int:
