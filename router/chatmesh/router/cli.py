@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity
+from chatmesh.router import capacity, simulate
 
 
 def register(sub: Any) -> None:
@@ -43,6 +44,26 @@ def register(sub: Any) -> None:
     g.add_argument("--spare-nodes", type=int, default=w.spare_nodes)
     p.set_defaults(handler=_capacity)
 
+    p = sub.add_parser("simulate", help="prefix-cache hit rate under random, modulo, consistent and bounded routing",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    s = simulate.SimConfig()
+    p.add_argument("--conversations", type=int, default=s.conversations)
+    p.add_argument("--turns", type=int, default=s.turns, help="turns per conversation")
+    p.add_argument("--replicas", type=int, default=s.replicas)
+    p.add_argument("--caches", default=",".join(f"{c / 1e6:g}" for c in simulate.REFERENCE_CACHES),
+                   help="cache sizes per replica, millions of tokens, comma-separated")
+    p.add_argument("--eps", default=",".join(f"{e:g}" for e in simulate.DEFAULT_EPSILONS),
+                   help="bounded-load eps values to compare, comma-separated (empty: none)")
+    p.add_argument("--turn-gap-s", type=float, default=s.turn_gap_s, help="mean seconds between a user's turns")
+    p.add_argument("--turn-seconds", type=float, default=s.turn_seconds,
+                   help="seconds a turn holds its replica (default: reply tokens x the capacity plan's step)")
+    p.add_argument("--conversations-per-owner", type=int, default=s.conversations_per_owner,
+                   help="for the salting table: conversations sharing one owner's salt")
+    p.add_argument("--vnodes", type=int, default=s.vnodes, help="ring points per replica")
+    p.add_argument("--seed", type=int, default=s.seed)
+    p.add_argument("--plots", metavar="DIR", help="write PNG charts to this folder")
+    p.set_defaults(handler=_simulate)
+
 
 def capacity_plan(args: argparse.Namespace) -> capacity.CapacityPlan:
     precision = capacity.Precision(args.precision)
@@ -70,4 +91,22 @@ def _capacity(args: argparse.Namespace) -> int:
     except InvalidArgument as err:
         print(f"chatmesh capacity: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    cfg = simulate.SimConfig(
+        conversations=args.conversations, turns=args.turns, replicas=args.replicas, turn_gap_s=args.turn_gap_s,
+        turn_seconds=args.turn_seconds, conversations_per_owner=max(1, args.conversations_per_owner),
+        vnodes=args.vnodes, seed=args.seed)
+    caches = [round(c * 1e6) for c in _floats(args.caches)]
+    report = simulate.run(cfg, caches, _floats(args.eps))
+    print(simulate.render(report))
+    if args.plots:
+        for path in simulate.plot(report, Path(args.plots)):
+            print(f"wrote {path}")
     return 0
