@@ -1,0 +1,157 @@
+"""The router against three real sim engines over gRPC: health moves conversations away and back,
+engine load arrives through WatchStats, and no serving replica is UNAVAILABLE with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from chatmesh.engine_adapter import service as engine_service
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.server import serve
+from chatmesh.router.service import build
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
+
+ENGINES = ("engine-0", "engine-1", "engine-2")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Running:
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+
+
+async def start_engine(replica_id: str, address: str) -> Running:
+    cfg = Config(env={"CHATMESH_ENGINE": "sim", "CHATMESH_REPLICA_ID": replica_id, "CHATMESH_SIM_STEP_MS": "5",
+                      "CHATMESH_DEVICE_BLOCKS": "256", "CHATMESH_HOST_BLOCKS": "0", "CHATMESH_SIM_TEXT": "words"})
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(engine_service.build(cfg), address, 0.2, ready, stop))
+    await asyncio.wait_for(ready.wait(), 20)
+    return Running(task, stop)
+
+
+async def halt(r: Running) -> None:
+    r.stop.set()
+    await asyncio.wait_for(r.task, 20)
+
+
+@dataclass
+class Mesh:
+    router: route_pb2_grpc.RouteServiceAsyncStub
+    addresses: dict[str, str]
+    engines: dict[str, Running]
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[Mesh]:
+    addresses = {rid: f"127.0.0.1:{free_port()}" for rid in ENGINES}
+    engines = {rid: await start_engine(rid, addr) for rid, addr in addresses.items()}
+    router_address = f"127.0.0.1:{free_port()}"
+    cfg = Config(env={"CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
+                      "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50"})
+    ready, stop = asyncio.Event(), asyncio.Event()
+    router = asyncio.create_task(serve(build(cfg), router_address, 0.2, ready, stop))
+    await asyncio.wait_for(ready.wait(), 20)
+    async with grpc.aio.insecure_channel(router_address) as channel:
+        yield Mesh(route_pb2_grpc.RouteServiceStub(channel), addresses, engines)
+    stop.set()
+    await asyncio.wait_for(router, 20)
+    for running in engines.values():
+        if not running.task.done():
+            await halt(running)
+
+
+async def until(what: str, check: Callable[[route_pb2.ListReplicasResponse], bool], stub: Mesh,
+                timeout_s: float = 20.0) -> route_pb2.ListReplicasResponse:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = await stub.router.ListReplicas(route_pb2.ListReplicasRequest())
+        if check(listed):
+            return listed
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {listed}"
+        await asyncio.sleep(0.05)
+
+
+def states(listed: route_pb2.ListReplicasResponse) -> dict[str, int]:
+    return {r.replica_id: r.state for r in listed.replicas}
+
+
+async def picks(mesh: Mesh, conversations: list[str]) -> dict[str, route_pb2.PickReplicaResponse]:
+    out = {}
+    for c in conversations:
+        out[c] = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=c))
+        await mesh.router.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=out[c].lease_id))
+    return out
+
+
+SERVING = route_pb2.REPLICA_STATE_SERVING
+
+
+async def test_unhealthy_engine_conversations_move_and_return(mesh: Mesh) -> None:
+    await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
+    conversations = [str(uuid.uuid4()) for _ in range(60)]
+    before = await picks(mesh, conversations)
+    assert all(p.outcome == route_pb2.PICK_OUTCOME_HOME for p in before.values())
+    homes = {c: p.replica_id for c, p in before.items()}
+    assert set(homes.values()) == set(ENGINES)
+    assert all(p.address == mesh.addresses[p.replica_id] for p in before.values())
+
+    await halt(mesh.engines["engine-1"])
+    await until("engine-1 down", lambda r: states(r)["engine-1"] != SERVING, mesh)
+    during = await picks(mesh, conversations)
+    for c, p in during.items():
+        assert p.home_replica_id == homes[c]
+        if homes[c] == "engine-1":
+            assert p.replica_id != "engine-1" and p.outcome == route_pb2.PICK_OUTCOME_SPILL
+        else:
+            assert p.replica_id == homes[c] and p.outcome == route_pb2.PICK_OUTCOME_HOME
+
+    mesh.engines["engine-1"] = await start_engine("engine-1", mesh.addresses["engine-1"])
+    await until("engine-1 back", lambda r: states(r)["engine-1"] == SERVING, mesh)
+    after = await picks(mesh, conversations)
+    assert {c: p.replica_id for c, p in after.items()} == homes
+    assert all(p.outcome == route_pb2.PICK_OUTCOME_HOME for p in after.values())
+
+
+async def test_engine_load_arrives_through_watch_stats(mesh: Mesh) -> None:
+    await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
+    async with grpc.aio.insecure_channel(mesh.addresses["engine-2"]) as channel:
+        engine = generate_pb2_grpc.GenerateServiceStub(channel)
+        call = engine.Generate(generate_pb2.GenerateRequest(
+            request_id=str(uuid.uuid4()), conversation_id=str(uuid.uuid4()), turn_id=str(uuid.uuid4()),
+            prompt_token_ids=list(range(1, 40)), cache_salt=b"owner", max_tokens=2000))
+        first = await call.read()
+        assert isinstance(first, generate_pb2.GenerateResponse) and first.WhichOneof("event") == "started"
+        listed = await until("engine-2 load", lambda r: {x.replica_id: x.engine_load for x in r.replicas}
+                             ["engine-2"] >= 1, mesh)
+        row = next(x for x in listed.replicas if x.replica_id == "engine-2")
+        assert row.load == row.engine_load + row.open_leases
+        call.cancel()
+    await until("engine-2 idle", lambda r: all(x.engine_load == 0 for x in r.replicas), mesh)
+
+
+async def test_no_serving_replica_is_unavailable_with_reasons(mesh: Mesh) -> None:
+    await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
+    for rid in ENGINES:
+        await halt(mesh.engines[rid])
+    await until("all down", lambda r: SERVING not in states(r).values(), mesh)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-1"))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = err.value.details() or ""
+    assert details.startswith("no healthy replica: none of 3 replicas is serving")
+    assert all(rid in details for rid in ENGINES)
