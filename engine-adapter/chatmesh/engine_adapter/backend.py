@@ -38,7 +38,7 @@ class GenerateParams:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids must not be empty")
-        if any(t < 0 for t in self.prompt_token_ids):
+        if min(self.prompt_token_ids) < 0:
             raise InvalidArgument("prompt_token_ids must be non-negative token ids")
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be at least 1, got {self.max_tokens}")

@@ -24,6 +24,7 @@ returns within one step.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from chatmesh.engine_adapter.backend import FinishReason, GenerateParams
 from chatmesh.engine_adapter.block_manager import BlockManager, PrefixHit
-from chatmesh.engine_adapter.executor import BlockCopy, SeqWork, StepResult
+from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, StepResult
 from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted
 
 
@@ -48,6 +49,25 @@ class SchedulerConfig:
             raise ValueError(f"bad scheduler config {self}")
 
 
+_WORK_FIELDS = ("seq_id", "token_ids", "start_pos", "block_table", "sample", "sampling")
+assert tuple(f.name for f in dataclasses.fields(SeqWork)) == _WORK_FIELDS, "SeqWork changed: update _work"
+
+
+def _work(seq_id: int, token_ids: list[int], start_pos: int, block_table: list[int], sample: bool,
+          sampling: SamplingParams) -> SeqWork:
+    """SeqWork(...) without its generated __init__, which sets the six fields of the frozen dataclass one
+    object.__setattr__ at a time: at 256 sequences a step that is a quarter of the scheduler's 1 ms budget.
+    The value is the same (tests compare it with the constructor's)."""
+    work: SeqWork = _new(SeqWork)
+    _setattr(work, "__dict__", {"seq_id": seq_id, "token_ids": token_ids, "start_pos": start_pos,
+                                "block_table": block_table, "sample": sample, "sampling": sampling})
+    return work
+
+
+_new = object.__new__
+_setattr = object.__setattr__
+
+
 class SeqState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -58,7 +78,7 @@ class Seq:
     """One generation inside the engine. Mutable; owned by the scheduler, read by the engine's streams."""
 
     __slots__ = ("seq_id", "params", "tokens", "prompt_len", "num_computed", "output_tokens", "state",
-                 "cancelled", "stop_ids", "hit", "finish", "error", "new_tokens")
+                 "cancelled", "stop_ids", "hit", "finish", "error", "new_tokens", "table", "sampling", "max_tokens")
 
     def __init__(self, seq_id: int, params: GenerateParams, stop_ids: frozenset[int]):
         self.seq_id = seq_id
@@ -74,6 +94,9 @@ class Seq:
         self.finish: FinishReason | None = None
         self.error = ""
         self.new_tokens: list[int] = []  # produced since the engine last took them
+        self.table: list[int] = []  # the block table while running (the block manager's live list)
+        self.sampling = params.sampling
+        self.max_tokens = params.max_tokens
 
     def take_new(self) -> list[int]:
         out, self.new_tokens = self.new_tokens, []
@@ -147,72 +170,96 @@ class Scheduler:
 
     def schedule(self) -> Step:
         step = Step()
-        self._reap_cancelled(step)
+        if self._cancelled:
+            self._reap_cancelled(step)
         budget = self.cfg.step_token_budget
-        planned: dict[int, tuple[int, int]] = {}  # seq_id -> (start, n)
-        decoding = [s for s in self.running if s.num_computed == len(s.tokens) - 1]
-        prefilling = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
-        for seq in decoding + prefilling:
+        planned: dict[int, SeqWork] = {}
+        preempted = self.preemptions
+        bs = self.blocks.block_size
+        prefilling: list[Seq] = []
+        for seq in list(self.running):  # decodes first: one token each, a new block every block_size steps
+            c = seq.num_computed
+            tokens = seq.tokens
+            if c != len(tokens) - 1:
+                prefilling.append(seq)
+            elif budget > 0 and seq.state is SeqState.RUNNING and (
+                    len(seq.table) * bs > c or self._grow(seq, c + 1, planned, step)):
+                planned[seq.seq_id] = _work(seq.seq_id, tokens[c:], c, seq.table, True, seq.sampling)
+                budget -= 1
+        for seq in prefilling:  # then chunks of prompts already running, in the budget left
             if budget <= 0:
                 break
-            if seq.state is not SeqState.RUNNING:  # preempted as a victim earlier in this loop
+            if seq.state is not SeqState.RUNNING:  # preempted as a victim meanwhile
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            while not self.blocks.grow(seq.seq_id, seq.num_computed + n):
-                if len(self.running) == 1:  # alone and still out of blocks: the KV tier is its context limit
-                    self._finish(seq, FinishReason.LENGTH)
-                    self.running = []
-                    step.finished.append(seq)
-                    break
-                victim = self.running[-1]
-                budget += planned.pop(victim.seq_id, (0, 0))[1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                planned[seq.seq_id] = (seq.num_computed, n)
+            c = seq.num_computed
+            n = min(len(seq.tokens) - c, budget)
+            if self._grow(seq, c + n, planned, step):
+                planned[seq.seq_id] = _work(seq.seq_id, seq.tokens[c:c + n], c, seq.table,
+                                              c + n == len(seq.tokens), seq.sampling)
                 budget -= n
+        if self.preemptions != preempted:  # victims' planned tokens go back to the budget
+            budget = self.cfg.step_token_budget - sum(len(w.token_ids) for w in planned.values())
         while self.waiting and len(self.running) < self.cfg.max_batch and budget > 0:
             seq = self.waiting[0]
             hit = self.blocks.admit(seq.seq_id, seq.tokens, seq.params.platform_prefix_tokens,
                                     seq.params.cache_salt, seq.params.conversation_id)
             if hit is None:
                 break
-            n = min(len(seq.tokens) - hit.cached_tokens, budget)
-            if not self.blocks.grow(seq.seq_id, hit.cached_tokens + n):
+            c = hit.cached_tokens
+            n = min(len(seq.tokens) - c, budget)
+            if not self.blocks.grow(seq.seq_id, c + n):
                 self.blocks.release(seq.seq_id)
                 break
             self.waiting.popleft()
             self.running.append(seq)
             seq.state = SeqState.RUNNING
-            seq.num_computed = hit.cached_tokens
+            seq.num_computed = c
+            seq.table = self.blocks.table(seq.seq_id)
             if seq.hit is None:  # first admission (not a re-admission after preemption)
                 seq.hit = hit
-                self.hit_tokens += hit.cached_tokens
+                self.hit_tokens += c
                 self.host_hit_tokens += hit.host_cached_tokens
-                self.miss_tokens += seq.prompt_len - hit.cached_tokens
+                self.miss_tokens += seq.prompt_len - c
                 step.admitted.append(seq)
-            planned[seq.seq_id] = (hit.cached_tokens, n)
+            planned[seq.seq_id] = _work(seq.seq_id, seq.tokens[c:c + n], c, seq.table, c + n == len(seq.tokens),
+                                          seq.sampling)
             budget -= n
-        for seq_id, (start, n) in planned.items():
-            seq = self._by_id[seq_id]
-            end = start + n
-            step.work.append(SeqWork(seq_id, seq.tokens[start:end], start, self.blocks.table(seq_id),
-                                     end == len(seq.tokens), seq.params.sampling))
+        step.work = list(planned.values())
         step.copies = self.blocks.take_copies()
         return step
+
+    def _grow(self, seq: Seq, num_tokens: int, planned: dict[int, SeqWork], step: Step) -> bool:
+        """Gives `seq` blocks for `num_tokens`, preempting the newest running sequences until it fits.
+        False when `seq` itself was preempted (or, alone and out of room, finished at its context limit)."""
+        while not self.blocks.grow(seq.seq_id, num_tokens):
+            if len(self.running) == 1:  # alone and still out of blocks: the KV tier is its context limit
+                self._finish(seq, FinishReason.LENGTH)
+                self.running = []
+                step.finished.append(seq)
+                return False
+            victim = self.running[-1]
+            planned.pop(victim.seq_id, None)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
     def complete(self, step: Step, result: StepResult) -> list[Seq]:
         """Applies a step's sampled tokens; returns the sequences that produced tokens or finished."""
         touched: list[Seq] = []
         done = False
+        bs = self.blocks.block_size
+        by_id, next_tokens = self._by_id, result.next_tokens
         for w in step.work:
-            seq = self._by_id[w.seq_id]
-            seq.num_computed = w.start_pos + len(w.token_ids)
-            self.blocks.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            seq = by_id[w.seq_id]
+            start = w.start_pos
+            end = start + len(w.token_ids)
+            seq.num_computed = end
+            if start // bs != end // bs:  # a block filled up: cache it
+                self.blocks.commit(seq.seq_id, seq.tokens, end)
             if not w.sample:
                 continue
-            token = result.next_tokens[w.seq_id]
+            token = next_tokens[w.seq_id]
             seq.output_tokens += 1
             if token in seq.stop_ids:
                 self._finish(seq, FinishReason.STOP)
@@ -220,7 +267,7 @@ class Scheduler:
             else:
                 seq.tokens.append(token)
                 seq.new_tokens.append(token)
-                if seq.output_tokens >= seq.params.max_tokens:
+                if seq.output_tokens >= seq.max_tokens:
                     self._finish(seq, FinishReason.LENGTH)
                     done = True
             touched.append(seq)
@@ -266,6 +313,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.state = SeqState.WAITING
         seq.num_computed = 0
+        seq.table = []
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
@@ -273,6 +321,7 @@ class Scheduler:
         if self.blocks.holds(seq.seq_id):
             self.blocks.release(seq.seq_id)
         seq.state = SeqState.FINISHED
+        seq.table = []
         seq.finish = reason
         seq.error = error
         del self._by_id[seq.seq_id]
