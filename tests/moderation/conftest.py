@@ -21,7 +21,9 @@ async def running(env: Mapping[str, str] | None = None, moderator: Moderator | N
     """Serves ModerateService built from `env` (and `moderator`); yields its address; stops it on exit."""
     address = f"127.0.0.1:{free_port()}"
     ready, stop = asyncio.Event(), asyncio.Event()
-    service = build(Config(env=dict(env or {})), moderator)
+    # A generous check deadline unless the test is about deadlines: a loaded CI machine must not turn a slow
+    # scheduler into fallback verdicts.
+    service = build(Config(env={"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "10000", **(env or {})}), moderator)
     task = asyncio.create_task(serve(service, address, 1.0, ready=ready, stop=stop))
     await asyncio.wait_for(ready.wait(), 30)
     try:

@@ -108,8 +108,8 @@ class SlowOutputCheck(OutputCheck):
 
 
 async def test_past_the_deadline_the_direction_policy_decides() -> None:
-    env = {"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "20", "CHATMESH_MODERATION_CHECK_THREAD": "1", "CHATMESH_MODERATION_INPUT_FAILURE": "closed",
-           "CHATMESH_MODERATION_OUTPUT_FAILURE": "open"}
+    env = {"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "20", "CHATMESH_MODERATION_CHECK_THREAD": "1",
+           "CHATMESH_MODERATION_INPUT_FAILURE": "closed", "CHATMESH_MODERATION_OUTPUT_FAILURE": "open"}
     async with running(env, SlowModerator(load(), profanity_model())) as address:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = moderate_pb2_grpc.ModerateServiceStub(channel)

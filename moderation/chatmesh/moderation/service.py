@@ -3,9 +3,9 @@
 CheckInput judges one user message; CheckOutput judges a streamed reply chunk by chunk, one verdict per chunk
 in order, through the sliding window of one `OutputCheck` per stream; CheckOutputBatch does the same for many
 replies multiplexed on one stream (one `OutputCheck` per reply id), one message per batch of chunks, which
-is what the client uses: gRPC's per-message cost in Python, not the check, is what limits a core. Checks go through the `CheckBatcher`
-(batched across streams; inline, or on a worker thread with CHATMESH_MODERATION_CHECK_THREAD) under
-CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
+is what the client uses: gRPC's per-message cost in Python, not the check, is what limits a core.
+Checks go through the `CheckBatcher` (batched across streams; inline, or on a worker thread with
+CHATMESH_MODERATION_CHECK_THREAD) under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
 decides and the verdict says so (`fallback`, and why in `reason`).
 
 Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
