@@ -5,8 +5,8 @@ in order, through the sliding window of one `OutputCheck` per stream; CheckOutpu
 replies multiplexed on one stream (one `OutputCheck` per reply id), one message per batch of chunks, which
 is what the client uses: gRPC's per-message cost in Python, not the check, is what limits a core.
 Checks go through the `CheckBatcher` (batched across streams; inline, or on a worker thread with
-CHATMESH_MODERATION_CHECK_THREAD) under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check raises) the direction's failure policy
-decides and the verdict says so (`fallback`, and why in `reason`).
+CHATMESH_MODERATION_CHECK_THREAD) under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check
+raises) the direction's failure policy decides and the verdict says so (`fallback`, and why in `reason`).
 
 Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
 and a request that does not parse (a string field that is not UTF-8, which a hand-built client can send):
