@@ -57,6 +57,7 @@ log = logs.get("chatmesh.triton.backend")
 
 _INPUT_TYPES = {name: wire.CLIENT_DTYPE[dtype] for name, dtype, _ in wire.INPUTS}
 RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
+DRAIN_S = 2.0  # a completed stream gets this long to end on its own
 CANCEL_REFRESH_S = (0.05, 0.15, 0.5)  # after a cancel, stats are re-read at these delays (the model's check is 20 ms)
 
 
@@ -203,19 +204,24 @@ class TritonBackend:
             await done.wait()  # keep the request half open until the last response
 
         call = self._client.stream_infer(requests(), stream_timeout=self.options.timeout_s)
+        complete = False
         try:
             async for result, error in call:
                 if error is not None:
                     raise _StreamFailed(str(error))
+                kind = wire.kind_of(result.as_numpy)
+                complete = kind is not wire.EventKind.STARTED and kind is not wire.EventKind.DELTA
                 yield result.as_numpy
-                if wire.kind_of(result.as_numpy) is not wire.EventKind.STARTED and wire.kind_of(
-                        result.as_numpy) is not wire.EventKind.DELTA:
-                    return  # that was the request's last response
+                if complete:
+                    break  # that was the request's last response
         except grpc.aio.AioRpcError as err:
             raise _StreamFailed(_describe(err), err.code()) from None
         finally:
-            done.set()
-            call.cancel()  # a no-op after the last response; otherwise it cancels the request in Triton
+            done.set()  # half-close: Triton ends the stream once the request is complete
+            if complete:
+                await _drain(call)
+            else:
+                call.cancel()  # the caller left early: Triton cancels the request, the model aborts it
 
     async def _command(self, command: wire.Command, argument: bytes | str = b"") -> wire.Getter:
         try:
@@ -274,6 +280,16 @@ def _infer_inputs(tensors: Mapping[str, wire.Array]) -> list[Any]:
         item.set_data_from_numpy(np.ascontiguousarray(value))
         out.append(item)
     return out
+
+
+async def _drain(call: Any) -> None:
+    """Lets a completed stream end by itself (cancelling it as it completes has crashed Triton 2.51 here)."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in call:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        call.cancel()
 
 
 def _describe(err: grpc.aio.AioRpcError) -> str:

@@ -11,7 +11,8 @@ What runs inside (`engine` parameter of config.pbtxt):
 - `auto` (default): `trtllm` where `tensorrt_llm` imports, else `fallback_engine`.
 
 Threads: Triton calls `execute` on the stub's main thread; it only schedules one coroutine per request on the
-engine's own asyncio loop (a daemon thread) and returns. Responses are sent from that loop. A watcher thread asks
+engine's own asyncio loop (a daemon thread) and returns. Responses are queued, in order, to a sender thread: a
+send is an IPC round trip to the server, and the engine loop should keep stepping meanwhile. A watcher thread asks
 Triton every `cancel_check_ms` whether each open request was cancelled (the client cancelled its stream or went
 away) and cancels its coroutine, which closes the backend's event iterator: the sequence is aborted and its KV
 blocks freed (I5). Every request gets exactly one response flagged COMPLETE_FINAL, whatever happens.
@@ -27,6 +28,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -106,6 +108,8 @@ class ChatmeshModel:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellation, name="chatmesh-cancel", daemon=True)
+        self._outbox: queue.SimpleQueue[tuple[Any, Any, bool] | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="chatmesh-send", daemon=True)
         self._cancel_check_s = DEFAULT_CANCEL_CHECK_MS / 1000
         self._next_key = 0
         self._stats_version = 0
@@ -123,6 +127,7 @@ class ChatmeshModel:
         self._loop_thread.start()
         self.backend = self._call(self._build_and_start(parameters, model_dir))
         self._watcher.start()
+        self._sender.start()
         self.pb.Logger.log_info(f"chatmesh_llm: serving the {self.backend.name} engine")
 
     def execute(self, requests: list[Any]) -> None:
@@ -144,6 +149,8 @@ class ChatmeshModel:
                 self.pb.Logger.log_error(f"chatmesh_llm: engine close failed: {type(err).__name__}")
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
+        self._outbox.put(None)
+        self._sender.join(timeout=5)
 
     # ---- serving ---------------------------------------------------------------------------------------------
 
@@ -182,7 +189,7 @@ class ChatmeshModel:
 
         def send(tensors: Mapping[str, wire.Array], final: bool = False) -> None:
             nonlocal final_sent
-            sender.send(self._response(tensors), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+            self._outbox.put((sender, self._response(tensors), final))
             final_sent = final_sent or final
 
         try:
@@ -230,10 +237,20 @@ class ChatmeshModel:
             if events is not None:
                 await _close(events)
             if not final_sent:
-                try:
-                    sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                except Exception:  # noqa: BLE001  (Triton already released the request)
-                    pass
+                self._outbox.put((sender, None, True))
+
+    def _send_loop(self) -> None:
+        """Sends responses in order, off the engine loop (each send is an IPC round trip to the server)."""
+        while (item := self._outbox.get()) is not None:
+            sender, response, final = item
+            flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+            try:
+                if response is None:
+                    sender.send(flags=flags)
+                else:
+                    sender.send(response, flags=flags)
+            except Exception as err:  # noqa: BLE001  (the request was cancelled and released meanwhile)
+                self.pb.Logger.log_verbose(f"chatmesh_llm: send failed: {type(err).__name__}")
 
     def _watch_cancellation(self) -> None:
         while not self._stopping.wait(self._cancel_check_s):
