@@ -115,7 +115,7 @@ PATHS: dict[str, Any] = {
                 "parameters": [{"name": "Last-Event-ID", "in": "header", "required": False,
                                 "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"}},
                                {"name": "after", "in": "query", "required": False,
-                                "schema": {"type": "integer", "minimum": 0}}],
+                                "schema": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}}],
                 "responses": {"200": SSE, **_errors(400, 404, 429)}},
     },
     "/v1/usage": {

@@ -217,6 +217,6 @@ def _after_sequence(request: Request) -> int:
         value = int(raw)
     except ValueError:
         raise bad_request("Last-Event-ID (or after) must be an event id (an integer)") from None
-    if value < 0:
-        raise bad_request("Last-Event-ID (or after) must not be negative")
+    if not 0 <= value < 2**63:
+        raise bad_request("Last-Event-ID (or after) must be an event id from 0 to 2^63-1")
     return value
