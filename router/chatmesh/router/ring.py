@@ -127,9 +127,12 @@ def parse_conversation_key(text: str, field: str = "conversation_id") -> Convers
     return ConversationId(text)
 
 
+_blake2b = hashlib.blake2b
+
+
 def point(key: str) -> int:
     """A key's position on the 64-bit ring (blake2b, identical in every process)."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return int.from_bytes(_blake2b(key.encode(), digest_size=8).digest())
 
 
 def load_bound(total_with_incoming: int, serving: int, eps: float) -> int:
@@ -239,19 +242,18 @@ class Ring:
         i = bisect_right(self._points, point(conversation))
         if i == len(self._points):
             i = 0
-        order = self._walks.get(i)
-        if order is None:
-            order = self._walks[i] = self._distinct_from(i)
-        return order
+        return self._walks.get(i) or self._walk_from(i)
 
-    def _distinct_from(self, i: int) -> tuple[ReplicaId, ...]:
+    def _walk_from(self, i: int) -> tuple[ReplicaId, ...]:
+        """Distinct replicas clockwise from ring index i, cached per index."""
         seen: dict[ReplicaId, None] = {}
         n, want = len(self._owners), len(self._replicas)
         for k in range(n):
             seen.setdefault(self._owners[(i + k) % n])
             if len(seen) == want:
                 break
-        return tuple(seen)
+        order = self._walks[i] = tuple(seen)
+        return order
 
     def home(self, conversation: ConversationId) -> ReplicaId:
         """The conversation's home replica (first on the ring), serving or not."""
@@ -276,7 +278,14 @@ class Ring:
         """Chooses the replica for one turn and opens a lease on it."""
         if now >= self._next_expiry:
             self.expire(now)
-        order = self.walk(conversation)
+        points = self._points
+        if points:  # walk(), inlined: this is the hot path
+            i = bisect_right(points, int.from_bytes(_blake2b(conversation.encode(), digest_size=8).digest()))
+            if i == len(points):
+                i = 0
+            order = self._walks.get(i) or self._walk_from(i)
+        else:
+            order = ()
         if not self._serving:
             reason = "no replica is configured" if not order else f"none of {len(order)} replicas is serving"
             raise Unavailable(f"no healthy replica: {reason}")
@@ -321,8 +330,12 @@ class Ring:
         entry = self._leases.pop(lease_id, None)
         if entry is None:
             raise NotFound(f"unknown lease {lease_id} (released, expired, or never issued)")
-        self._adjust(entry[0], -1, engine=False)
-        return Lease(lease_id, *entry)
+        replica_id = entry[0]
+        self._leased[replica_id] -= 1
+        self._load[replica_id] -= 1
+        if replica_id in self._serving:
+            self._total -= 1
+        return Lease(lease_id, replica_id, entry[1])
 
     def expire(self, now: float) -> int:
         """Drops leases whose TTL has passed; returns how many."""
