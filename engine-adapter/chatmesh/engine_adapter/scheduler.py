@@ -173,7 +173,7 @@ class Scheduler:
         if self._cancelled:
             self._reap_cancelled(step)
         budget = self.cfg.step_token_budget
-        planned: dict[int, SeqWork] = {}
+        work = step.work  # in order: decodes, running prefills, admissions
         preempted = self.preemptions
         bs = self.blocks.block_size
         prefilling: list[Seq] = []
@@ -183,8 +183,8 @@ class Scheduler:
             if c != len(tokens) - 1:
                 prefilling.append(seq)
             elif budget > 0 and seq.state is SeqState.RUNNING and (
-                    len(seq.table) * bs > c or self._grow(seq, c + 1, planned, step)):
-                planned[seq.seq_id] = _work(seq.seq_id, tokens[c:], c, seq.table, True, seq.sampling)
+                    len(seq.table) * bs > c or self._grow(seq, c + 1, step)):
+                work.append(_work(seq.seq_id, tokens[c:], c, seq.table, True, seq.sampling))
                 budget -= 1
         for seq in prefilling:  # then chunks of prompts already running, in the budget left
             if budget <= 0:
@@ -193,12 +193,12 @@ class Scheduler:
                 continue
             c = seq.num_computed
             n = min(len(seq.tokens) - c, budget)
-            if self._grow(seq, c + n, planned, step):
-                planned[seq.seq_id] = _work(seq.seq_id, seq.tokens[c:c + n], c, seq.table,
-                                              c + n == len(seq.tokens), seq.sampling)
+            if self._grow(seq, c + n, step):
+                work.append(_work(seq.seq_id, seq.tokens[c:c + n], c, seq.table, c + n == len(seq.tokens),
+                                  seq.sampling))
                 budget -= n
         if self.preemptions != preempted:  # victims' planned tokens go back to the budget
-            budget = self.cfg.step_token_budget - sum(len(w.token_ids) for w in planned.values())
+            budget = self.cfg.step_token_budget - sum(len(w.token_ids) for w in work)
         while self.waiting and len(self.running) < self.cfg.max_batch and budget > 0:
             seq = self.waiting[0]
             hit = self.blocks.admit(seq.seq_id, seq.tokens, seq.params.platform_prefix_tokens,
@@ -221,14 +221,13 @@ class Scheduler:
                 self.host_hit_tokens += hit.host_cached_tokens
                 self.miss_tokens += seq.prompt_len - c
                 step.admitted.append(seq)
-            planned[seq.seq_id] = _work(seq.seq_id, seq.tokens[c:c + n], c, seq.table, c + n == len(seq.tokens),
-                                          seq.sampling)
+            work.append(_work(seq.seq_id, seq.tokens[c:c + n], c, seq.table, c + n == len(seq.tokens),
+                              seq.sampling))
             budget -= n
-        step.work = list(planned.values())
         step.copies = self.blocks.take_copies()
         return step
 
-    def _grow(self, seq: Seq, num_tokens: int, planned: dict[int, SeqWork], step: Step) -> bool:
+    def _grow(self, seq: Seq, num_tokens: int, step: Step) -> bool:
         """Gives `seq` blocks for `num_tokens`, preempting the newest running sequences until it fits.
         False when `seq` itself was preempted (or, alone and out of room, finished at its context limit)."""
         while not self.blocks.grow(seq.seq_id, num_tokens):
@@ -238,7 +237,7 @@ class Scheduler:
                 step.finished.append(seq)
                 return False
             victim = self.running[-1]
-            planned.pop(victim.seq_id, None)
+            step.work[:] = [w for w in step.work if w.seq_id != victim.seq_id]
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -1,0 +1,150 @@
+"""One `sim` replica at the reference's per-node load, over real gRPC: does one process keep up, and what CPU
+does it need?
+
+Starts `chatmesh serve engine` (sim, 8 x H100 FP8 preset, speed 1) in a child process and drives it from this
+process with `--streams` concurrent conversations (default 256, the reference's batch): each turn sends the
+conversation so far (a shared ~2,900-token platform prefix, its history, a new message) and streams a
+~400-token reply; the next turn follows at once. At batch 256 and ~3,200 tokens of context the roofline step
+is ~12.7 ms, so a replica that keeps up streams ~20,000 output tokens/s. Reports achieved tokens/s and
+messages/s against that, and the CPU seconds per second of the server and of the client.
+
+    .venv/bin/python -m bench.engine_sim_node [--streams 256] [--seconds 20] [--flush-ms 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+import uuid
+
+import grpc
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+
+from chatmesh.engine_adapter.roofline import H100_FP8
+from tests.conftest import free_port
+
+PREFIX = 2_900
+REPLY = 400
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Load:
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.messages = 0
+        self.turns = 0
+        self.cached = 0
+        self.prompt = 0
+
+
+async def _conversation(stub: generate_pb2_grpc.GenerateServiceAsyncStub, n: int, load: Load,
+                        stop: asyncio.Event) -> None:
+    rng = random.Random(n)
+    conv = str(uuid.uuid4())
+    history = list(range(1, PREFIX + 1)) + [rng.randrange(1000, 40_000) for _ in range(rng.randrange(50, 250))]
+    while not stop.is_set():
+        history += [rng.randrange(1000, 40_000) for _ in range(40)]
+        req = generate_pb2.GenerateRequest(
+            request_id=str(uuid.uuid4()), conversation_id=conv, turn_id=str(uuid.uuid4()),
+            prompt_token_ids=history, cache_salt=b"owner-%d" % n, platform_prefix_tokens=PREFIX,
+            max_tokens=rng.randrange(REPLY // 2, REPLY * 3 // 2), seed=n)
+        call = stub.Generate(req)
+        async for resp in call:
+            load.messages += 1
+            match resp.WhichOneof("event"):
+                case "started":
+                    load.cached += resp.started.cached_prompt_tokens
+                    load.prompt += len(history)
+                case "delta":
+                    load.tokens += len(resp.delta.token_ids)
+                    history += resp.delta.token_ids
+                case _:
+                    load.turns += 1
+            if stop.is_set():
+                call.cancel()
+                return
+        if len(history) > 3_600:  # keep the context near the reference's ~3,200 tokens: a new conversation
+            history = history[:PREFIX + 100]
+            conv = str(uuid.uuid4())
+
+
+async def _drive(address: str, streams: int, seconds: float, warmup: float, pid: int) -> None:
+    load = Load()
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        tasks = [asyncio.create_task(_conversation(stub, i, load, stop)) for i in range(streams)]
+        await asyncio.sleep(warmup)
+        t0, tok0, msg0, turns0 = time.perf_counter(), load.tokens, load.messages, load.turns
+        srv0, cli0 = _cpu_s(pid), _self_cpu()
+        await asyncio.sleep(seconds)
+        dt = time.perf_counter() - t0
+        srv, cli = (_cpu_s(pid) - srv0) / dt, (_self_cpu() - cli0) / dt
+        tokens, messages, turns = load.tokens - tok0, load.messages - msg0, load.turns - turns0
+        stats = (await stub.GetStats(generate_pb2.GetStatsRequest())).stats
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    step = H100_FP8.memory_s(streams * 3_200)
+    target = streams / step
+    print(f"engine_sim_node: {streams} streams, {seconds:.0f} s measured after {warmup:.0f} s warm-up")
+    print(f"  output tokens/s {tokens / dt:,.0f} vs roofline {target:,.0f} at batch {streams} "
+          f"({tokens / dt / target:.0%}); messages/s {messages / dt:,.0f}; turns/s {turns / dt:.1f}")
+    print(f"  CPU: server {srv:.2f} cores, client {cli:.2f} cores; machine has {os.cpu_count()} "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    per_k = srv / max(tokens / dt, 1) * 1000
+    print(f"  server CPU per 1,000 output tokens {per_k * 1000:.0f} ms: {per_k * target / 1000:.2f} cores to stream "
+          f"{target:,.0f} tokens/s at this machine's speed")
+    print(f"  engine: running {stats.running_sequences}, queued {stats.queue_depth}, prompt hit rate "
+          f"{load.cached / max(load.prompt, 1):.0%}, preemptions {stats.preemptions}")
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--warmup", type=float, default=8)
+    ap.add_argument("--flush-ms", type=float, default=25)
+    ap.add_argument("--text", default="words", choices=("words", "tokenizer"))
+    ap.add_argument("--profile", default="", help="write the server's cProfile stats to this file")
+    args = ap.parse_args()
+    port = free_port()
+    env = {**os.environ, "CHATMESH_ENGINE": "sim", "CHATMESH_LISTEN": f"127.0.0.1:{port}",
+           "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_FLUSH_INTERVAL_MS": str(args.flush_ms),
+           "CHATMESH_SIM_TEXT": args.text, "CHATMESH_MAX_BATCH": str(args.streams)}
+    prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+    server = subprocess.Popen([sys.executable, *prof, "-m", "chatmesh.mesh.cli", "serve", "engine"], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                    generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest(), timeout=1)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("engine did not start") from None
+                time.sleep(0.5)
+        asyncio.run(_drive(f"127.0.0.1:{port}", args.streams, args.seconds, args.warmup, server.pid))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+if __name__ == "__main__":
+    main()
