@@ -85,3 +85,27 @@ async def test_every_replica_excluded_is_unavailable_with_reason(
             conversation_id="c", exclude_replica_ids=["engine-0", "engine-1", "engine-2"]))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert (err.value.details() or "").startswith("no healthy replica: ")
+
+
+async def test_metrics_count_picks_spills_and_load() -> None:
+    from typing import Any, cast
+
+    from prometheus_client import generate_latest
+
+    from chatmesh.router.membership import Membership, parse_replicas
+    from chatmesh.router.ring import Ring
+    from chatmesh.router.service import Metrics, RouteServicer
+
+    membership = Membership(Ring(), parse_replicas(REPLICAS, "unused"), watch=False)
+    metrics = Metrics(membership)
+    servicer = RouteServicer(membership, metrics)
+    ctx = cast(Any, object())  # only consulted on errors
+    home = await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-1"), ctx)
+    await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-1",
+                                                            exclude_replica_ids=[home.replica_id]), ctx)
+    text = generate_latest(metrics.registry).decode()
+    assert 'chatmesh_router_picks_total{outcome="home"} 1.0' in text
+    assert 'chatmesh_router_picks_total{outcome="spill_excluded"} 1.0' in text
+    assert 'chatmesh_router_spills_total{reason="excluded"} 1.0' in text
+    assert f'chatmesh_router_replica_load{{replica="{home.replica_id}"}} 1.0' in text
+    assert 'chatmesh_router_replica_serving{replica="engine-2"} 1.0' in text

@@ -9,10 +9,9 @@ outcome, spills by reason, per-replica load. The router sees conversation ids on
 
 from __future__ import annotations
 
-import functools
 import typing
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, start_http_server
@@ -22,9 +21,9 @@ from prometheus_client.registry import Collector
 from chatmesh.mesh import logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import NotFound
 from chatmesh.mesh.ids import ReplicaId, parse_lease_id
-from chatmesh.mesh.errors import CoreError
-from chatmesh.mesh.server import Service, status_for, unary_errors
+from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.router import settings
 from chatmesh.router.membership import Membership, parse_replicas
 from chatmesh.router.ring import PickOutcome, Ring, parse_conversation_key
@@ -33,27 +32,6 @@ from chatmesh.v1 import route_pb2, route_pb2_grpc
 log = logs.get("chatmesh.router.service")
 
 Context = grpc.aio.ServicerContext[Any, Any]
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-
-
-def _core_errors(
-    fn: Callable[[RouteServicer, Req, Context], Awaitable[Resp]],
-) -> Callable[[RouteServicer, Req, Context], Awaitable[Resp]]:
-    """Answers typed core errors with `status_for`'s code before `unary_errors` sees them.
-
-    Needed because `chatmesh.mesh.server._context_of` asserts `isinstance(ctx, grpc.aio.ServicerContext)`,
-    which the real aio context (cygrpc._ServicerContext) is not; remove once that is fixed."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: RouteServicer, request: Req, context: Context) -> Resp:
-        try:
-            return await fn(self, request, context)
-        except CoreError as err:
-            await context.abort(status_for(err), str(err))
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
@@ -112,7 +90,6 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         self._metrics = metrics
 
     @unary_errors
-    @_core_errors
     async def PickReplica(self, request: route_pb2.PickReplicaRequest,
                           context: Context) -> route_pb2.PickReplicaResponse:
         conversation = parse_conversation_key(request.conversation_id)
@@ -125,20 +102,18 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
             lease_expires_at_ms=int(expires_at_s * 1000))
 
     @unary_errors
-    @_core_errors
     async def ReleaseLease(self, request: route_pb2.ReleaseLeaseRequest,
                            context: Context) -> route_pb2.ReleaseLeaseResponse:
         lease_id = parse_lease_id(request.lease_id)
         try:
             lease = self._membership.release(lease_id)
-        except Exception:
+        except NotFound:
             self._metrics.releases.labels("unknown").inc()
             raise
         self._metrics.releases.labels("released").inc()
         return route_pb2.ReleaseLeaseResponse(replica_id=lease.replica)
 
     @unary_errors
-    @_core_errors
     async def ListReplicas(self, request: route_pb2.ListReplicasRequest,
                            context: Context) -> route_pb2.ListReplicasResponse:
         return route_pb2.ListReplicasResponse(replicas=[
