@@ -8,7 +8,7 @@ the stub process -> the model's engine loop thread, and back per response.
 Reported per mode, over `--requests` generations (`--concurrency` at a time): TTFT (call to the first Delta) and
 per-token time (first Delta to Finished, divided by the tokens after the first); the added cost is the difference.
 
-    .venv/bin/python -m bench.triton_hop [--requests 40] [--tokens 64] [--concurrency 1]
+    .venv/bin/python -m bench.triton_hop [--requests 40] [--tokens 64] [--concurrency 1] [--flush-ms 0]
 """
 
 from __future__ import annotations
@@ -73,10 +73,12 @@ async def main() -> None:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--flush-ms", type=float, default=0.0, help="stream flush interval (0: a Delta per token)")
     ap.add_argument("--cancel-check-ms", type=int, default=20, help="the model's cancellation poll period")
     args = ap.parse_args()
+    env = {**ENV, "CHATMESH_FLUSH_INTERVAL_MS": str(args.flush_ms)}
 
-    local = build_backend(Config(env={**ENV, "CHATMESH_ENGINE": "sim"}))
+    local = build_backend(Config(env={**env, "CHATMESH_ENGINE": "sim"}))
     await local.start()
     try:
         results = {"in-process": await run(local, args.requests, args.tokens, args.concurrency)}
@@ -84,7 +86,7 @@ async def main() -> None:
         await local.close()
 
     with tempfile.TemporaryDirectory() as tmp:
-        deployment = Deployment(engine="sim", engine_env=ENV, cancel_check_ms=args.cancel_check_ms)
+        deployment = Deployment(engine="sim", engine_env=env, cancel_check_ms=args.cancel_check_ms)
         server = local_server(deployment, Path(tmp) / "repository")
         await server.start_async()
         try:
@@ -97,7 +99,8 @@ async def main() -> None:
         finally:
             server.stop()
 
-    print(f"{args.requests} generations x {args.tokens} tokens, concurrency {args.concurrency}, sim step 1 ms")
+    print(f"{args.requests} generations x {args.tokens} tokens, concurrency {args.concurrency}, sim step 1 ms, "
+          f"flush {args.flush_ms:g} ms")
     print(f"{'mode':<11} {'TTFT p50':>9} {'TTFT p90':>9} {'per-token p50':>14} {'per-token p90':>14}")
     for mode, (ttft, per_token) in results.items():
         print(f"{mode:<11} {p(ttft, 50) * 1e3:8.2f}ms {p(ttft, 90) * 1e3:8.2f}ms "
