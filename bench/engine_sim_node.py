@@ -122,13 +122,17 @@ def main() -> None:
     ap.add_argument("--flush-ms", type=float, default=25)
     ap.add_argument("--text", default="words", choices=("words", "tokenizer"))
     ap.add_argument("--profile", default="", help="write the server's cProfile stats to this file")
+    ap.add_argument("--pin", action="store_true", help="server on CPU 0, this client on CPU 1")
     args = ap.parse_args()
     port = free_port()
     env = {**os.environ, "CHATMESH_ENGINE": "sim", "CHATMESH_LISTEN": f"127.0.0.1:{port}",
            "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_FLUSH_INTERVAL_MS": str(args.flush_ms),
            "CHATMESH_SIM_TEXT": args.text, "CHATMESH_MAX_BATCH": str(args.streams)}
     prof = ["-m", "cProfile", "-o", args.profile] if args.profile else []
-    server = subprocess.Popen([sys.executable, *prof, "-m", "chatmesh.mesh.cli", "serve", "engine"], env=env)
+    pin = ["taskset", "-c", "0"] if args.pin else []
+    if args.pin:
+        os.sched_setaffinity(0, {1})
+    server = subprocess.Popen([*pin, sys.executable, *prof, "-m", "chatmesh.mesh.cli", "serve", "engine"], env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
