@@ -23,10 +23,17 @@ COMMAND_MODULES = (
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands whose module is known: `chatmesh serve store` imports only what serving the store needs, not every
+# command's dependencies (torch, scikit-learn, matplotlib), so a service process starts in a second.
+KNOWN = {"serve": "chatmesh.mesh.commands", "model": "chatmesh.mesh.commands", "config": "chatmesh.mesh.commands",
+         "up": "chatmesh.mesh.up"}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chatmesh", description="chatmesh: a self-hosted chat-assistant mesh")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    modules = [KNOWN[command]] if command in KNOWN else COMMAND_MODULES
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:
@@ -38,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     handler: Handler = args.handler
     try:
         return handler(args)

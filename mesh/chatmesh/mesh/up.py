@@ -83,31 +83,42 @@ class Mesh:
         cfg = self.cfg
         return f"http://{cfg[settings.HOST]}:{cfg[settings.GATEWAY_PORT]}"
 
-    def _spawn(self, service: str) -> subprocess.Popen[bytes]:
+    def _spawn(self, service: str, name: str | None = None, env: Mapping[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        name = name or service
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.log_dir / f"{service}.log").open("ab")
+        log = (self.log_dir / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "chatmesh.mesh.cli", "serve", service],
-            env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs[service] = proc
+            env={**os.environ, **self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+        self.procs[name] = proc
         return proc
 
-    def _wait(self, service: str, ready: Any) -> None:
+    def _wait(self, name: str, ready: Any) -> None:
         deadline = time.monotonic() + self.start_timeout_s
-        proc = self.procs[service]
+        proc = self.procs[name]
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise MeshError(f"{service} exited with code {proc.returncode}; see {self.log_dir / service}.log")
+                raise MeshError(f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log")
             if ready():
                 return
             time.sleep(0.1)
-        raise MeshError(f"{service} did not become healthy in {self.start_timeout_s:.0f} s; "
-                        f"see {self.log_dir / service}.log")
+        raise MeshError(f"{name} did not become healthy in {self.start_timeout_s:.0f} s; "
+                        f"see {self.log_dir / name}.log")
 
-    def start(self, on_ready: Any = None) -> None:
+    def add(self, name: str, service: str, address: str, env: Mapping[str, str]) -> None:
+        """Starts one more gRPC process (a second engine replica or chat process) and waits for its health."""
+        self._spawn(service, name, {**env, "CHATMESH_LISTEN": address})
+        self._wait(name, lambda: grpc_serving(address))
+
+    def start(self, on_ready: Any = None, before: Mapping[str, Any] | None = None) -> None:
+        """Starts the mesh; `before[service]()` runs just before that service starts (to add extra replicas)."""
         cfg = self.cfg
         try:
             for service, address in ORDER:
+                if before and service in before:
+                    before[service]()
                 self._spawn(service)
                 self._wait(service, lambda a=cfg[address]: grpc_serving(a))
                 if on_ready:

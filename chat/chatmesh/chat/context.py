@@ -1,0 +1,118 @@
+"""The context builder: the prompt for a turn, in a fixed order so the next turn hits the prefix cache (I3).
+
+Order: the versioned system prompt (the platform prefix, shared across owners), then the stored summary of older
+turns if there is one, then recent turns verbatim, then the new message. Nothing per-turn (no timestamp, no
+retrieved snippet) goes before the new message, so prompt n+1 starts with prompt n plus reply n, token for token:
+the renderer encodes each message on its own and concatenates them, so appending messages never re-tokenises what
+came before.
+
+What is replayed: complete and stopped replies exactly as the user saw them (a stopped reply's partial text);
+not superseded replies (regenerate replaces them) and not turns blocked by moderation (blocked input never reaches
+an engine, and a blocked reply's text is not fed back).
+
+A summary covers messages [0, covers_until) and replaces them; it changes only at a turn boundary and is stored,
+so two builds of the same turn give the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.model.template import Role as Speaker
+
+__all__ = ["Speaker", "HistoryMessage", "Summary", "Rendered", "Renderer", "PromptTooLong", "Limits", "build",
+           "messages_for", "history_tokens", "summary_cut"]
+
+
+@dataclass(frozen=True)
+class HistoryMessage:
+    index: int
+    speaker: Speaker
+    content: str
+    turn_id: str
+    replayable: bool  # False for superseded alternatives and blocked turns
+
+
+@dataclass(frozen=True)
+class Summary:
+    text: str
+    covers_until: int  # messages with index < covers_until are replaced by the summary
+
+
+@dataclass(frozen=True)
+class Rendered:
+    token_ids: tuple[int, ...]
+    platform_prefix_tokens: int  # leading tokens of the system prompt, shared across owners
+
+
+class Renderer(Protocol):
+    """Turns (speaker, text) messages into prompt tokens ending with the assistant's generation prompt."""
+
+    def render(self, messages: Sequence[tuple[Speaker, str]]) -> Rendered: ...
+
+
+class PromptTooLong(InvalidArgument):
+    """The prompt would not fit the model's context or the configured cap."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    context_tokens: int
+    prompt_cap_tokens: int
+    reply_tokens: int
+
+
+SUMMARY_HEADER = "Summary of the earlier conversation:\n"
+
+
+def messages_for(system_prompt: str, summary: Summary | None, history: Sequence[HistoryMessage],
+                 new_message: str | None) -> list[tuple[Speaker, str]]:
+    """The prompt's messages in their fixed order. `new_message` None means regenerate: end after the history."""
+    out: list[tuple[Speaker, str]] = [(Speaker.SYSTEM, system_prompt)]
+    start = 0
+    if summary is not None:
+        out.append((Speaker.SYSTEM, SUMMARY_HEADER + summary.text))
+        start = summary.covers_until
+    out.extend((m.speaker, m.content) for m in history if m.index >= start and m.replayable)
+    if new_message is not None:
+        out.append((Speaker.USER, new_message))
+    return out
+
+
+def build(renderer: Renderer, limits: Limits, system_prompt: str, summary: Summary | None,
+          history: Sequence[HistoryMessage], new_message: str | None) -> Rendered:
+    rendered = renderer.render(messages_for(system_prompt, summary, history, new_message))
+    n = len(rendered.token_ids)
+    room = min(limits.prompt_cap_tokens, limits.context_tokens - limits.reply_tokens)
+    if n > room:
+        raise PromptTooLong(
+            f"the prompt is {n} tokens; the limit is {room} (model context {limits.context_tokens} minus "
+            f"{limits.reply_tokens} reply tokens, cap {limits.prompt_cap_tokens}): shorten the message or start a "
+            "new conversation")
+    return rendered
+
+
+def history_tokens(history: Sequence[HistoryMessage], summary: Summary | None, count: dict[int, int]) -> int:
+    """Tokens of the replayed history after the summary (count: message index -> token count)."""
+    start = summary.covers_until if summary else 0
+    return sum(count.get(m.index, 0) for m in history if m.index >= start and m.replayable)
+
+
+def summary_cut(history: Sequence[HistoryMessage], summary: Summary | None, keep_recent: int) -> int | None:
+    """Where a new summary should end (exclusive message index), keeping `keep_recent` messages verbatim and never
+    splitting a user message from its reply; None when there is nothing new to summarise."""
+    start = summary.covers_until if summary else 0
+    live = [m for m in history if m.index >= start]
+    if len(live) <= keep_recent:
+        return None
+    cut_at = live[len(live) - keep_recent]
+    # Start the verbatim tail at a user message, so the summary ends at a turn boundary.
+    tail = [m for m in live if m.index >= cut_at.index]
+    while tail and tail[0].speaker is not Speaker.USER:
+        tail = tail[1:]
+    if not tail:
+        return None
+    return tail[0].index if tail[0].index > start else None

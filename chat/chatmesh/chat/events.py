@@ -1,0 +1,124 @@
+"""A turn's stream events, and the in-process broadcast that lets retries attach to a live turn.
+
+Sequence numbers are derived from the reply text, so any process can rebuild them from stored progress:
+`started` is 1; a delta's sequence is 1 + the number of characters of reply text up to its end; the final event is
+2 + the full reply length. A client that saw up to sequence s has seen the first s - 1 characters, so resuming
+after s means sending text[s - 1:] and then the final event (`resume_from`). Deltas are coalesced upstream (the
+engine flushes every 25 ms), so one event carries many tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from chatmesh.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def to_proto(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
+                                output_tokens=self.output_tokens)
+
+    @staticmethod
+    def from_proto(u: common_pb2.Usage) -> Usage:
+        return Usage(u.prompt_tokens, u.cached_prompt_tokens, u.output_tokens)
+
+
+@dataclass(frozen=True)
+class Started:
+    replayed: bool
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Completed:
+    usage: Usage
+    replica_id: str
+
+
+@dataclass(frozen=True)
+class Stopped:
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+    retryable: bool
+
+
+@dataclass(frozen=True)
+class Blocked:
+    stage: str  # "input" or "output"
+    category: str
+
+
+EventKind = Started | Delta | Completed | Stopped | Failed | Blocked
+FINAL = (Completed, Stopped, Failed, Blocked)
+
+
+@dataclass(frozen=True)
+class TurnEvent:
+    sequence: int
+    kind: EventKind
+
+
+def resume_from(text: str, final: EventKind | None, after: int, replayed: bool) -> list[TurnEvent]:
+    """The events a client that has seen up to sequence `after` still needs, given the reply so far."""
+    out: list[TurnEvent] = []
+    if after < 1:
+        out.append(TurnEvent(1, Started(replayed=replayed)))
+    seen = max(0, after - 1)
+    if len(text) > seen:
+        out.append(TurnEvent(1 + len(text), Delta(text[seen:])))
+    if final is not None:
+        out.append(TurnEvent(2 + len(text), final))
+    return out
+
+
+class LiveTurn:
+    """A turn being generated in this process: its events so far, and a wakeup for followers."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.final: EventKind | None = None
+        self._changed = asyncio.Condition()
+        self.stop_requested = asyncio.Event()
+        self.lease_lost = False  # set when another process took the turn over
+
+    async def publish(self, kind: EventKind) -> None:
+        async with self._changed:
+            match kind:
+                case Delta(text=t):
+                    self.text += t
+                case Started():
+                    pass
+                case Completed() | Stopped() | Failed() | Blocked():
+                    self.final = kind
+            self._changed.notify_all()
+
+    async def follow(self, after: int = 0, replayed: bool = False) -> AsyncGenerator[TurnEvent, None]:
+        """Yields events after sequence `after` until the final one; every wait is an await (no spinning)."""
+        seen = after
+        while True:
+            async with self._changed:
+                pending = resume_from(self.text, self.final, seen, replayed)
+                if not pending:
+                    await self._changed.wait()
+                    continue
+            for event in pending:
+                yield event
+                seen = event.sequence
+            if isinstance(pending[-1].kind, FINAL):
+                return

@@ -1,0 +1,173 @@
+"""ChatService over gRPC: a thin servicer over `ChatCore` (protobuf <-> core values; errors mapped by the shared
+decorators), and `build()` wiring the core to the store, router, engines and moderation."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import assert_never
+
+import grpc
+
+from chatmesh.chat import context, settings
+from chatmesh.chat.clients import Channels, GrpcEngines, GrpcModeration, GrpcRouter, GrpcStore
+from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
+from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
+from chatmesh.chat.prompting import ChatMLRenderer
+from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import parse_conversation_id, parse_owner_id, parse_turn_id
+from chatmesh.mesh.server import Service, stream_errors, unary_errors
+from chatmesh.model import settings as model_settings
+from chatmesh.model import tokenizer as model_tokenizer
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc
+
+Ctx = grpc.aio.ServicerContext[object, object]
+
+
+def event_to_proto(event: TurnEvent) -> chat_pb2.TurnEvent:
+    out = chat_pb2.TurnEvent(sequence=event.sequence)
+    match event.kind:
+        case Started(replayed=replayed):
+            out.started.replayed = replayed
+        case Delta(text=text):
+            out.delta.text = text
+        case Completed(usage=usage, replica_id=replica):
+            out.completed.usage.CopyFrom(usage.to_proto())
+            out.completed.replica_id = replica
+        case Stopped(usage=usage):
+            out.stopped.usage.CopyFrom(usage.to_proto())
+        case Failed(message=message, retryable=retryable):
+            out.failed.message = message
+            out.failed.retryable = retryable
+        case Blocked(stage=stage, category=category):
+            out.blocked.stage = stage
+            out.blocked.category = category
+        case _:
+            assert_never(event.kind)
+    return out
+
+
+class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
+    def __init__(self, core: ChatCore):
+        self.core = core
+
+    @unary_errors
+    async def CreateConversation(self, request: chat_pb2.CreateConversationRequest, context: Ctx
+                                 ) -> chat_pb2.CreateConversationResponse:
+        conv = await self.core.create_conversation(parse_owner_id(request.owner_id), request.title)
+        return chat_pb2.CreateConversationResponse(conversation=conv)
+
+    @unary_errors
+    async def GetConversation(self, request: chat_pb2.GetConversationRequest, context: Ctx
+                              ) -> chat_pb2.GetConversationResponse:
+        view = await self.core.get_conversation(parse_owner_id(request.owner_id),
+                                                parse_conversation_id(request.conversation_id))
+        return chat_pb2.GetConversationResponse(conversation=view.conversation, messages=view.messages)
+
+    @stream_errors
+    async def SendTurn(self, request: chat_pb2.SendTurnRequest, context: Ctx
+                       ) -> AsyncIterator[chat_pb2.SendTurnResponse]:
+        owner = parse_owner_id(request.owner_id)
+        conv = parse_conversation_id(request.conversation_id)
+        turn = parse_turn_id(request.turn_id)
+        async for event in self.core.send_turn(owner, conv, turn, request.content):
+            yield chat_pb2.SendTurnResponse(event=event_to_proto(event))
+
+    @stream_errors
+    async def AttachTurn(self, request: chat_pb2.AttachTurnRequest, context: Ctx
+                         ) -> AsyncIterator[chat_pb2.AttachTurnResponse]:
+        owner = parse_owner_id(request.owner_id)
+        conv = parse_conversation_id(request.conversation_id)
+        turn = parse_turn_id(request.turn_id)
+        async for event in self.core.attach(owner, conv, turn, request.after_sequence):
+            yield chat_pb2.AttachTurnResponse(event=event_to_proto(event))
+
+    @unary_errors
+    async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Ctx) -> chat_pb2.StopTurnResponse:
+        stopped = await self.core.stop(parse_owner_id(request.owner_id),
+                                       parse_conversation_id(request.conversation_id), parse_turn_id(request.turn_id))
+        return chat_pb2.StopTurnResponse(stopped=stopped)
+
+
+    @stream_errors
+    async def RegenerateTurn(self, request: chat_pb2.RegenerateTurnRequest, context: Ctx
+                             ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
+        owner = parse_owner_id(request.owner_id)
+        conv = parse_conversation_id(request.conversation_id)
+        turn = parse_turn_id(request.turn_id)
+        async for event in self.core.regenerate(owner, conv, turn):
+            yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event))
+
+    @unary_errors
+    async def ListConversations(self, request: chat_pb2.ListConversationsRequest, context: Ctx
+                                ) -> chat_pb2.ListConversationsResponse:
+        convs = await self.core.list_conversations(parse_owner_id(request.owner_id), request.page_size)
+        return chat_pb2.ListConversationsResponse(conversations=convs)
+
+    @unary_errors
+    async def DeleteConversation(self, request: chat_pb2.DeleteConversationRequest, context: Ctx
+                                 ) -> chat_pb2.DeleteConversationResponse:
+        evicted = await self.core.delete_conversation(parse_owner_id(request.owner_id),
+                                                      parse_conversation_id(request.conversation_id))
+        return chat_pb2.DeleteConversationResponse(blocks_evicted=evicted)
+
+    @unary_errors
+    async def GetUsage(self, request: chat_pb2.GetUsageRequest, context: Ctx) -> chat_pb2.GetUsageResponse:
+        resp = await self.core.usage(parse_owner_id(request.owner_id), request.days)
+        return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(day=d.day, usage=d.usage, turns=d.turns)
+                                               for d in resp.days])
+
+    @unary_errors
+    async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Ctx
+                             ) -> chat_pb2.ExportUserDataResponse:
+        return chat_pb2.ExportUserDataResponse(json=await self.core.export(parse_owner_id(request.owner_id)))
+
+
+def load_system_prompts(path: str) -> dict[str, str]:
+    if not path:
+        return dict(DEFAULT_SYSTEM_PROMPTS)
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise ValueError(f"{path}: expected a JSON object mapping version names to prompt text")
+    return data
+
+
+def build(cfg: Config) -> Service:
+    channels = Channels()
+    tokenizer = model_tokenizer.load(cfg[model_settings.MODEL_DIR])
+    renderer = ChatMLRenderer(tokenizer)
+    prompts = load_system_prompts(cfg[settings.SYSTEM_PROMPTS])
+    default_version = cfg[settings.SYSTEM_PROMPT_VERSION]
+    if default_version not in prompts:
+        raise ValueError(f"CHATMESH_SYSTEM_PROMPT_VERSION {default_version!r} is not among {sorted(prompts)}")
+    options = ChatOptions(
+        limits=context.Limits(context_tokens=cfg[settings.CONTEXT_TOKENS],
+                              prompt_cap_tokens=cfg[settings.PROMPT_CAP_TOKENS],
+                              reply_tokens=cfg[settings.MAX_REPLY_TOKENS]),
+        temperature=cfg[settings.TEMPERATURE], top_p=cfg[settings.TOP_P],
+        lease_ttl_ms=cfg[settings.LEASE_TTL_MS], engine_deadline_s=cfg[settings.ENGINE_DEADLINE_S],
+        progress_interval_s=cfg[settings.PROGRESS_INTERVAL_MS] / 1000,
+        summary_threshold_tokens=cfg[settings.SUMMARY_THRESHOLD_TOKENS],
+        keep_recent_messages=cfg[settings.KEEP_RECENT_MESSAGES],
+        instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}", salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
+        system_prompts=prompts, default_prompt_version=default_version)
+    core = ChatCore(
+        store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS])),
+        router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS])),
+        engines=GrpcEngines(channels),
+        moderation=GrpcModeration(channels.get(cfg[mesh_settings.MODERATION_ADDRESS])),
+        renderer=renderer, count_tokens=renderer.count, options=options)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core), server)
+        return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
+
+    async def close() -> None:
+        await core.close()
+        await channels.close()
+
+    return Service(name="chat", register=register, close=close)

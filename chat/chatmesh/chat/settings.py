@@ -1,0 +1,40 @@
+"""ChatService settings: system prompts, generation defaults, context limits, leases."""
+
+from __future__ import annotations
+
+from chatmesh.mesh.config import Setting
+
+SYSTEM_PROMPTS = Setting(
+    "CHATMESH_SYSTEM_PROMPTS", "",
+    "JSON file mapping system-prompt versions to text (empty: the built-in v1)", str)
+SYSTEM_PROMPT_VERSION = Setting(
+    "CHATMESH_SYSTEM_PROMPT_VERSION", "v1", "system-prompt version new conversations start with", str)
+MAX_REPLY_TOKENS = Setting("CHATMESH_MAX_REPLY_TOKENS", 256, "cap on tokens generated per reply", int)
+TEMPERATURE = Setting("CHATMESH_TEMPERATURE", 0.0, "sampling temperature (0: greedy)", float)
+TOP_P = Setting("CHATMESH_TOP_P", 1.0, "nucleus sampling mass", float)
+CONTEXT_TOKENS = Setting(
+    "CHATMESH_CONTEXT_TOKENS", 8192,
+    "the model's context window in tokens; prompt plus reply must fit (SmolLM2: 8192)", int)
+PROMPT_CAP_TOKENS = Setting(
+    "CHATMESH_PROMPT_CAP_TOKENS", 131072,
+    "configured cap on prompt tokens (pasted input up to 128k where the model allows)", int)
+SUMMARY_THRESHOLD_TOKENS = Setting(
+    "CHATMESH_SUMMARY_THRESHOLD_TOKENS", 12000,
+    "history tokens past which older turns are summarised at a turn boundary", int)
+KEEP_RECENT_MESSAGES = Setting(
+    "CHATMESH_KEEP_RECENT_MESSAGES", 6, "messages kept verbatim after a summary", int)
+LEASE_TTL_MS = Setting(
+    "CHATMESH_TURN_LEASE_TTL_MS", 10000,
+    "turn lease length; a chat process that dies mid-turn frees the turn id after this", int)
+PROGRESS_INTERVAL_MS = Setting(
+    "CHATMESH_TURN_PROGRESS_INTERVAL_MS", 500,
+    "how often a generating turn writes its reply so far and renews its lease (for attach from other processes)",
+    int)
+CACHE_SALT_SECRET = Setting(
+    "CHATMESH_CACHE_SALT_SECRET", "chatmesh-dev-salt",
+    "key for deriving per-owner cache salts (set a secret in production)", str)
+INSTANCE_ID = Setting(
+    "CHATMESH_CHAT_INSTANCE_ID", "",
+    "this chat process's name, recorded as lease holder (empty: chat-<host>-<pid>)", str)
+ENGINE_DEADLINE_S = Setting(
+    "CHATMESH_ENGINE_DEADLINE_S", 300.0, "deadline of one engine generation", float)
