@@ -90,6 +90,12 @@ async def test_evict_and_stats(stub: generate_pb2_grpc.GenerateServiceAsyncStub)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.Evict(generate_pb2.EvictRequest())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.Evict(generate_pb2.EvictRequest(cache_salt=b""))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=-1)).read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     resp = await stub.Evict(generate_pb2.EvictRequest(conversation_id=str(uuid.uuid4())))
     assert resp.blocks_evicted == 0
     [r async for r in stub.Generate(_request(max_tokens=2))]

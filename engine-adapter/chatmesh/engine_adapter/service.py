@@ -9,7 +9,6 @@ neither torch nor tritonclient) exposing `build_backend(cfg) -> Backend`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, cast
@@ -31,9 +30,9 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, TurnId, parse_conversation_id, parse_turn_id
-from chatmesh.mesh.server import Service, status_for, stream_errors, unary_errors
+from chatmesh.mesh.server import Service, stream_errors, unary_errors
 
 BACKENDS: dict[str, str] = {
     "sim": "chatmesh.engine_adapter.sim",
@@ -114,16 +113,6 @@ def stats_to_proto(s: EngineStats) -> generate_pb2.EngineStats:
         generations=s.generations)
 
 
-@contextlib.asynccontextmanager
-async def _core_errors(context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[None]:
-    """Answers typed core errors with `status_for`'s code. The mesh decorators do the same, but their context
-    check rejects grpc's cython context (isinstance fails), so core errors are aborted here first."""
-    try:
-        yield
-    except CoreError as err:
-        await context.abort(status_for(err), str(err))
-
-
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Protobuf <-> Backend."""
 
@@ -134,25 +123,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     @stream_errors
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        async with _core_errors(context):
-            params = params_from_proto(request)
-            # Cancelling the RPC cancels this coroutine inside backend.generate; its cleanup cancels the sequence.
-            async for event in self.backend.generate(params):
-                yield event_to_proto(event, self.replica_id)
+        params = params_from_proto(request)
+        # Cancelling the RPC cancels this coroutine inside backend.generate, whose cleanup cancels the sequence.
+        async for event in self.backend.generate(params):
+            yield event_to_proto(event, self.replica_id)
 
     @unary_errors
     async def Evict(self, request: generate_pb2.EvictRequest,
                     context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.EvictResponse:
-        async with _core_errors(context):
-            match request.WhichOneof("target"):
-                case "conversation_id":
-                    n = await self.backend.evict_conversation(parse_conversation_id(request.conversation_id))
-                case "cache_salt":
-                    if not request.cache_salt:
-                        raise InvalidArgument("cache_salt must not be empty")
-                    n = await self.backend.evict_salt(request.cache_salt)
-                case _:
-                    raise InvalidArgument("set conversation_id or cache_salt")
+        match request.WhichOneof("target"):
+            case "conversation_id":
+                n = await self.backend.evict_conversation(parse_conversation_id(request.conversation_id))
+            case "cache_salt":
+                if not request.cache_salt:
+                    raise InvalidArgument("cache_salt must not be empty")
+                n = await self.backend.evict_salt(request.cache_salt)
+            case _:
+                raise InvalidArgument("set conversation_id or cache_salt")
         return generate_pb2.EvictResponse(blocks_evicted=n)
 
     @unary_errors
@@ -165,7 +152,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                          context: grpc.aio.ServicerContext[object, object],
                          ) -> AsyncIterator[generate_pb2.WatchStatsResponse]:
         if request.interval_ms < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "interval_ms must not be negative")
+            raise InvalidArgument("interval_ms must not be negative")
         interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS) / 1000
         while True:
             yield generate_pb2.WatchStatsResponse(stats=stats_to_proto(self.backend.stats()))
