@@ -7,8 +7,9 @@ chunk). `validate` enforces the size limits; it is called by the servicer before
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.moderation.classifier import ProfanityModel, tokens
@@ -73,15 +74,31 @@ def decide(policy: Policy, direction: Direction, scores: Mapping[str, CategorySc
     return Verdict(action, tuple(reported), reason)
 
 
-class Moderator:
-    """Judges text by `policy`, with `model` as the score source for categories whose model is "profanity"."""
+class TextScorer(Protocol):
+    """A model that scores a whole text per label, such as a guard model served elsewhere (see guard.py).
+    It may block (the service then runs checks on its worker thread) and may raise; the failure policy answers."""
 
-    def __init__(self, policy: Policy, model: ProfanityModel) -> None:
-        unknown = policy.models - {"profanity"}
+    labels: tuple[str, ...]
+
+    def score(self, text: str) -> Mapping[str, float]: ...
+
+
+GUARD_PREFIX = "guard:"
+
+
+class Moderator:
+    """Judges text by `policy`. Score sources for categories with a model: "profanity" is `model` (the embedded
+    classifier, on words: see window.py for which), "guard:<label>" is `guard`'s score for that label, on the
+    whole text (input) or the window (output: tail + chunk, so a guard sees a split phrase whole)."""
+
+    def __init__(self, policy: Policy, model: ProfanityModel, guard: TextScorer | None = None) -> None:
+        guard_labels = {GUARD_PREFIX + label for label in guard.labels} if guard is not None else set()
+        unknown = policy.models - {"profanity"} - guard_labels
         if unknown:
             raise InvalidArgument(f"policy names models this backend does not have: {sorted(unknown)}")
         self.policy = policy
         self.model = model
+        self.guard = guard
         self._quiet_below = {d: min([policy.report_at, *(t for c in policy.categories
                                                          for t in (c.thresholds(d).flag_at, c.thresholds(d).block_at)
                                                          if t is not None)]) for d in Direction}
@@ -92,8 +109,8 @@ class Moderator:
     def open_output(self) -> OutputCheck:
         return OutputCheck(self)
 
-    def _score(self, category: Category, view: View, present: frozenset[str],
-               words: Sequence[str]) -> CategoryScore | None:
+    def _score(self, category: Category, view: View, present: frozenset[str], words: Sequence[str],
+               guard_scores: Callable[[], Mapping[str, float]]) -> CategoryScore | None:
         best: CategoryScore | None = None
         for rule in category.rules:
             if (best is not None and best.score >= rule.score) or (rule.gate and present.isdisjoint(rule.gate)):
@@ -102,16 +119,28 @@ class Moderator:
                 if view.is_new(m.end()) and validate(rule.validator, m.group()):
                     best = CategoryScore(category.name, rule.score, rule.name)
                     break
-        if category.model is not None and words:
+        p: float | None = None
+        if category.model is None:
+            pass
+        elif category.model.startswith(GUARD_PREFIX):
+            p = guard_scores().get(category.model.removeprefix(GUARD_PREFIX), 0.0)
+        elif words:
             p = self.model.score_tokens(words)
-            if best is None or p > best.score:
-                best = CategoryScore(category.name, p, category.model)
+        if p is not None and (best is None or p > best.score):
+            best = CategoryScore(category.name, p, category.model or "")
         return best
 
     def _judge(self, direction: Direction, view: View, words: Sequence[str]) -> Verdict:
         present = self.policy.gates_in(view.text.lower())
+        cache: list[Mapping[str, float]] = []
+
+        def guard_scores() -> Mapping[str, float]:
+            if not cache:
+                cache.append(self.guard.score(view.text) if self.guard is not None else {})
+            return cache[0]
+
         scores = {c.name: s for c in self.policy.categories
-                  if (s := self._score(c, view, present, words)) is not None}
+                  if (s := self._score(c, view, present, words, guard_scores)) is not None}
         if all(cs.score < self._quiet_below[direction] for cs in scores.values()):
             return ALLOW  # nothing reaches a report or flag threshold: the common case, without the bookkeeping
         return decide(self.policy, direction, scores)

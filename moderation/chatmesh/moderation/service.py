@@ -36,6 +36,7 @@ from chatmesh.mesh.server import Service, status_for
 from chatmesh.moderation import settings
 from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
+from chatmesh.moderation.guard import TritonGuard
 from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict, validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode, load
 from chatmesh.v1 import moderate_pb2
@@ -156,6 +157,13 @@ def _stream_core_errors(
     return wrapper
 
 
+def _log_failure(direction: Direction, exc: Exception) -> None:
+    if isinstance(exc, CoreError):  # an expected failure, such as Unavailable from a guard model
+        log.warning("check_failed", direction=direction.value, error=type(exc).__name__, detail=str(exc))
+    else:
+        log.error("check_failed", direction=direction.value, exc_info=exc)
+
+
 class ModerateServicer:
     def __init__(self, moderator: Moderator, batcher: CheckBatcher, limits: Limits,
                  metrics: Metrics) -> None:
@@ -171,10 +179,8 @@ class ModerateServicer:
             verdict = await self._batcher.run(check, late, self._limits.deadline_s)
         except TimeoutError:
             verdict = self._fallback(direction, "deadline", "check deadline passed")
-        except CoreError:
-            raise
-        except Exception as exc:  # the classifier failed: the failure policy answers, the error is logged
-            log.error("check_failed", direction=direction.value, exc_info=exc)
+        except Exception as exc:  # the check failed (a guard model down, a bug): the failure policy answers
+            _log_failure(direction, exc)
             verdict = self._fallback(direction, "error", f"check failed ({type(exc).__name__})")
         self._metrics.latency.labels(direction.value).observe(time.perf_counter() - start)
         self._metrics.checks.labels(direction.value, verdict.action.name.lower()).inc()
@@ -192,10 +198,8 @@ class ModerateServicer:
                                                self._limits.deadline_s)
         except TimeoutError:
             verdicts = [self._fallback(Direction.OUTPUT, "deadline", "check deadline passed")] * len(checks)
-        except CoreError:
-            raise
-        except Exception as exc:  # the classifier failed: the failure policy answers, the error is logged
-            log.error("check_failed", direction="output", exc_info=exc)
+        except Exception as exc:  # the check failed (a guard model down, a bug): the failure policy answers
+            _log_failure(Direction.OUTPUT, exc)
             verdicts = [self._fallback(Direction.OUTPUT, "error", f"check failed ({type(exc).__name__})")] * len(checks)
         self._metrics.latency.labels("output").observe(time.perf_counter() - start)
         for action, n in Counter_(v.action for v in verdicts).items():
@@ -309,15 +313,20 @@ def _register(server: grpc.aio.Server, servicer: ModerateServicer) -> Sequence[s
 
 
 def build(cfg: Config, moderator: Moderator | None = None) -> Service:
-    """The service; `moderator` replaces the one the policy setting describes (tests use a slow one)."""
+    """The service; `moderator` replaces the one the settings describe (tests use a slow one)."""
+    guard: TritonGuard | None = None
     if moderator is None:
-        moderator = Moderator(load(cfg[settings.POLICY_FILE]), profanity_model())
+        if cfg[settings.GUARD_ADDRESS]:
+            guard = TritonGuard(cfg[settings.GUARD_ADDRESS], cfg[settings.GUARD_MODEL],
+                                timeout_s=cfg[settings.CHECK_DEADLINE_MS] / 1000)
+        moderator = Moderator(load(cfg[settings.POLICY_FILE]), profanity_model(), guard)
     policy = moderator.policy
     limits = Limits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
                     on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
                     on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
     metrics = Metrics()
-    batcher = CheckBatcher(threaded=cfg[settings.CHECK_THREAD])
+    # a guard model waits on the network: checks then run on the worker thread, where the deadline can fire
+    batcher = CheckBatcher(threaded=cfg[settings.CHECK_THREAD] or moderator.guard is not None)
     servicer = ModerateServicer(moderator, batcher, limits, metrics)
 
     async def start() -> None:
@@ -329,6 +338,8 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
 
     async def close() -> None:
         batcher.close()
+        if guard is not None:
+            guard.close()
 
     return Service(name="moderation", register=lambda server: _register(server, servicer), start=start,
                    close=close)

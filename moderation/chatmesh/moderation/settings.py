@@ -27,3 +27,7 @@ METRICS_PORT = Setting("CHATMESH_MODERATION_METRICS_PORT", 0,
 CHECK_THREAD = Setting("CHATMESH_MODERATION_CHECK_THREAD", False,
                        "run checks on a worker thread (for backends that wait, such as a guard model) instead of "
                        "inline on the event loop with load shedding past the deadline", parse_bool)
+GUARD_ADDRESS = Setting("CHATMESH_MODERATION_GUARD_ADDRESS", "",
+                        "Triton gRPC address of a guard model (policy categories with model guard:<label>); "
+                        "empty: none", str)
+GUARD_MODEL = Setting("CHATMESH_MODERATION_GUARD_MODEL", "chatmesh_guard", "name of the guard model on Triton", str)
