@@ -76,5 +76,7 @@ class Executor(Protocol):
         ...
 
     def release(self, seq_id: int) -> None:
-        """Forgets per-sequence state (sampling generator); the sequence's blocks are the block manager's."""
+        """Forgets per-sequence state (sampling generator); the sequence's blocks are the block manager's.
+        Called once per sequence when it ends, also for one that never reached `execute` (cancelled while
+        queued): a no-op then."""
         ...
