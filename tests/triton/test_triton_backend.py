@@ -171,3 +171,23 @@ async def test_triton_stopped_generate_is_unavailable_naming_the_address(tmp_pat
         await asyncio.sleep(0.05)
     assert not b.ready()
     await b.close()
+
+
+async def test_deadline_mid_reply_ends_in_error_and_the_model_stops(server: TritonServer) -> None:
+    b = TritonBackend(TritonOptions(address=server.address, timeout_s=0.5, stats_interval_s=0.2))
+    await b.start()
+    try:
+        before = await b.refresh_stats()
+        events = await collect(b, prompt(owner=b"slow", max_tokens=5000))  # 10 ms a token: far past 0.5 s
+        last = events[-1]
+        assert isinstance(last, Finished) and last.reason is FinishReason.ERROR
+        assert "DEADLINE_EXCEEDED" in last.error and server.address in last.error
+        assert last.usage.output_tokens == len(tokens(events)) > 0
+        for _ in range(100):
+            after = await b.refresh_stats()
+            if after.running_sequences == before.running_sequences:
+                break
+            await asyncio.sleep(0.05)
+        assert after.running_sequences == before.running_sequences, "the model kept generating past the deadline"
+    finally:
+        await b.close()
