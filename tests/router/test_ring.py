@@ -42,11 +42,11 @@ ops = st.lists(st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(n=st.integers(1, 8), eps=st.sampled_from([0.0, 0.1, 0.25, 1.0]), vnodes=st.sampled_from([1, 8, 40]),
-       script=ops)
-def test_bounded_load_and_home_affinity(n: int, eps: float, vnodes: int,
+       floor=st.sampled_from([0, 0, 3]), script=ops)
+def test_bounded_load_and_home_affinity(n: int, eps: float, vnodes: int, floor: int,
                                         script: list[tuple[str, int] | tuple[str, int, int] | tuple[str, int, bool]]
                                         ) -> None:
-    ring = Ring(replicas(n), vnodes=vnodes, eps=eps)
+    ring = Ring(replicas(n), vnodes=vnodes, eps=eps, min_spill_load=floor)
     ids = [r.id for r in replicas(n)]
     open_leases: list[LeaseId] = []
     for op in script:
@@ -59,7 +59,8 @@ def test_bounded_load_and_home_affinity(n: int, eps: float, vnodes: int,
                         ring.pick(conv(c), 0.0, exclude)
                     continue
                 before = {r: ring.load(r) for r in ids}
-                bound = load_bound(sum(before[r] for r in serving) + 1, len(serving), eps)
+                bound = load_bound(sum(before[r] for r in serving) + 1, len(serving), eps, floor)
+                assert bound == ring.bound()
                 walk = ring.walk(conv(c))
                 home = walk[0]
                 pick = ring.pick(conv(c), 0.0, exclude)
@@ -193,3 +194,15 @@ def test_conversation_key_limits() -> None:
 def test_no_replicas_is_unavailable() -> None:
     with pytest.raises(Unavailable, match="no replica is configured"):
         Ring().pick(conv(1), 0.0)
+
+
+def test_spill_floor_keeps_low_load_turns_home() -> None:
+    paper, floored = Ring(replicas(2), eps=0.5), Ring(replicas(2), eps=0.5, min_spill_load=8)
+    key = conv(3)
+    home = paper.home(key)
+    for ring in (paper, floored):
+        ring.set_engine_load(home, 3)  # 4 in flight with the new turn: paper bound ceil(1.5 x 4 / 2) = 3
+    assert paper.pick(key, 0.0).outcome is PickOutcome.SPILL_OVER_BOUND
+    assert floored.pick(key, 0.0).outcome is PickOutcome.HOME
+    floored.set_engine_load(home, 8)
+    assert floored.pick(key, 0.0).outcome is PickOutcome.SPILL_OVER_BOUND

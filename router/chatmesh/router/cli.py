@@ -60,6 +60,8 @@ def register(sub: Any) -> None:
     p.add_argument("--conversations-per-owner", type=int, default=s.conversations_per_owner,
                    help="for the salting table: conversations sharing one owner's salt")
     p.add_argument("--vnodes", type=int, default=s.vnodes, help="ring points per replica")
+    p.add_argument("--min-spill-load", type=int, default=s.min_spill_load,
+                   help="floor under the load bound (turns in flight below which a home never spills)")
     p.add_argument("--seed", type=int, default=s.seed)
     p.add_argument("--plots", metavar="DIR", help="write PNG charts to this folder")
     p.set_defaults(handler=_simulate)
@@ -102,7 +104,7 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = simulate.SimConfig(
         conversations=args.conversations, turns=args.turns, replicas=args.replicas, turn_gap_s=args.turn_gap_s,
         turn_seconds=args.turn_seconds, conversations_per_owner=max(1, args.conversations_per_owner),
-        vnodes=args.vnodes, seed=args.seed)
+        vnodes=args.vnodes, min_spill_load=args.min_spill_load, seed=args.seed)
     caches = [round(c * 1e6) for c in _floats(args.caches)]
     report = simulate.run(cfg, caches, _floats(args.eps))
     print(simulate.render(report))

@@ -35,6 +35,10 @@ Parameters and defaults:
   smaller eps balances better and spills more). Chosen from `chatmesh simulate` in the reference's setup
   (8 replicas, ~37 turns in flight each): eps 0.25 spills 6% of turns and costs ~4 points of hit rate,
   eps 0.5 spills ~1% and costs under 1 point while still cutting the p99 max/average load from 1.7 to 1.5.
+- `min_spill_load` = 0: a floor under the bound (bound = max(floor, ceil((1+eps) m / n))). 0 is the paper's
+  rule. An engine batches up to hundreds of sequences, so at low traffic the paper's bound (3 when 4 turns
+  are in flight on 2 replicas) spills turns away from a replica that is nowhere near busy; a floor of a few
+  tens of sequences keeps those turns home and lets the bound act only when load is real.
 - `lease_ttl_s` = 120 s: longer than a normal turn (400 tokens at ~79 tokens/s is ~5 s); a longer turn's
   load is still covered by the engine's own report after its lease lapses.
 
@@ -135,25 +139,28 @@ def point(key: str) -> int:
     return int.from_bytes(_blake2b(key.encode(), digest_size=8).digest())
 
 
-def load_bound(total_with_incoming: int, serving: int, eps: float) -> int:
-    """ceil((1 + eps) * average load), the average counting the incoming turn.
+def load_bound(total_with_incoming: int, serving: int, eps: float, floor: int = 0) -> int:
+    """max(floor, ceil((1 + eps) * average load)), the average counting the incoming turn.
 
     The tiny subtraction keeps float rounding from pushing an exact integer (e.g. 1.25 * 4) up by one."""
-    return math.ceil((1.0 + eps) * total_with_incoming / serving - 1e-9)
+    return max(floor, math.ceil((1.0 + eps) * total_with_incoming / serving - 1e-9))
 
 
 class Ring:
     """The replicas' ring, their loads and the open leases. Not thread-safe; one event loop owns it."""
 
     def __init__(self, replicas: Iterable[Replica] = (), *, vnodes: int = DEFAULT_VNODES,
-                 eps: float = DEFAULT_EPS, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+                 eps: float = DEFAULT_EPS, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 min_spill_load: int = 0) -> None:
         if vnodes < 1:
             raise ValueError("vnodes must be at least 1")
         if eps < 0:
             raise ValueError("eps must be >= 0")
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be > 0")
-        self.vnodes, self.eps, self.lease_ttl_s = vnodes, eps, lease_ttl_s
+        if min_spill_load < 0:
+            raise ValueError("min_spill_load must be >= 0")
+        self.vnodes, self.eps, self.lease_ttl_s, self.min_spill_load = vnodes, eps, lease_ttl_s, min_spill_load
         self._factor = 1.0 + eps
         self._replicas: dict[ReplicaId, Replica] = {}
         self._serving: set[ReplicaId] = set()
@@ -264,7 +271,7 @@ class Ring:
 
     def bound(self) -> int:
         """The load bound for the next pick (counting it)."""
-        return load_bound(self._total + 1, max(1, len(self._serving)), self.eps)
+        return load_bound(self._total + 1, max(1, len(self._serving)), self.eps, self.min_spill_load)
 
     def lease(self, lease_id: LeaseId) -> Lease | None:
         """An open lease, or None."""
@@ -291,6 +298,8 @@ class Ring:
             raise Unavailable(f"no healthy replica: {reason}")
         serving, load = self._serving, self._load
         bound = math.ceil(self._factor * (self._total + 1) / len(serving) - 1e-9)  # load_bound, inlined
+        if bound < self.min_spill_load:
+            bound = self.min_spill_load
         chosen: ReplicaId | None = None
         fallback: ReplicaId | None = None
         for rid in order:

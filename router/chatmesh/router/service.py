@@ -128,7 +128,7 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
 def build(cfg: Config) -> Service:
     replicas = parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
     ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
-                lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S])
+                lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S], min_spill_load=cfg[settings.ROUTER_MIN_SPILL_LOAD])
     membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH])
     metrics = Metrics(membership)
     servicer = RouteServicer(membership, metrics)
@@ -140,7 +140,8 @@ def build(cfg: Config) -> Service:
         port = cfg[settings.ROUTER_METRICS_PORT]
         if port:
             start_http_server(port, registry=metrics.registry)
-        log.info("router_ready", replicas=len(replicas), eps=ring.eps, vnodes=ring.vnodes, metrics_port=port)
+        log.info("router_ready", replicas=len(replicas), eps=ring.eps, vnodes=ring.vnodes,
+                 min_spill_load=ring.min_spill_load, metrics_port=port)
 
     service.start = start
     return service

@@ -12,6 +12,9 @@ REPLICAS = Setting(
 ROUTER_EPS = Setting(
     "CHATMESH_ROUTER_EPS", ring.DEFAULT_EPS,
     "bounded-load slack: a replica takes turns up to ceil((1+eps) x average load), then they spill", float)
+ROUTER_MIN_SPILL_LOAD = Setting(
+    "CHATMESH_ROUTER_MIN_SPILL_LOAD", 0,
+    "floor under the load bound: a home with fewer in-flight turns never spills (0: the paper's rule)", int)
 ROUTER_VNODES = Setting(
     "CHATMESH_ROUTER_VNODES", ring.DEFAULT_VNODES, "ring points per replica (consistent hashing)", int)
 ROUTER_LEASE_TTL_S = Setting(

@@ -95,6 +95,7 @@ class SimConfig:
     turn_seconds: float = field(default_factory=_default_turn_seconds)
     conversations_per_owner: int = 1
     vnodes: int = DEFAULT_VNODES
+    min_spill_load: int = 0
     seed: int = 1
 
 
@@ -142,7 +143,8 @@ def route(spec: PolicySpec, cfg: SimConfig, schedule: Sequence[Arrival]) -> Rout
     n = cfg.replicas
     ids = [ReplicaId(f"replica-{i}") for i in range(n)]
     index = {rid: i for i, rid in enumerate(ids)}
-    ring = Ring([Replica(rid, "") for rid in ids], vnodes=cfg.vnodes, eps=spec.eps, lease_ttl_s=1e18)
+    ring = Ring([Replica(rid, "") for rid in ids], vnodes=cfg.vnodes, eps=spec.eps, lease_ttl_s=1e18,
+                min_spill_load=cfg.min_spill_load)
     rng = random.Random(cfg.seed ^ 0x5EED)
     in_flight = [0] * n
     done: list[tuple[float, int, int, LeaseId | None]] = []  # (end time, seq, replica, lease)
@@ -268,7 +270,8 @@ def render(report: Report) -> str:
     labels = [r.spec.label for r in report.routings]
     lines = [f"prefix-cache hit rate: {cfg.conversations:,} conversations x {cfg.turns} turns on "
              f"{cfg.replicas} replicas (seed {cfg.seed}); share of prompt tokens served from cache", ""]
-    if caches == REFERENCE_CACHES and cfg == SimConfig(seed=cfg.seed, turn_seconds=cfg.turn_seconds):
+    if caches == REFERENCE_CACHES and cfg == SimConfig(seed=cfg.seed, turn_seconds=cfg.turn_seconds,
+                                                     vnodes=cfg.vnodes, min_spill_load=cfg.min_spill_load):
         lines.append("the reference's table (its figures in brackets)")
         lines.append(f"  {'cache per replica':<20}{'random':>14}{'affinity (modulo)':>22}")
         for cap, ref_r, ref_a in zip(caches, REFERENCE_RANDOM, REFERENCE_AFFINITY, strict=True):
@@ -282,7 +285,8 @@ def render(report: Report) -> str:
         lines.append(f"  {_mtok(cap):<8}" + "".join(f"{report.hit(x, cap):>{width}.1%}" for x in labels))
     lines.append("")
     base = "consistent"
-    lines.append(f"load and spill (a turn holds its replica {cfg.turn_seconds:.1f} s; hit cost against "
+    floor = f", spill floor {cfg.min_spill_load}" if cfg.min_spill_load else ""
+    lines.append(f"load and spill (a turn holds its replica {cfg.turn_seconds:.1f} s{floor}; hit cost against "
                  f"'{base}' in percentage points per cache size)")
     lines.append(f"  {'policy':<16}{'spill':>8}{'max/avg mean':>14}{'p99':>7}{'peak in flight':>16}   hit cost "
                  + " / ".join(_mtok(c) for c in caches))
@@ -373,7 +377,8 @@ def plot(report: Report, folder: Path) -> list[Path]:
     ax.set_ylabel("prompt tokens served from cache (%)")
     ax.set_ylim(0, 100)
     ax.set_title(f"The cost of salting the system prompt per owner ({_mtok(cap)} tokens per replica)")
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 115)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     written.append(_save(fig, folder / "owner_salting_cost.png"))
     return written
