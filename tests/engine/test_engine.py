@@ -235,3 +235,13 @@ async def test_chunked_prefill_keeps_decode_steps_under_50_ms() -> None:
     assert worst < 0.050 and n > 16_000 // 512
     worst, n = await _long_prompt_among_decoders(16_384)
     assert worst == pytest.approx(0.360, rel=0.05) and n <= 2  # one step stalls every stream ~360 ms
+
+
+async def test_coalescing_never_delays_the_first_token(engine: EngineCore) -> None:
+    await _run(engine, _params(SYSTEM + [1, 2, 3], max_tokens=1))  # warm: the next prompt is one short step
+    t0 = engine.clock.now()
+    async for event in engine.generate(_params(SYSTEM + [1, 2, 3], max_tokens=50)):
+        if isinstance(event, Delta):
+            assert len(event.token_ids) == 1
+            assert engine.clock.now() - t0 < 0.010  # one ~4.4 ms step, not the 25 ms flush interval
+            break

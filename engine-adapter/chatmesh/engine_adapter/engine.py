@@ -6,9 +6,9 @@ the step's modelled duration (divided by the speed factor) has passed, so `sim` 
 measured executor (`local`, whose duration is its own wall time) is never slowed; `VirtualClock` only advances
 a counter, so tests run the roofline in virtual time as fast as the CPU allows.
 
-Streaming efficiency: a stream is woken when the tokens it has accumulated are at least `flush_interval_s`
-old in clock time (or when it starts or finishes); it then sends everything produced since its last send as
-one Delta. The message rate per stream is thus at most 1 / flush interval (40/s at 25 ms), whatever the step
+Streaming efficiency: a stream is woken for its first token, then whenever its last send is at least
+`flush_interval_s` old in clock time, and when it starts or finishes; it then sends everything produced since
+its last send as one Delta. The message rate per stream is thus at most 1 / flush interval (40/s at 25 ms), whatever the step
 rate, and detokenisation runs once per send, not once per token.
 
 The `local` backend constructs this with its executor: `EngineCore(executor, BlockConfig(...),
@@ -19,6 +19,7 @@ keeps serving RPCs while the model computes).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -100,10 +101,10 @@ class StepReport:
 class _Stream:
     __slots__ = ("seq", "wake", "last_flush")
 
-    def __init__(self, seq: Seq, now: float):
+    def __init__(self, seq: Seq):
         self.seq = seq
         self.wake = asyncio.Event()
-        self.last_flush = now
+        self.last_flush = -math.inf  # the first token goes out at once: coalescing never delays TTFT
 
 
 class EngineCore:
@@ -153,7 +154,7 @@ class EngineCore:
         if not self.ready():
             raise Unavailable("engine is not running")
         seq = self.scheduler.add(params)
-        stream = _Stream(seq, self.clock.now())
+        stream = _Stream(seq)
         self._streams[seq.seq_id] = stream
         self._wake.set()
         decoder = self.codec.decoder()
