@@ -56,6 +56,7 @@ class Deployment:
     max_seq_len: int = 131072
     salt_policy: str = "owner"
     replica_id: str = "triton-0"
+    end_ids: tuple[int, ...] = (128001, 128008, 128009)  # Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES or self.fallback_engine not in ("sim", "local"):
@@ -91,7 +92,8 @@ class Deployment:
             "enable_chunked_prefill": True,
             "enable_iter_perf_stats": True,
             "kv_cache_config": kv,
-            "chatmesh": {"replica_id": self.replica_id, "salt_policy": self.salt_policy},
+            "chatmesh": {"replica_id": self.replica_id, "salt_policy": self.salt_policy,
+                         "end_ids": list(self.end_ids)},
         }
 
     def config_pbtxt(self) -> str:

@@ -55,12 +55,14 @@ class TrtLlmBackend:
 
     name = "trtllm"
 
-    def __init__(self, llm_args: Mapping[str, Any], *, replica_id: str = "triton", salt_policy: str = "owner"):
+    def __init__(self, llm_args: Mapping[str, Any], *, replica_id: str = "triton", salt_policy: str = "owner",
+                 end_ids: frozenset[int] = frozenset()):
         if salt_policy not in ("owner", "none"):
             raise ValueError(f"salt_policy must be owner or none, got {salt_policy!r}")
         self.llm_args = dict(llm_args)
         self.replica_id = replica_id
         self.salt_policy = salt_policy
+        self.end_ids = end_ids  # the checkpoint's end-of-turn ids (Llama 3.1: <|eot_id|>, <|eom_id|>, <|end_of_text|>)
         self.block_size = int(self.llm_args.get("kv_cache_config", {}).get("tokens_per_block", 32))
         self._llm: Any = None
         self._iteration: dict[str, Any] = {}
@@ -74,7 +76,8 @@ class TrtLlmBackend:
         with open(path) as f:
             raw = json.load(f)
         ours = raw.pop("chatmesh", {})
-        return cls(raw, replica_id=ours.get("replica_id", "triton"), salt_policy=ours.get("salt_policy", "owner"))
+        return cls(raw, replica_id=ours.get("replica_id", "triton"), salt_policy=ours.get("salt_policy", "owner"),
+                   end_ids=frozenset(int(t) for t in ours.get("end_ids", ())))
 
     async def start(self) -> None:
         from tensorrt_llm import LLM  # type: ignore[import-not-found]
@@ -125,11 +128,17 @@ class TrtLlmBackend:
                 if result.finished:
                     finished = True
                     reason = _REASONS.get(str(completion.finish_reason), FinishReason.ERROR)
-                    if reason is FinishReason.STOP and new:
-                        new = new[:-1]  # the stop token is counted, not streamed (Backend contract)
+                    sampled = sent
+                    if reason is FinishReason.STOP:
+                        # The Backend contract: a stop token is counted, never streamed. Whether the LLM API put
+                        # it in token_ids depends on the stop kind, so look at the last token itself.
+                        if new and new[-1] in params.stop_token_ids | self.end_ids:
+                            new = new[:-1]
+                        else:
+                            sampled += 1
                     if new:
                         yield Delta(new, completion.text_diff)
-                    yield Finished(reason, Usage(len(params.prompt_token_ids), cached, sent))
+                    yield Finished(reason, Usage(len(params.prompt_token_ids), cached, sampled))
                     return
                 if new:
                     yield Delta(new, completion.text_diff)
