@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from chatmesh.mesh.config import Config
 from chatmesh.moderation.classifier import profanity_model
 from chatmesh.moderation.client import DecidedBy, ModerationClient
-from chatmesh.moderation.moderator import Moderator, Verdict
+from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict
 from chatmesh.moderation.policy import Action, load
 from tests.conftest import free_port
 from tests.moderation.conftest import running
@@ -79,6 +79,15 @@ class SlowModerator(Moderator):
         time.sleep(0.5)
         return super().check_input(text)
 
+    def open_output(self) -> OutputCheck:
+        return SlowOutputCheck(self)
+
+
+class SlowOutputCheck(OutputCheck):
+    def check(self, chunk: str) -> Verdict:
+        time.sleep(0.5)
+        return super().check(chunk)
+
 
 async def test_slow_service_hits_the_client_timeout() -> None:
     registry = CollectorRegistry()
@@ -91,6 +100,20 @@ async def test_slow_service_hits_the_client_timeout() -> None:
     assert outcome.blocked and outcome.decided_by is DecidedBy.CLIENT_FAILURE_POLICY
     assert "DEADLINE_EXCEEDED" in outcome.reason
     assert failures(registry, "input", "deadline") == 1
+
+
+async def test_slow_output_check_hits_the_client_timeout_per_chunk() -> None:
+    registry = CollectorRegistry()
+    async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "5000", "CHATMESH_MODERATION_CHECK_THREAD": "1"},
+                       SlowModerator(load(), profanity_model())) as address:
+        moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_TIMEOUT_MS="50",
+                            CHATMESH_MODERATION_OUTPUT_FAILURE="closed")
+        async with moderation.output(CONV) as session:
+            outcome = await session.check("Here is the answer")
+        await moderation.close()
+    assert outcome.blocked and outcome.decided_by is DecidedBy.CLIENT_FAILURE_POLICY
+    assert "did not answer within 50 ms" in outcome.reason and "output failing closed" in outcome.reason
+    assert failures(registry, "output", "deadline") == 1
 
 
 async def test_service_going_away_mid_reply_fails_over() -> None:

@@ -152,7 +152,7 @@ class ModerationClient:
         self._channel = channel
         self._stub = moderate_pb2_grpc.ModerateServiceStub(channel)
         self._own_channel = own_channel
-        self._mux = _OutputMux(self._stub)
+        self._mux = _OutputMux(self._stub, policy.timeout_s)
         self.policy = policy
 
     @classmethod
@@ -210,7 +210,7 @@ class OutputSession:
             reply_id=self._reply_id, text=chunk, final=final,
             conversation_id=self._conversation_id if first else ""))
         try:
-            verdict = await asyncio.wait_for(future, self._policy.timeout_s)
+            verdict = await future  # the mux fails it with TimeoutError at the client timeout
         except TimeoutError:
             return self._policy.outcome(Direction.OUTPUT, "deadline",
                                         f"moderation did not answer within {self._policy.timeout_s * 1000:.0f} ms")
@@ -234,6 +234,13 @@ class OutputSession:
         await self.close()
 
 
+def _expire(futures: list[asyncio.Future[moderate_pb2.Verdict]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(TimeoutError())
+            future.add_done_callback(_ignore)
+
+
 class _StreamFailed(Exception):
     """The shared output stream failed; `label` names it for the failure counter, `why` for the outcome."""
 
@@ -255,11 +262,13 @@ class _OutputMux:
     """Every output session of a client on one CheckOutputBatch stream: the chunks checked during one
     event-loop turn go out as one request (so 256 streams at 40 chunks/s cost ~40 messages/s, not 10,000),
     and each response's verdicts are handed back by position. Requests are written by one writer task, in
-    order; responses come back in the same order. A failed stream fails every waiting chunk, bumps
+    order; responses come back in the same order; one timer per batch fails its chunks still waiting at the
+    client timeout. A failed stream fails every waiting chunk, bumps
     `generation` (so replies begun on it know their window is gone) and the next chunk opens a new stream."""
 
-    def __init__(self, stub: moderate_pb2_grpc.ModerateServiceAsyncStub) -> None:
+    def __init__(self, stub: moderate_pb2_grpc.ModerateServiceAsyncStub, timeout_s: float) -> None:
         self._stub = stub
+        self._timeout_s = timeout_s
         self._ids = itertools.count()
         self._pending: Pending = []
         self._inflight: deque[list[asyncio.Future[moderate_pb2.Verdict]]] = deque()
@@ -288,7 +297,9 @@ class _OutputMux:
         if self._call is None or self._queue is None:
             self._open()
         assert self._queue is not None
-        self._inflight.append([future for _, future in batch])
+        futures = [future for _, future in batch]
+        asyncio.get_running_loop().call_later(self._timeout_s, _expire, futures)  # one timer per batch
+        self._inflight.append(futures)
         self._queue.put_nowait(moderate_pb2.CheckOutputBatchRequest(chunks=[chunk for chunk, _ in batch]))
 
     def _open(self) -> None:

@@ -37,7 +37,7 @@ from chatmesh.moderation import settings
 from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
 from chatmesh.moderation.guard import TritonGuard
-from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict, validate_text
+from chatmesh.moderation.moderator import ALLOW, Moderator, OutputCheck, Verdict, validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode, load
 from chatmesh.v1 import moderate_pb2
 
@@ -81,7 +81,12 @@ def action_pb(action: Action) -> moderate_pb2.ModerationAction:
             assert_never(unreachable)
 
 
+_ALLOW_PB = moderate_pb2.Verdict(action=moderate_pb2.MODERATION_ACTION_ALLOW)
+
+
 def verdict_pb(verdict: Verdict) -> moderate_pb2.Verdict:
+    if verdict is ALLOW:  # the common case, built once
+        return _ALLOW_PB
     return moderate_pb2.Verdict(
         action=action_pb(verdict.action),
         categories=[moderate_pb2.CategoryScore(category=c.category, score=c.score) for c in verdict.categories],
