@@ -141,6 +141,8 @@ async function readEvents(response, onEvent) {
 }
 
 async function stream(path, body, bubble) {
+  state.turn = body.turn_id;
+  bubble.dataset.turnId = body.turn_id;
   setStreaming(true);
   setStatus("");
   let text = "";
@@ -150,7 +152,7 @@ async function stream(path, body, bubble) {
     const r = await api("POST", path, body);
     await readEvents(r, (type, data) => {
       switch (type) {
-        case "turn.started": state.turn = data.turn_id; bubble.dataset.turnId = data.turn_id; break;
+        case "turn.started": break;
         case "turn.delta":
           text += data.text;
           if (!pending) { pending = true; requestAnimationFrame(paint); }

@@ -1,0 +1,76 @@
+"""The web chat page in a real browser (Debian's chromium driven by Playwright) against the real mesh: type a
+message, see the reply stream in, stop it mid-reply, reload and see the history with the stopped reply, delete
+the conversation. The sim engine is slowed so a reply streams for many seconds."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chatmesh.mesh.up import Mesh
+from tests.conftest import need
+from tests.e2e.conftest import start_mesh
+
+CHROMIUM = "/usr/bin/chromium"
+pytestmark = [pytest.mark.services, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
+    mesh = start_mesh(tmp_path_factory.mktemp("browser-mesh"), CHATMESH_SIM_STEP_MS="150",
+                      CHATMESH_MAX_REPLY_TOKENS="400")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.timeout(240)
+def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(slow_mesh.gateway_url)
+            expect(page.locator("#whoami")).to_contain_text("signed in as")
+
+            page.fill("#input", "Please tell me a long story about routing.")
+            page.click("#send")
+            reply = page.locator(".message.assistant").last
+            # The reply streams in: some text is shown while the turn is still running (stop is enabled).
+            page.wait_for_function(
+                "() => { const m = [...document.querySelectorAll('.message.assistant')].pop();"
+                " return m && m.dataset.text.length > 10; }")
+            expect(page.locator("#stop")).to_be_enabled()
+            page.click("#stop")
+            expect(reply).to_have_attribute("data-status", "stopped")
+            stopped_text = reply.get_attribute("data-text") or ""
+            assert 10 < len(stopped_text)
+            expect(page.locator("#send")).to_be_enabled()
+            conversation = page.evaluate("() => location.hash.slice(1)")
+            assert len(conversation) == 36
+
+            page.reload()
+            expect(page.locator(".message.user")).to_have_text("Please tell me a long story about routing.")
+            history = page.locator(".message.assistant")
+            expect(history).to_have_count(1)
+            expect(history).to_have_attribute("data-status", "stopped")
+            assert (history.get_attribute("data-text") or "").startswith(stopped_text[:10])
+
+            item = page.locator(f'#conversations li[data-id="{conversation}"]')
+            expect(item).to_have_count(1)
+            item.locator("button.delete").click()
+            expect(item).to_have_count(0)
+            expect(page.locator(".message")).to_have_count(0)
+            gone = page.request.get(f"{slow_mesh.gateway_url}/v1/conversations/{conversation}")
+            assert gone.status == 404
+        finally:
+            browser.close()
