@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
 from chatmesh.router.ring import Replica, Ring
@@ -69,10 +70,12 @@ def free_port() -> int:
 
 
 async def service(address: str, server_pid: int, seconds: float, clients: int,
-                  release: bool) -> tuple[float, float]:
-    """(picks per wall second, picks per server CPU second)."""
+                  release: bool, baseline: bool = False) -> tuple[float, float]:
+    """(picks per wall second, picks per server CPU second). `baseline`: grpc.health.v1 Check on the same
+    server instead, the cost of a trivial unary rpc in grpc's Python server on this machine."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = route_pb2_grpc.RouteServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
         await stub.ListReplicas(route_pb2.ListReplicasRequest(), wait_for_ready=True, timeout=30)
         count = 0
         stop_at = time.perf_counter() + seconds
@@ -81,6 +84,10 @@ async def service(address: str, server_pid: int, seconds: float, clients: int,
             nonlocal count
             i = k
             while time.perf_counter() < stop_at:
+                if baseline:
+                    await health.Check(health_pb2.HealthCheckRequest(service=""))
+                    count += 1
+                    continue
                 resp = await stub.PickReplica(route_pb2.PickReplicaRequest(
                     conversation_id=CONVERSATIONS[i % len(CONVERSATIONS)]))
                 if release:
@@ -117,6 +124,8 @@ def main() -> int:
     try:
         svc_pick = asyncio.run(service(address, server.pid, args.seconds, args.clients, release=False))
         svc_cycle = asyncio.run(service(address, server.pid, args.seconds, args.clients, release=True))
+        svc_base = asyncio.run(service(address, server.pid, args.seconds, args.clients, release=False,
+                                       baseline=True))
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -127,8 +136,10 @@ def main() -> int:
         ("service: PickReplica", svc_pick, 5_000),
         ("service: PickReplica + ReleaseLease", svc_cycle, 5_000),
     ]
+    base = ("baseline: grpc.health.v1 Check, same server", svc_base)
     table = ["| path | picks/s (wall) | picks per CPU-second | target |", "|---|---:|---:|---:|"]
     table += [f"| {name} | {wall:,.0f} | {cpu:,.0f} | {target:,} |" for name, (wall, cpu), target in rows]
+    table.append(f"| {base[0]} (rpcs/s) | {base[1][0]:,.0f} | {base[1][1]:,.0f} | |")
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     text = "\n".join([
         f"\n## Router picks (issue 4), {datetime.date.today().isoformat()}\n",
