@@ -207,6 +207,13 @@ def test_presets_scale_as_the_hardware_does() -> None:
     assert H100_FP8.kv_tokens == pytest.approx(3.08e6, rel=0.01)  # the reference's KV capacity per node
 
 
+def test_sim_steps_agree_with_the_capacity_planner() -> None:
+    for node in PRESETS.values():
+        p = node.plan
+        batch_tokens = int(p.hardware.max_batch * p.mean_context_tokens)
+        assert node.memory_s(batch_tokens) == pytest.approx(p.decode_step_s, rel=1e-9)
+
+
 async def _long_prompt_among_decoders(budget: int) -> tuple[float, int]:
     """64 streams decode at ~3,200 tokens of context while a 16,000-token prompt arrives: the slowest step
     while it prefills, and how many steps it took."""

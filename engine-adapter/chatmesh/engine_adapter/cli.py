@@ -21,7 +21,7 @@ def _roofline(args: argparse.Namespace) -> int:
     for name in [args.preset] if args.preset else sorted(PRESETS):
         node = PRESETS[name]
         step = node.memory_s(args.batch * args.context)
-        print(f"{name}: {node.gpus} GPUs, KV {node.kv_bytes_per_token / 1024:.0f} KiB/token/GPU, "
+        print(f"{name}: TP {node.plan.hardware.tp}, KV {node.kv_bytes_per_token / 1024:.0f} KiB/token/GPU, "
               f"{node.kv_tokens / 1e6:.2f} M tokens of KV per node, host tier {node.host_kv_tokens / 1e6:.1f} M")
         print(f"  decode step at batch {args.batch} x {args.context} tokens: {step * 1e3:.1f} ms "
               f"({1 / step:.0f} tokens/s per stream, {args.batch / step:,.0f} per node)")
