@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, delete, false, insert, literal, select, update
+from sqlalchemy import Row, Table, delete, false, insert, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -41,17 +41,20 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId, new_conversation_id, new_lease_id
-from chatmesh.store.db import is_sqlite, reading
-from chatmesh.store.schema import ConversationRow as C
-from chatmesh.store.schema import MessageRow as M
-from chatmesh.store.schema import TurnRow as T
-from chatmesh.store.schema import UsageRow as U
+from chatmesh.store.db import autocommit, is_sqlite
+from chatmesh.store.schema import Base, ConversationRow, MessageRow, TurnRow, UsageRow
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
     MessageStatus, Progress, Purged, Reply, Role, Summary, TurnRecord, TurnState, Usage,
 )
 
 log = logs.get("chatmesh.store")
+
+# Core tables, not the ORM classes: ORM-enabled DML costs several times the CPU per statement.
+CONV = Base.metadata.tables[ConversationRow.__tablename__]
+MSG = Base.metadata.tables[MessageRow.__tablename__]
+TURN = Base.metadata.tables[TurnRow.__tablename__]
+USAGE = Base.metadata.tables[UsageRow.__tablename__]
 
 Clock = Callable[[], int]
 DAY_MS = 86_400_000
@@ -121,17 +124,17 @@ class ConversationStore:
             raise Unavailable("the conversation store's database is unavailable; retry") from err
 
     @asynccontextmanager
-    async def _read(self) -> AsyncIterator[AsyncConnection]:
+    async def _single(self) -> AsyncIterator[AsyncConnection]:
+        """A connection whose statements each commit alone (reads; the claim, whose statements are each
+        atomic: insert-if-absent and compare-and-swap)."""
         try:
             async with self.engine.connect() as conn:
-                await reading(conn)
-                async with conn.begin():
-                    yield conn
+                yield await autocommit(conn)
         except (OperationalError, InterfaceError) as err:
             raise Unavailable("the conversation store's database is unavailable; retry") from err
 
-    def _upsert(self, model: type[T] | type[U]) -> Any:
-        return sqlite.insert(model) if self._sqlite else postgresql.insert(model)
+    def _upsert(self, table: Table) -> Any:
+        return sqlite.insert(table) if self._sqlite else postgresql.insert(table)
 
     # --- validation ---
 
@@ -167,8 +170,8 @@ class ConversationStore:
                         self.limits.max_system_prompt_version_chars)
         now = self._clock()
         conv = Conversation(new_conversation_id(), owner, title, system_prompt_version, now, now, 0)
-        async with self._write() as conn:
-            await conn.execute(insert(C).values(
+        async with self._single() as conn:
+            await conn.execute(insert(CONV).values(
                 owner_id=owner, conversation_id=conv.conversation_id, title=title,
                 system_prompt_version=system_prompt_version, created_at_ms=now, updated_at_ms=now,
                 message_count=0, summary_covers_through=-1, summary_token_count=0, summary_created_at_ms=0))
@@ -181,16 +184,16 @@ class ConversationStore:
         `max_messages` > 0 only the newest that many of those."""
         self._check_count("from_index", from_index)
         self._check_count("max_messages", max_messages)
-        async with self._read() as conn:
+        async with self._single() as conn:
             row = await self._conversation_row(conn, owner, conversation)
-            query = select(M).where(M.owner_id == owner, M.conversation_id == conversation,
-                                    M.message_index >= from_index)
+            query = select(MSG).where(MSG.c.owner_id == owner, MSG.c.conversation_id == conversation,
+                                    MSG.c.message_index >= from_index)
             if max_messages:
                 rows = list((await conn.execute(
-                    query.order_by(M.message_index.desc()).limit(max_messages))).all())
+                    query.order_by(MSG.c.message_index.desc()).limit(max_messages))).all())
                 rows.reverse()
             else:
-                rows = list((await conn.execute(query.order_by(M.message_index))).all())
+                rows = list((await conn.execute(query.order_by(MSG.c.message_index))).all())
         summary = None
         if row.summary_text is not None:
             summary = Summary(row.summary_text, row.summary_covers_through, row.summary_token_count,
@@ -202,9 +205,9 @@ class ConversationStore:
         if limit <= 0:
             limit = 50
         limit = min(limit, 500)
-        async with self._read() as conn:
-            rows = (await conn.execute(select(C).where(C.owner_id == owner)
-                                       .order_by(C.updated_at_ms.desc(), C.conversation_id).limit(limit))).all()
+        async with self._single() as conn:
+            rows = (await conn.execute(select(CONV).where(CONV.c.owner_id == owner)
+                                       .order_by(CONV.c.updated_at_ms.desc(), CONV.c.conversation_id).limit(limit))).all()
         return [_conversation(r) for r in rows]
 
     async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
@@ -222,14 +225,14 @@ class ConversationStore:
             if covers_through_index < row.summary_covers_through:
                 raise FailedPrecondition(f"a summary through message {row.summary_covers_through} is already "
                                          f"stored; summaries only move forward")
-            await conn.execute(update(C).where(C.owner_id == owner, C.conversation_id == conversation).values(
+            await conn.execute(update(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation).values(
                 summary_text=text, summary_covers_through=covers_through_index, summary_token_count=token_count,
                 summary_created_at_ms=now))
         return Summary(text, covers_through_index, token_count, now)
 
     async def _conversation_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                                 for_update: bool = False) -> Row[Any]:
-        query = select(C).where(C.owner_id == owner, C.conversation_id == conversation)
+        query = select(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
         if for_update:
             query = query.with_for_update()
         row = (await conn.execute(query)).first()
@@ -266,7 +269,7 @@ class ConversationStore:
                           lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None) -> Claim | None:
         now = self._clock()
         lease, expires = new_lease_id(), now + ttl
-        async with self._write() as conn:
+        async with self._single() as conn:
             user_index = None
             if regenerates is not None:
                 user_index = await self._regenerated_user_index(conn, owner, conversation, regenerates)
@@ -275,17 +278,17 @@ class ConversationStore:
                 lease_id=lease, lease_holder=lease_holder, lease_expires_at_ms=expires,
                 regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
                 prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
-            table = T.__table__
-            source = select(C.owner_id, C.conversation_id,
+            table = TURN
+            source = select(CONV.c.owner_id, CONV.c.conversation_id,
                             *[literal(v, type_=table.c[k].type) for k, v in values.items()]).where(
-                C.owner_id == owner, C.conversation_id == conversation)
-            claim = (self._upsert(T).from_select(["owner_id", "conversation_id", *values], source)
+                CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
+            claim = (self._upsert(TURN).from_select(["owner_id", "conversation_id", *values], source)
                      .on_conflict_do_nothing(index_elements=["owner_id", "conversation_id", "turn_id"])
-                     .returning(T.turn_id))
+                     .returning(TURN.c.turn_id))
             if (await conn.execute(claim)).first() is not None:
                 return Claimed(lease, expires)
-            row = (await conn.execute(select(T).where(
-                T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn))).first()
+            row = (await conn.execute(select(TURN).where(
+                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn))).first()
             if row is None:
                 raise NotFound(f"conversation {conversation} not found")
             if row.fingerprint != fingerprint:
@@ -296,13 +299,13 @@ class ConversationStore:
             if state in ACTIVE and row.lease_expires_at_ms > now:
                 return InProgress(row.lease_holder, row.lease_expires_at_ms)
             require_move(turn, state, TurnState.RECEIVED)
-            seen_lease = T.lease_id.is_(None) if row.lease_id is None else T.lease_id == row.lease_id
+            seen_lease = TURN.c.lease_id.is_(None) if row.lease_id is None else TURN.c.lease_id == row.lease_id
             taken = (await conn.execute(
-                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
-                                T.state == row.state, seen_lease)
+                update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
+                                TURN.c.state == row.state, seen_lease)
                 .values(state=TurnState.RECEIVED.value, content=content, lease_id=lease, lease_holder=lease_holder,
                         lease_expires_at_ms=expires, partial_text="", event_sequence=0, updated_at_ms=now)
-                .returning(T.turn_id))).first()
+                .returning(TURN.c.turn_id))).first()
             if taken is not None:
                 log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
                          previous_state=state.value)
@@ -311,8 +314,8 @@ class ConversationStore:
 
     async def _regenerated_user_index(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                                       regenerates: TurnId) -> int:
-        row = (await conn.execute(select(T.state, T.user_index).where(
-            T.owner_id == owner, T.conversation_id == conversation, T.turn_id == regenerates))).first()
+        row = (await conn.execute(select(TURN.c.state, TURN.c.user_index).where(
+            TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == regenerates))).first()
         if row is None:
             raise NotFound(f"turn {regenerates} (regenerates_turn_id) not found")
         if TurnState(row.state) not in FINAL or row.user_index is None:
@@ -333,8 +336,8 @@ class ConversationStore:
         target = TurnState.STOPPED if reply.status is MessageStatus.STOPPED else TurnState.STORED
         async with self._write() as conn:
             row = (await conn.execute(
-                select(T.state, T.lease_id, T.content, T.regenerates_turn_id, T.user_index, T.reply_index)
-                .where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn)
+                select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.regenerates_turn_id, TURN.c.user_index, TURN.c.reply_index)
+                .where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn)
                 .with_for_update())).first()
             if row is None:
                 raise NotFound(f"turn {turn} not found")
@@ -347,9 +350,9 @@ class ConversationStore:
             require_move(turn, state, target)
             added = 1 if row.regenerates_turn_id is not None else 2
             end = (await conn.execute(
-                update(C).where(C.owner_id == owner, C.conversation_id == conversation)
-                .values(message_count=C.message_count + added, updated_at_ms=now)
-                .returning(C.message_count))).scalar_one_or_none()
+                update(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
+                .values(message_count=CONV.c.message_count + added, updated_at_ms=now)
+                .returning(CONV.c.message_count))).scalar_one_or_none()
             if end is None:
                 raise NotFound(f"conversation {conversation} not found")
             stored = Message(end - 1, Role.ASSISTANT, reply.text, reply.token_count, reply.status, turn, now)
@@ -360,12 +363,12 @@ class ConversationStore:
                     user_index, Role.USER, row.content or "", reply.user_token_count, reply.user_status, turn, now)))
             else:
                 user_index = row.user_index
-                await conn.execute(update(M).where(
-                    M.owner_id == owner, M.conversation_id == conversation, M.message_index > user_index,
-                    M.role == Role.ASSISTANT.value, M.superseded == false()).values(superseded=True))
-            await conn.execute(insert(M).values(rows))
-            await conn.execute(update(T).where(
-                T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn).values(
+                await conn.execute(update(MSG).where(
+                    MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index > user_index,
+                    MSG.c.role == Role.ASSISTANT.value, MSG.c.superseded == false()).values(superseded=True))
+            await conn.execute(insert(MSG).values(rows))
+            await conn.execute(update(TURN).where(
+                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn).values(
                 state=target.value, content=None, partial_text="", user_index=user_index, reply_index=end - 1,
                 prompt_tokens=reply.usage.prompt_tokens, cached_prompt_tokens=reply.usage.cached_prompt_tokens,
                 output_tokens=reply.usage.output_tokens, updated_at_ms=now))
@@ -375,27 +378,27 @@ class ConversationStore:
         return Finished(False, stored)
 
     async def _add_usage(self, conn: AsyncConnection, owner: OwnerId, day: str, usage: Usage) -> None:
-        stmt = self._upsert(U).values(owner_id=owner, day=day, prompt_tokens=usage.prompt_tokens,
+        stmt = self._upsert(USAGE).values(owner_id=owner, day=day, prompt_tokens=usage.prompt_tokens,
                                       cached_prompt_tokens=usage.cached_prompt_tokens,
                                       output_tokens=usage.output_tokens, turns=1)
         await conn.execute(stmt.on_conflict_do_update(index_elements=["owner_id", "day"], set_=dict(
-            prompt_tokens=U.prompt_tokens + stmt.excluded.prompt_tokens,
-            cached_prompt_tokens=U.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
-            output_tokens=U.output_tokens + stmt.excluded.output_tokens,
-            turns=U.turns + stmt.excluded.turns)))
+            prompt_tokens=USAGE.c.prompt_tokens + stmt.excluded.prompt_tokens,
+            cached_prompt_tokens=USAGE.c.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
+            output_tokens=USAGE.c.output_tokens + stmt.excluded.output_tokens,
+            turns=USAGE.c.turns + stmt.excluded.turns)))
 
     async def fail_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                         reason: str = "") -> bool:
         """Releases a claim; nothing of the turn is kept but its record, so a retry may claim it. True when
         this lease was still held."""
         now = self._clock()
-        async with self._write() as conn:
+        async with self._single() as conn:
             released = (await conn.execute(
-                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
-                                T.lease_id == lease, T.state.in_([s.value for s in ACTIVE]))
+                update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
+                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in ACTIVE]))
                 .values(state=TurnState.FAILED.value, content=None, partial_text="", lease_id=None,
                         lease_expires_at_ms=0, updated_at_ms=now)
-                .returning(T.turn_id))).first()
+                .returning(TURN.c.turn_id))).first()
             if released is None:
                 await self._turn_row(conn, owner, conversation, turn)
         log.info("turn_failed", owner_id=owner, conversation_id=conversation, turn_id=turn,
@@ -410,20 +413,20 @@ class ConversationStore:
         self._check_count("event_sequence", event_sequence)
         now = self._clock()
         expires = now + self._ttl(lease_ttl_ms)
-        async with self._write() as conn:
+        async with self._single() as conn:
             held = (await conn.execute(
-                update(T).where(T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
-                                T.lease_id == lease, T.state.in_([s.value for s in ACTIVE]))
+                update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
+                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in ACTIVE]))
                 .values(state=TurnState.RUNNING.value, partial_text=partial_text, event_sequence=event_sequence,
                         lease_expires_at_ms=expires, updated_at_ms=now)
-                .returning(T.turn_id))).first()
+                .returning(TURN.c.turn_id))).first()
             if held is None:
                 row = await self._turn_row(conn, owner, conversation, turn)
                 return Progress(False, row.lease_expires_at_ms)
         return Progress(True, expires)
 
     async def read_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> TurnRecord:
-        async with self._read() as conn:
+        async with self._single() as conn:
             row = await self._turn_row(conn, owner, conversation, turn)
             state = TurnState(row.state)
             reply = None
@@ -435,8 +438,8 @@ class ConversationStore:
 
     async def _turn_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                         turn: TurnId) -> Row[Any]:
-        row = (await conn.execute(select(T).where(
-            T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn))).first()
+        row = (await conn.execute(select(TURN).where(
+            TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn))).first()
         if row is None:
             raise NotFound(f"turn {turn} not found")
         return row
@@ -445,8 +448,8 @@ class ConversationStore:
                        index: int | None) -> Message:
         row = None
         if index is not None:
-            row = (await conn.execute(select(M).where(
-                M.owner_id == owner, M.conversation_id == conversation, M.message_index == index))).first()
+            row = (await conn.execute(select(MSG).where(
+                MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index == index))).first()
         if row is None:
             raise NotFound(f"message {index} of conversation {conversation} not found")
         return _message(row)
@@ -464,35 +467,35 @@ class ConversationStore:
     async def _delete_rows(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                            idle_before_ms: int | None = None) -> bool:
         """Children first, then the conversation (whose FK cascade catches a row a racing turn just added)."""
-        gone = C.updated_at_ms < idle_before_ms if idle_before_ms is not None else None
+        gone = CONV.c.updated_at_ms < idle_before_ms if idle_before_ms is not None else None
         if gone is not None:  # purge: only if it is still idle now that we hold the write lock
-            if (await conn.execute(select(C.conversation_id).where(
-                    C.owner_id == owner, C.conversation_id == conversation, gone).with_for_update())).first() is None:
+            if (await conn.execute(select(CONV.c.conversation_id).where(
+                    CONV.c.owner_id == owner, CONV.c.conversation_id == conversation, gone).with_for_update())).first() is None:
                 return False
-        await conn.execute(delete(M).where(M.owner_id == owner, M.conversation_id == conversation))
-        await conn.execute(delete(T).where(T.owner_id == owner, T.conversation_id == conversation))
-        done = await conn.execute(delete(C).where(C.owner_id == owner, C.conversation_id == conversation)
-                                  .returning(C.conversation_id))
+        await conn.execute(delete(MSG).where(MSG.c.owner_id == owner, MSG.c.conversation_id == conversation))
+        await conn.execute(delete(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation))
+        done = await conn.execute(delete(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
+                                  .returning(CONV.c.conversation_id))
         return done.first() is not None
 
     async def delete_user_data(self, owner: OwnerId) -> list[ConversationId]:
         """Deletes all of an owner's data, usage included. Returns the conversation ids engines must evict."""
         async with self._write() as conn:
-            await conn.execute(delete(M).where(M.owner_id == owner))
-            await conn.execute(delete(T).where(T.owner_id == owner))
+            await conn.execute(delete(MSG).where(MSG.c.owner_id == owner))
+            await conn.execute(delete(TURN).where(TURN.c.owner_id == owner))
             ids = [ConversationId(r[0]) for r in (await conn.execute(
-                delete(C).where(C.owner_id == owner).returning(C.conversation_id))).all()]
-            await conn.execute(delete(U).where(U.owner_id == owner))
+                delete(CONV).where(CONV.c.owner_id == owner).returning(CONV.c.conversation_id))).all()]
+            await conn.execute(delete(USAGE).where(USAGE.c.owner_id == owner))
         log.info("user_data_deleted", owner_id=owner, conversations=len(ids))
         return ids
 
     async def export_user_data(self, owner: OwnerId) -> dict[str, Any]:
         """Everything stored for the owner as a JSON-ready document."""
-        async with self._read() as conn:
-            convs = (await conn.execute(select(C).where(C.owner_id == owner).order_by(C.created_at_ms))).all()
-            msgs = (await conn.execute(select(M).where(M.owner_id == owner)
-                                       .order_by(M.conversation_id, M.message_index))).all()
-            days = (await conn.execute(select(U).where(U.owner_id == owner).order_by(U.day))).all()
+        async with self._single() as conn:
+            convs = (await conn.execute(select(CONV).where(CONV.c.owner_id == owner).order_by(CONV.c.created_at_ms))).all()
+            msgs = (await conn.execute(select(MSG).where(MSG.c.owner_id == owner)
+                                       .order_by(MSG.c.conversation_id, MSG.c.message_index))).all()
+            days = (await conn.execute(select(USAGE).where(USAGE.c.owner_id == owner).order_by(USAGE.c.day))).all()
         by_conv: dict[str, list[dict[str, Any]]] = {}
         for m in msgs:
             msg = _message(m)
@@ -520,9 +523,9 @@ class ConversationStore:
             days = 30
         days = min(days, 3660)
         first = utc_day(self._clock() - (days - 1) * DAY_MS)
-        async with self._read() as conn:
-            rows = (await conn.execute(select(U).where(U.owner_id == owner, U.day >= first)
-                                       .order_by(U.day.desc()))).all()
+        async with self._single() as conn:
+            rows = (await conn.execute(select(USAGE).where(USAGE.c.owner_id == owner, USAGE.c.day >= first)
+                                       .order_by(USAGE.c.day.desc()))).all()
         return [DailyUsage(r.day, Usage(r.prompt_tokens, r.cached_prompt_tokens, r.output_tokens), r.turns)
                 for r in rows]
 
@@ -532,9 +535,9 @@ class ConversationStore:
         cutoff = self._clock() - self.limits.retention_days * DAY_MS
         purged: list[tuple[OwnerId, ConversationId]] = []
         while True:
-            async with self._read() as conn:
-                batch = (await conn.execute(select(C.owner_id, C.conversation_id)
-                                            .where(C.updated_at_ms < cutoff).limit(PURGE_BATCH))).all()
+            async with self._single() as conn:
+                batch = (await conn.execute(select(CONV.c.owner_id, CONV.c.conversation_id)
+                                            .where(CONV.c.updated_at_ms < cutoff).limit(PURGE_BATCH))).all()
             if not batch:
                 break
             for owner, conversation in batch:
@@ -546,14 +549,14 @@ class ConversationStore:
         abandoned = 0
         unfinished = [s.value for s in (*ACTIVE, TurnState.FAILED)]
         while True:
-            async with self._read() as conn:
-                turns = (await conn.execute(select(T.owner_id, T.conversation_id, T.turn_id).where(
-                    T.updated_at_ms < cutoff, T.state.in_(unfinished)).limit(PURGE_BATCH))).all()
+            async with self._single() as conn:
+                turns = (await conn.execute(select(TURN.c.owner_id, TURN.c.conversation_id, TURN.c.turn_id).where(
+                    TURN.c.updated_at_ms < cutoff, TURN.c.state.in_(unfinished)).limit(PURGE_BATCH))).all()
             for owner, conversation, turn in turns:
                 async with self._write() as conn:
-                    gone = await conn.execute(delete(T).where(
-                        T.owner_id == owner, T.conversation_id == conversation, T.turn_id == turn,
-                        T.updated_at_ms < cutoff, T.state.in_(unfinished)).returning(T.turn_id))
+                    gone = await conn.execute(delete(TURN).where(
+                        TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
+                        TURN.c.updated_at_ms < cutoff, TURN.c.state.in_(unfinished)).returning(TURN.c.turn_id))
                     abandoned += len(gone.all())
             if len(turns) < PURGE_BATCH:
                 break
@@ -583,8 +586,6 @@ def _message_values(owner: OwnerId, conversation: ConversationId, m: Message) ->
 
 async def create_schema(engine: AsyncEngine) -> None:
     """Creates the tables directly (tests and the embedded default before migrations existed)."""
-    from chatmesh.store.schema import Base
-
     async with engine.begin() as conn:
         await conn.run_sync(Base.metadata.create_all)
 

@@ -2,8 +2,8 @@
 
 SQLite (embedded default): WAL, `synchronous=NORMAL`, a busy timeout, foreign keys on, and every write
 transaction opened with `BEGIN IMMEDIATE`, so a read-then-write (the turn claim) takes the write lock up
-front instead of failing with SQLITE_BUSY when it upgrades. Read-only work opens `BEGIN DEFERRED`
-(see `reading`). PostgreSQL: asyncpg, READ COMMITTED; atomicity comes from single conditional statements
+front instead of failing with SQLITE_BUSY when it upgrades. Work made of statements that are each atomic
+runs without a transaction (see `autocommit`). PostgreSQL: asyncpg, READ COMMITTED; atomicity comes from single conditional statements
 (INSERT .. ON CONFLICT DO NOTHING, UPDATE .. WHERE lease_id = :old) and row locks.
 """
 
@@ -61,9 +61,14 @@ def _sqlite_events(engine: AsyncEngine) -> None:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql(f"BEGIN {conn.get_execution_options().get(_BEGIN_OPTION, 'IMMEDIATE')}")
+        mode = conn.get_execution_options().get(_BEGIN_OPTION, "IMMEDIATE")
+        if mode is not None:
+            conn.exec_driver_sql(f"BEGIN {mode}")
 
 
-async def reading(conn: AsyncConnection) -> AsyncConnection:
-    """Marks a connection's next transaction read-only work (SQLite: BEGIN DEFERRED, no write lock)."""
-    return await conn.execution_options(**{_BEGIN_OPTION: "DEFERRED"})
+async def autocommit(conn: AsyncConnection) -> AsyncConnection:
+    """Each statement on `conn` commits on its own: no BEGIN/COMMIT round trips, for work whose every
+    statement is atomic by itself (the claim's INSERT .. ON CONFLICT and compare-and-swap UPDATE, reads)."""
+    if conn.dialect.name == "sqlite":
+        return await conn.execution_options(**{_BEGIN_OPTION: None})
+    return await conn.execution_options(isolation_level="AUTOCOMMIT")
