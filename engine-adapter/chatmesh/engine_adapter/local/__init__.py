@@ -1,9 +1,9 @@
 """The `local` backend: SmolLM2-135M-Instruct on the CPU (PyTorch fp32) under the engine core.
 
 `build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process), sizes the KV tiers
-(defaults: 2,048 device blocks of 32 tokens = a 64 k-token budget, and a quarter of that on the host) and returns an
-EngineCore over a LocalExecutor that runs each step in a worker thread. The model file is a setup step
-(`chatmesh model fetch`); without it this raises ModelMissing naming that command.
+(defaults: 2,048 device blocks of 32 tokens = a 64 k-token budget, and a quarter of that on the host, in
+bfloat16) and returns an EngineCore over a LocalExecutor that runs each step in a worker thread. The model file
+is a setup step (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 
 from __future__ import annotations
