@@ -111,7 +111,9 @@ async def test_unhealthy_engine_conversations_move_and_return(mesh: Mesh) -> Non
     assert all(p.address == mesh.addresses[p.replica_id] for p in before.values())
 
     await halt(mesh.engines["engine-1"])
-    await until("engine-1 down", lambda r: states(r)["engine-1"] != SERVING, mesh)
+    down = await until("engine-1 down", lambda r: states(r)["engine-1"] != SERVING, mesh)
+    reasons = {r.replica_id: r.reason for r in down.replicas}
+    assert reasons["engine-1"] and not reasons["engine-0"] and not reasons["engine-2"]
     during = await picks(mesh, conversations)
     for c, p in during.items():
         assert p.home_replica_id == homes[c]

@@ -120,7 +120,8 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
             route_pb2.ReplicaStatus(
                 replica_id=v.load.replica.id, address=v.load.replica.address,
                 state=route_pb2.REPLICA_STATE_SERVING if v.load.serving else route_pb2.REPLICA_STATE_NOT_SERVING,
-                engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load)
+                engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load,
+                reason=v.reason)
             for v in self._membership.views()
         ])
 

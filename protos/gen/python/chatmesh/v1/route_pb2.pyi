@@ -72,17 +72,19 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load")
+    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOAD_FIELD_NUMBER: _ClassVar[int]
     OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
     engine_load: int
     open_leases: int
     load: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ...) -> None: ...
+    reason: str
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
