@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import pytest
 
@@ -19,7 +19,7 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.block_manager import BlockConfig
 from chatmesh.engine_adapter.engine import EngineCore, StepReport, VirtualClock
-from chatmesh.engine_adapter.executor import SamplingParams, SeqWork
+from chatmesh.engine_adapter.executor import SamplingParams, SeqWork, StepResult
 from chatmesh.engine_adapter.roofline import H100_FP8, PRESETS
 from chatmesh.engine_adapter.scheduler import SchedulerConfig
 from chatmesh.engine_adapter.sim import SimExecutor
@@ -252,3 +252,30 @@ async def test_coalescing_never_delays_the_first_token(engine: EngineCore) -> No
             assert len(event.token_ids) == 1
             assert engine.clock.now() - t0 < 0.010  # one ~4.4 ms step, not the 25 ms flush interval
             break
+
+
+class _FailingOnce(SimExecutor):
+    """Raises on its first step, then works."""
+
+    failed = False
+
+    def execute(self, work: Sequence[SeqWork]) -> StepResult:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("device lost")
+        return super().execute(work)
+
+
+async def test_a_failed_step_ends_its_sequences_with_error_and_the_engine_goes_on() -> None:
+    codec = WordCodec()
+    core = EngineCore(_FailingOnce(H100_FP8, codec.encode(PASSAGE), 32), BlockConfig(32, 256, 0),
+                      SchedulerConfig(8, 512, 8), codec, clock=VirtualClock())
+    await core.start()
+    try:
+        _, tokens, fin = await _run(core, _params(SYSTEM + [1, 2], max_tokens=3))
+        assert fin.reason is FinishReason.ERROR and "RuntimeError" in fin.error and tokens == []
+        _, tokens, fin = await _run(core, _params(SYSTEM + [1, 2], max_tokens=3))
+        assert fin.reason is FinishReason.LENGTH and len(tokens) == 3
+        assert core.stats().device.used == core.stats().device.cached
+    finally:
+        await core.close()

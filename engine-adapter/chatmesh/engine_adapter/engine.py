@@ -176,6 +176,9 @@ class EngineCore:
                         yield Delta((), tail)
                     assert seq.finish is not None
                     cached = seq.hit.cached_tokens if seq.hit else 0
+                    log.debug("generation_finished", request_id=params.request_id, turn_id=params.turn_id,
+                              reason=seq.finish.value, prompt_tokens=seq.prompt_len, cached_tokens=cached,
+                              output_tokens=seq.output_tokens)
                     yield Finished(seq.finish, Usage(seq.prompt_len, cached, seq.output_tokens), seq.error)
                     return
         finally:
