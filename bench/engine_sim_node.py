@@ -27,6 +27,7 @@ import grpc
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 
 from chatmesh.engine_adapter.roofline import H100_FP8
+from chatmesh.mesh import logs
 from tests.conftest import free_port
 
 PREFIX = 2_900
@@ -109,6 +110,41 @@ async def _drive(address: str, streams: int, seconds: float, warmup: float, pid:
           f"{load.cached / max(load.prompt, 1):.0%}, preemptions {stats.preemptions}")
 
 
+async def _in_process(streams: int) -> None:
+    """The engine core alone (no gRPC, virtual time): its CPU per 1,000 output tokens."""
+    from chatmesh.engine_adapter.backend import Delta, GenerateParams
+    from chatmesh.engine_adapter.block_manager import BlockConfig
+    from chatmesh.engine_adapter.engine import EngineCore, VirtualClock
+    from chatmesh.engine_adapter.scheduler import SchedulerConfig
+    from chatmesh.engine_adapter.sim import SimExecutor
+    from chatmesh.engine_adapter.text import PASSAGE, WordCodec
+
+    logs.configure("bench", "warning", json=False)
+    codec = WordCodec()
+    core = EngineCore(SimExecutor(H100_FP8, codec.encode(PASSAGE), 32), BlockConfig(32, streams * 140, 0),
+                      SchedulerConfig(streams, 512, 4096), codec, clock=VirtualClock())
+    await core.start()
+    shared = tuple(range(1, PREFIX + 1))
+    counts = [0, 0]
+
+    async def one(i: int) -> None:
+        params = GenerateParams(shared + (5000 + i,) * 200, REPLY, cache_salt=b"%d" % i,
+                                platform_prefix_tokens=PREFIX)
+        async for event in core.generate(params):
+            counts[1] += 1
+            if isinstance(event, Delta):
+                counts[0] += len(event.token_ids)
+
+    await one(0)
+    c0, v0 = _self_cpu(), core.clock.now()
+    await asyncio.gather(*(one(i) for i in range(1, streams + 1)))
+    cpu, virtual = _self_cpu() - c0, core.clock.now() - v0
+    await core.close()
+    print(f"engine core in-process ({streams} streams x {REPLY} tokens, virtual time, no gRPC): {counts[0]:,} tokens, "
+          f"{counts[1]:,} events, {cpu:.2f} s CPU = {cpu / counts[0] * 1e6:.0f} ms per 1,000 tokens; "
+          f"{counts[0] / virtual:,.0f} tokens/s of modelled time")
+
+
 def _self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -123,7 +159,11 @@ def main() -> None:
     ap.add_argument("--text", default="words", choices=("words", "tokenizer"))
     ap.add_argument("--profile", default="", help="write the server's cProfile stats to this file")
     ap.add_argument("--pin", action="store_true", help="server on CPU 0, this client on CPU 1")
+    ap.add_argument("--in-process", action="store_true", help="measure the engine core alone, no gRPC")
     args = ap.parse_args()
+    if args.in_process:
+        asyncio.run(_in_process(args.streams))
+        return
     port = free_port()
     env = {**os.environ, "CHATMESH_ENGINE": "sim", "CHATMESH_LISTEN": f"127.0.0.1:{port}",
            "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_FLUSH_INTERVAL_MS": str(args.flush_ms),
