@@ -89,10 +89,12 @@ async def wait_ready(address: str, limit_s: float = 120) -> None:
                 await asyncio.sleep(0.5)
 
 
-async def drive(address: str, streams: int, seconds: float, rate: float) -> tuple[list[float], int]:
+async def drive(address: str, streams: int, seconds: float, rate: float,
+                batch_ms: float = 1.0) -> tuple[list[float], int]:
     """`streams` replies at once; each sends its next chunk when the verdict is back (rate 0) or every
     1/rate seconds (paced, like a real reply), and starts a new reply when one ends."""
-    env = {"CHATMESH_MODERATION_ADDRESS": address, "CHATMESH_MODERATION_CLIENT_TIMEOUT_MS": "5000"}
+    env = {"CHATMESH_MODERATION_ADDRESS": address, "CHATMESH_MODERATION_CLIENT_TIMEOUT_MS": "5000",
+           "CHATMESH_MODERATION_CLIENT_BATCH_MS": str(batch_ms)}
     client = ModerationClient.from_config(Config(env=env))
     chunks_of = replies()
     times: list[float] = []
@@ -120,7 +122,8 @@ async def drive(address: str, streams: int, seconds: float, rate: float) -> tupl
     return times, fallbacks
 
 
-def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, str], rate: float) -> None:
+def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, str], rate: float,
+                  batch_ms: float) -> None:
     port = 50900 + os.getpid() % 90
     address = f"127.0.0.1:{port}"
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
@@ -134,10 +137,10 @@ def bench_service(seconds: float, streams_list: list[int], extra_env: dict[str, 
         for streams in streams_list:
             cpu0 = cpu_seconds(server.pid)
             t0 = time.perf_counter()
-            times, fallbacks = asyncio.run(drive(address, streams, seconds, rate))
+            times, fallbacks = asyncio.run(drive(address, streams, seconds, rate, batch_ms))
             wall = time.perf_counter() - t0
             cpu = cpu_seconds(server.pid) - cpu0
-            mode = f"paced {rate:g} chunks/s each" if rate else "closed loop"
+            mode = (f"paced {rate:g} chunks/s each" if rate else "closed loop") + f", client batch {batch_ms:g} ms"
             print(f"service {extra_env or ''}, {streams} streams, {mode}: {len(times) / wall:,.0f} checks/s "
                   f"({len(times) / max(cpu, 1e-9):,.0f} per server CPU-second, server CPU {cpu / wall:.0%}); "
                   f"round trip p50 {pct(times, 50) * 1e3:.2f} ms, p95 {pct(times, 95) * 1e3:.2f} ms; "
@@ -153,15 +156,17 @@ def main() -> None:
     parser.add_argument("--streams", default="1,64,256")
     parser.add_argument("--skip-service", action="store_true")
     parser.add_argument("--threaded", action="store_true", help="also run the service with a check thread")
+    parser.add_argument("--batch-ms", default="1", help="client batch linger(s) to compare, ms, comma-separated")
     parser.add_argument("--rate", type=float, default=0.0, help="chunks/s per stream (0: as fast as verdicts come)")
     args = parser.parse_args()
     print(f"machine: {os.cpu_count()} cores; chunk {CHUNK_CHARS} chars (~25 ms of tokens)")
     bench_core(args.seconds)
     if not args.skip_service:
         streams = [int(s) for s in args.streams.split(",")]
-        bench_service(args.seconds, streams, {}, args.rate)
+        for batch_ms in args.batch_ms.split(","):
+            bench_service(args.seconds, streams, {}, args.rate, float(batch_ms))
         if args.threaded:
-            bench_service(args.seconds, streams, {"CHATMESH_MODERATION_CHECK_THREAD": "1"}, args.rate)
+            bench_service(args.seconds, streams, {"CHATMESH_MODERATION_CHECK_THREAD": "1"}, args.rate, 1.0)
 
 
 if __name__ == "__main__":

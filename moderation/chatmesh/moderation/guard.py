@@ -26,7 +26,7 @@ from chatmesh.mesh.errors import Unavailable
 
 MODEL_NAME = "chatmesh_guard"
 
-_CONFIG = """# chatmesh guard model: the embedded classifier behind the guard tensor contract (chatmesh.moderation.guard).
+_CONFIG = """# chatmesh guard model: the embedded classifier behind the guard tensor contract.
 name: "{name}"
 backend: "python"
 default_model_filename: "guard_model.py"

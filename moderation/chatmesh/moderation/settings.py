@@ -31,3 +31,6 @@ GUARD_ADDRESS = Setting("CHATMESH_MODERATION_GUARD_ADDRESS", "",
                         "Triton gRPC address of a guard model (policy categories with model guard:<label>); "
                         "empty: none", str)
 GUARD_MODEL = Setting("CHATMESH_MODERATION_GUARD_MODEL", "chatmesh_guard", "name of the guard model on Triton", str)
+CLIENT_BATCH_MS = Setting("CHATMESH_MODERATION_CLIENT_BATCH_MS", 1.0,
+                          "how long a moderation client holds an output chunk so other streams' chunks share its "
+                          "message (0: only those of the same event-loop turn)", float)
