@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager, PrefixHit
@@ -174,5 +174,34 @@ class BlockMachine(RuleBasedStateMachine):
         assert self.bm.available_blocks == self.bm.cfg.device_blocks  # nothing leaked
 
 
-BlockMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+BlockMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 test_block_machine = BlockMachine.TestCase
+
+
+@settings(max_examples=150, deadline=None)
+@given(turns=st.lists(st.tuples(st.sampled_from([b"A", b"B", b"C"]), st.sampled_from([0, 4, 6, 8]),
+                                st.lists(st.integers(1, 2), min_size=1, max_size=24)), min_size=1, max_size=12),
+       device=st.integers(4, 16), host=st.integers(0, 8))
+def test_a_hit_only_ever_reuses_what_the_same_owner_or_the_shared_prefix_computed(
+        turns: list[tuple[bytes, int, list[int]]], device: int, host: int) -> None:
+    """Safety of owner salting (I1): every block a prompt is served from was computed earlier either wholly inside
+    the platform prefix (shared) or under the same salt with the same platform prefix."""
+    bm = BlockManager(BlockConfig(BS, device, host))
+    computed: set[tuple[object, ...]] = set()
+
+    def key(salt: bytes, prefix: int, tokens: list[int], i: int) -> tuple[object, ...]:
+        end = (i + 1) * BS
+        return ("shared", tuple(tokens[:end])) if end <= prefix else (salt, prefix // BS, tuple(tokens[:end]))
+
+    for seq_id, (salt, prefix, user) in enumerate(turns):
+        tokens = [7] * prefix + user
+        hit = bm.admit(seq_id, tokens, prefix, salt, None)
+        if hit is None:
+            continue
+        for i in range(hit.cached_tokens // BS):
+            assert key(salt, prefix, tokens, i) in computed
+        if bm.grow(seq_id, len(tokens)):
+            bm.commit(seq_id, tokens, len(tokens))
+            computed.update(key(salt, prefix, tokens, i) for i in range(len(tokens) // BS))
+        bm.release(seq_id)
+        bm.check()
