@@ -366,7 +366,7 @@ class ConversationStore:
                 await conn.execute(update(MSG).where(
                     MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index > user_index,
                     MSG.c.role == Role.ASSISTANT.value, MSG.c.superseded == false()).values(superseded=True))
-            await conn.execute(insert(MSG).values(rows))
+            await conn.execute(insert(MSG), rows)  # executemany: cached, unlike a multi-VALUES insert
             await conn.execute(update(TURN).where(
                 TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn).values(
                 state=target.value, content=None, partial_text="", user_index=user_index, reply_index=end - 1,
