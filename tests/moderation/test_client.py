@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.moderation.classifier import profanity_model
 from chatmesh.moderation.client import DecidedBy, ModerationClient
 from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict
@@ -145,3 +147,16 @@ async def test_concurrent_sessions_share_one_stream_without_mixing_windows() -> 
         await moderation.close()
     for n, actions in enumerate(results):
         assert actions == ([Action.ALLOW, Action.BLOCK] if n % 2 else [Action.ALLOW, Action.ALLOW]), n
+
+
+async def test_an_oversized_output_chunk_is_refused_without_breaking_other_replies() -> None:
+    registry = CollectorRegistry()
+    async with running({"CHATMESH_MODERATION_MAX_INPUT_BYTES": "1000"}) as address:
+        moderation = client(address, registry, CHATMESH_MODERATION_MAX_INPUT_BYTES="1000")
+        async with moderation.output(CONV) as other, moderation.output(CONV) as bad:
+            assert (await other.check("You are such a lo")).action is Action.ALLOW
+            with pytest.raises(InvalidArgument):
+                await bad.check("x" * 1001)
+            after = await other.check("ser.")
+        await moderation.close()
+    assert after.blocked and after.decided_by is DecidedBy.POLICY  # the shared stream and its window survived

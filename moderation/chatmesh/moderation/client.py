@@ -20,7 +20,9 @@ Every outcome says who decided (`decided_by`): the policy, the service's failure
 passed), or this client's failure policy (the service is down, answered with an error, or did not answer
 within CHATMESH_MODERATION_CLIENT_TIMEOUT_MS). Client failures are counted in the Prometheus counter
 `chatmesh_moderation_client_failures_total{direction, reason}`. An INVALID_ARGUMENT answer to an input check
-(empty or oversized text) is the caller's error and is raised as `InvalidArgument`, not failed over.
+(empty or oversized text), or an output chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES, is the caller's error
+and is raised as `InvalidArgument`, not failed over. Output sessions share one CheckOutputBatch stream; chunks
+wait up to CHATMESH_MODERATION_CLIENT_BATCH_MS to share a message.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.moderation import settings
+from chatmesh.moderation.moderator import validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode
 from chatmesh.v1 import moderate_pb2, moderate_pb2_grpc
 
@@ -114,6 +117,7 @@ class FailurePolicy:
     timeout_s: float
     failures: Counter
     linger_s: float = 0.0  # how long output chunks wait to share a message with other streams' chunks
+    max_bytes: int = 32768  # the service's limit; an output chunk over it is refused here, not on the shared stream
 
     def mode(self, direction: Direction) -> FailureMode:
         match direction:
@@ -160,7 +164,7 @@ class ModerationClient:
     def from_config(cls, cfg: Config, registry: CollectorRegistry = REGISTRY) -> ModerationClient:
         policy = FailurePolicy(FailureMode(cfg[settings.INPUT_FAILURE]), FailureMode(cfg[settings.OUTPUT_FAILURE]),
                                cfg[settings.CLIENT_TIMEOUT_MS] / 1000, failures_counter(registry),
-                               cfg[settings.CLIENT_BATCH_MS] / 1000)
+                               cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[settings.MAX_INPUT_BYTES])
         return cls(grpc.aio.insecure_channel(cfg[mesh_settings.MODERATION_ADDRESS]), policy, own_channel=True)
 
     async def check_input(self, text: str, conversation_id: str) -> Outcome:
@@ -205,6 +209,8 @@ class OutputSession:
             self._broken = self._mux.last_error or "moderation stream ended"
         if self._broken is not None:
             return self._policy.outcome(Direction.OUTPUT, "broken", self._broken, quiet=True)
+        # checked here: the service would answer INVALID_ARGUMENT by ending the stream every reply shares
+        validate_text(chunk, self._policy.max_bytes, "output chunk", allow_empty=True)
         first = self._sent == 0
         self._sent += 1
         self._finished = self._finished or final
