@@ -8,7 +8,7 @@ Hashing with Bounded Loads", SODA 2018) keeps affinity and caps the imbalance.
 
 How.
 - The ring: each configured replica puts `vnodes` points on a 64-bit circle, point i of replica r at
-  blake2b("r#i") (a keyed-nothing, process-independent hash, never Python's salted `hash()`), so every
+  blake2b("r#i") (unkeyed and the same in every process, unlike Python's salted `hash()`), so every
   router process with the same membership builds the same ring and picks the same home.
 - Home: a conversation id hashes (blake2b) to a point; its home is the owner of the first replica point
   clockwise from it. Adding a replica to N moves only the ids that now land on the newcomer's points (about
