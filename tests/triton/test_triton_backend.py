@@ -19,7 +19,8 @@ from chatmesh.engine_adapter.triton.backend import TritonBackend, TritonOptions
 from chatmesh.engine_adapter.triton.launcher import TritonMissing, TritonServer
 from chatmesh.engine_adapter.triton.render import Deployment, local_server
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import Unavailable
+from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from chatmesh.mesh.ids import ConversationId
 
 # The engine inside Triton, and the same engine in-process for comparison.
 ENGINE_ENV = {"CHATMESH_SIM_STEP_MS": "10", "CHATMESH_BLOCK_SIZE": "16", "CHATMESH_DEVICE_BLOCKS": "512",
@@ -28,10 +29,10 @@ SYSTEM = tuple(range(100, 164))  # 64 platform-prefix tokens: 4 blocks of 16
 PRIVATE = tuple(range(200, 264))  # 64 tokens of one owner's history
 
 
-def start_server(tmp: Path, **deployment: object) -> TritonServer:
+def start_server(tmp: Path, engine_env: dict[str, str] = ENGINE_ENV) -> TritonServer:
     try:
-        server = local_server(Deployment(engine="sim", engine_env=ENGINE_ENV, **deployment),  # type: ignore[arg-type]
-                              tmp / "repository", work_dir=tmp / "work")
+        server = local_server(Deployment(engine="sim", engine_env=engine_env), tmp / "repository",
+                              work_dir=tmp / "work")
         return server.start()
     except TritonMissing as err:
         need(False, f"tritonserver ({err})")
@@ -191,3 +192,29 @@ async def test_deadline_mid_reply_ends_in_error_and_the_model_stops(server: Trit
         assert after.running_sequences == before.running_sequences, "the model kept generating past the deadline"
     finally:
         await b.close()
+
+
+async def test_model_refusals_come_back_as_typed_errors(backend: TritonBackend, tmp_path: Path) -> None:
+    bad = GenerateParams(prompt_token_ids=(1, 2), max_tokens=2, conversation_id=ConversationId("not-a-uuid"))
+    with pytest.raises(InvalidArgument, match="conversation_id"):  # validated in the model, typed on the wire
+        await collect(backend, bad)
+    server = start_server(tmp_path, engine_env={**ENGINE_ENV, "CHATMESH_MAX_BATCH": "1", "CHATMESH_QUEUE_LIMIT": "1"})
+    b = TritonBackend(TritonOptions(address=server.address))
+    try:
+        await b.start()
+        running = b.generate(prompt(owner=b"q1", max_tokens=5000))
+        assert isinstance(await anext(running), Started)
+        waiting = asyncio.create_task(collect(b, prompt(owner=b"q2", max_tokens=2)))
+        for _ in range(400):
+            if (await b.refresh_stats()).queue_depth == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert b.stats().queue_depth == 1, "the second generation never queued"
+        with pytest.raises(ResourceExhausted, match="queue is full"):
+            await collect(b, prompt(owner=b"q3", max_tokens=2))
+        await running.aclose()  # type: ignore[attr-defined]
+        done = await asyncio.wait_for(waiting, 30)  # the queued one runs once the first is cancelled
+        assert isinstance(done[-1], Finished)
+    finally:
+        await b.close()
+        server.stop()

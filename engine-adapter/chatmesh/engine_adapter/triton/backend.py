@@ -118,8 +118,10 @@ class TritonBackend:
 
     async def close(self) -> None:
         self._ready = False
-        for task in list(self._background):
+        background = list(self._background)
+        for task in background:
             task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
