@@ -15,8 +15,10 @@ Failure rules (the servicer maps the typed errors to gRPC statuses):
 - Cancel: closing the event iterator cancels the gRPC call; Triton marks the request cancelled, the model aborts
   the sequence and frees its blocks (python_model.py).
 
-Stats and readiness: a poller asks the model for its EngineStats every `stats_interval_s` (and every Finished
-carries fresh ones); readiness is Triton's ModelReady for the model, refreshed by the same poller.
+Stats and readiness: a poller asks the model for its EngineStats every `stats_interval_s`; every Started and
+Finished carries a fresh snapshot too, and a cancel triggers re-reads 50, 200 and 700 ms later (the model frees
+the sequence within its 20 ms cancel check). Snapshots are versioned, so a late one never overwrites a newer one.
+Readiness is Triton's ModelReady for the model, refreshed by the same poller.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One Triton request is one generation, or one control command (stats, evict). The model is decoupled: a
 generation answers with a stream of responses, each naming its kind in the `event` output:
 
-    started   cached_prompt_tokens, host_cached_prompt_tokens
+    started   cached_prompt_tokens, host_cached_prompt_tokens, stats_json
     delta     token_ids, text
     finished  finish_reason, prompt_tokens, cached_prompt_tokens, output_tokens, error_message, stats_json
     error     error_kind, error_message   (the request was refused before it started: bad argument, queue full)
