@@ -19,7 +19,7 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.block_manager import BlockConfig
 from chatmesh.engine_adapter.engine import EngineCore, StepReport, VirtualClock
-from chatmesh.engine_adapter.executor import SamplingParams, SeqWork, StepResult
+from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, StepResult, Tier
 from chatmesh.engine_adapter.roofline import H100_FP8, PRESETS
 from chatmesh.engine_adapter.scheduler import SchedulerConfig
 from chatmesh.engine_adapter.sim import SimExecutor
@@ -279,3 +279,11 @@ async def test_a_failed_step_ends_its_sequences_with_error_and_the_engine_goes_o
         assert core.stats().device.used == core.stats().device.cached
     finally:
         await core.close()
+
+
+def test_host_onboarding_is_timed_at_pcie_bandwidth() -> None:
+    sim = SimExecutor(H100_FP8, [1], 32)
+    copies = [BlockCopy(Tier.HOST, i, Tier.DEVICE, i) for i in range(100)]
+    # 100 blocks x 32 tokens x 20 KiB per GPU over a 50 GB/s link: 1.3 ms, a tenth of a decode step
+    assert sim.copy_blocks(copies) == pytest.approx(100 * 32 * 20_480 / 50e9, rel=1e-9)
+    assert sim.copy_blocks([]) == 0.0
