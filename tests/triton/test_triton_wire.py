@@ -125,3 +125,21 @@ def test_chatmesh_triton_render_command(tmp_path: Path, capsys: pytest.CaptureFi
     config = parse_model_config((tmp_path / "chatmesh_llm" / "config.pbtxt").read_text())
     assert config.parameters["engine_env"].string_value == "CHATMESH_SIM_STEP_MS=3"  # type: ignore[attr-defined]
     assert main(["triton", "render", "--out", str(tmp_path), "--kv-fraction", "1.5"]) == 1
+
+
+def test_build_backend_connects_or_renders_a_local_server(tmp_path: Path) -> None:
+    from chatmesh.engine_adapter.triton import build_backend
+    from chatmesh.engine_adapter.triton.backend import TritonBackend
+    from chatmesh.mesh.config import Config
+
+    remote = build_backend(Config(env={"CHATMESH_TRITON_ADDRESS": "triton-7:8001", "CHATMESH_REPLICA_ID": "n7"}))
+    assert isinstance(remote, TritonBackend) and remote.server is None and remote.address == "triton-7:8001"
+    env = {"CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_REPLICA_ID": "e1", "CHATMESH_TRITON_ENGINE": "sim",
+           "CHATMESH_SIM_STEP_MS": "4", "CHATMESH_ENGINE": "triton"}
+    local = build_backend(Config(env=env))
+    assert isinstance(local, TritonBackend) and local.server is not None and not local.server.running()
+    folder = tmp_path / "triton" / "e1" / "repository" / "chatmesh_llm"
+    config = parse_model_config((folder / "config.pbtxt").read_text())
+    engine_env = python_model.parse_engine_env(config.parameters["engine_env"].string_value)  # type: ignore[attr-defined]
+    assert engine_env["CHATMESH_SIM_STEP_MS"] == "4" and "CHATMESH_ENGINE" not in engine_env
+    assert config.parameters["engine"].string_value == "sim"  # type: ignore[attr-defined]
