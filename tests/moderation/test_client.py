@@ -4,6 +4,7 @@ down, slow or goes away mid-reply."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -81,14 +82,9 @@ class SlowModerator(Moderator):
         time.sleep(0.5)
         return super().check_input(text)
 
-    def open_output(self) -> OutputCheck:
-        return SlowOutputCheck(self)
-
-
-class SlowOutputCheck(OutputCheck):
-    def check(self, chunk: str) -> Verdict:
+    def check_outputs(self, chunks: Sequence[tuple[OutputCheck, str]]) -> list[Verdict]:
         time.sleep(0.5)
-        return super().check(chunk)
+        return super().check_outputs(chunks)
 
 
 async def test_slow_service_hits_the_client_timeout() -> None:

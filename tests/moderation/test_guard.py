@@ -4,7 +4,7 @@ behind the guard tensor contract; skipped when tritonserver cannot run here."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -61,6 +61,17 @@ def test_policy_categories_read_the_guard_and_see_split_phrases(triton: str) -> 
     guard.close()
 
 
+def test_replies_checked_together_share_one_batched_guard_call(triton: str) -> None:
+    guard = TritonGuard(triton)
+    moderator = Moderator(parse(GUARD_POLICY), profanity_model(), guard)
+    checks = [moderator.open_output() for _ in range(70)]  # more than one request's max batch
+    first = moderator.check_outputs([(c, "You are an id" if i % 2 else "Here is a") for i, c in enumerate(checks)])
+    second = moderator.check_outputs([(c, "iot." if i % 2 else " list.") for i, c in enumerate(checks)])
+    guard.close()
+    assert all(v.action is Action.ALLOW for v in first)
+    assert [v.action for v in second] == [Action.BLOCK if i % 2 else Action.ALLOW for i in range(70)]
+
+
 def test_an_unknown_guard_model_is_unavailable(triton: str) -> None:
     with pytest.raises(Unavailable, match="no_such_model"):
         TritonGuard(triton, model="no_such_model")
@@ -84,6 +95,9 @@ class FailingGuard:
     labels: tuple[str, ...] = ("profanity",)
 
     def score(self, text: str) -> Mapping[str, float]:
+        raise Unavailable(f"guard model {MODEL_NAME}: connection refused")
+
+    def score_many(self, texts: Sequence[str]) -> list[Mapping[str, float]]:
         raise Unavailable(f"guard model {MODEL_NAME}: connection refused")
 
 

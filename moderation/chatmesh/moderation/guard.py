@@ -17,7 +17,7 @@ real tritonserver started by chatmesh.engine_adapter.triton.launcher.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from chatmesh.mesh.errors import Unavailable
 
 MODEL_NAME = "chatmesh_guard"
+MAX_BATCH = 64  # the rendered model's max_batch_size
 
 _CONFIG = """# chatmesh guard model: the embedded classifier behind the guard tensor contract.
 name: "{name}"
@@ -78,16 +79,24 @@ class TritonGuard:
             raise Unavailable(f"guard model {model} at {address} declares no 'labels' parameter")
 
     def score(self, text: str) -> Mapping[str, float]:
-        data = self._grpcclient.InferInput("text", [1, 1], "BYTES")
-        data.set_data_from_numpy(np.array([[text.encode("utf-8")]], dtype=np.object_))
-        try:
-            result = self._client.infer(self._model, [data], client_timeout=self._timeout_s)
-        except self._error as err:
-            raise Unavailable(f"guard model {self._model}: {err.message()}") from None
-        scores = result.as_numpy("scores")
-        if scores is None:
-            raise Unavailable(f"guard model {self._model} returned no scores")
-        return dict(zip(self.labels, (float(s) for s in scores[0])))
+        return self.score_many([text])[0]
+
+    def score_many(self, texts: Sequence[str]) -> list[Mapping[str, float]]:
+        """One request with a batch of texts (up to the model's max_batch_size per request)."""
+        out: list[Mapping[str, float]] = []
+        for start in range(0, len(texts), MAX_BATCH):
+            part = texts[start:start + MAX_BATCH]
+            data = self._grpcclient.InferInput("text", [len(part), 1], "BYTES")
+            data.set_data_from_numpy(np.array([[t.encode("utf-8")] for t in part], dtype=np.object_))
+            try:
+                result = self._client.infer(self._model, [data], client_timeout=self._timeout_s)
+            except self._error as err:
+                raise Unavailable(f"guard model {self._model}: {err.message()}") from None
+            scores = result.as_numpy("scores")
+            if scores is None or len(scores) != len(part):
+                raise Unavailable(f"guard model {self._model} returned no scores for the batch")
+            out.extend(dict(zip(self.labels, (float(s) for s in row))) for row in scores)
+        return out
 
     def close(self) -> None:
         self._client.close()

@@ -8,6 +8,7 @@ chunk). `validate` enforces the size limits; it is called by the servicer before
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +83,10 @@ class TextScorer(Protocol):
 
     def score(self, text: str) -> Mapping[str, float]: ...
 
+    def score_many(self, texts: Sequence[str]) -> list[Mapping[str, float]]:
+        """Scores of several texts in one call (one batched request to a served model)."""
+        ...
+
 
 GUARD_PREFIX = "guard:"
 
@@ -130,9 +135,22 @@ class Moderator:
             best = CategoryScore(category.name, p, category.model or "")
         return best
 
-    def _judge(self, direction: Direction, view: View, words: Sequence[str]) -> Verdict:
+    @functools.cached_property
+    def uses_guard(self) -> bool:
+        return any(m.startswith(GUARD_PREFIX) for m in self.policy.models)
+
+    def check_outputs(self, chunks: Sequence[tuple[OutputCheck, str]]) -> list[Verdict]:
+        """Judges the next chunk of several replies at once: one batched guard call for all of them."""
+        views = [check.advance(text) for check, text in chunks]
+        if not (self.uses_guard and self.guard is not None):
+            return [self._judge(Direction.OUTPUT, view, view.words) for view in views]
+        scores = self.guard.score_many([view.text for view in views])
+        return [self._judge(Direction.OUTPUT, view, view.words, guard) for view, guard in zip(views, scores)]
+
+    def _judge(self, direction: Direction, view: View, words: Sequence[str],
+               prefetched: Mapping[str, float] | None = None) -> Verdict:
         present = self.policy.gates_in(view.text.lower())
-        cache: list[Mapping[str, float]] = []
+        cache: list[Mapping[str, float]] = [] if prefetched is None else [prefetched]
 
         def guard_scores() -> Mapping[str, float]:
             if not cache:
@@ -162,10 +180,13 @@ class OutputCheck:
 
     def skip(self, chunk: str) -> None:
         """Slides the window over a chunk that will not be judged (its check was shed past its deadline)."""
-        self._window.push(chunk)
+        self.advance(chunk)
+
+    def advance(self, chunk: str) -> View:
+        """Slides the window over the next chunk and returns what to judge (see `Moderator.check_outputs`)."""
         self.chunks += 1
+        return self._window.push(chunk)
 
     def check(self, chunk: str) -> Verdict:
-        view = self._window.push(chunk)
-        self.chunks += 1
+        view = self.advance(chunk)
         return self._moderator._judge(Direction.OUTPUT, view, view.words)

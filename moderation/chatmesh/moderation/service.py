@@ -199,7 +199,7 @@ class ModerateServicer:
                 for check, text in checks:
                     check.skip(text)
 
-            verdicts = await self._batcher.run(lambda: [check.check(text) for check, text in checks], skip_all,
+            verdicts = await self._batcher.run(functools.partial(self._moderator.check_outputs, checks), skip_all,
                                                self._limits.deadline_s)
         except TimeoutError:
             verdicts = [self._fallback(Direction.OUTPUT, "deadline", "check deadline passed")] * len(checks)
