@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Row, Table, delete, false, insert, literal, select, update
+from sqlalchemy import ColumnElement, Row, Table, and_, bindparam, delete, false, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -55,6 +55,61 @@ CONV = Base.metadata.tables[ConversationRow.__tablename__]
 MSG = Base.metadata.tables[MessageRow.__tablename__]
 TURN = Base.metadata.tables[TurnRow.__tablename__]
 USAGE = Base.metadata.tables[UsageRow.__tablename__]
+
+
+# --- the hot path's statements, built once: constructing a statement costs more CPU than running it ---
+
+def _key(table: Table) -> ColumnElement[bool]:
+    return and_(table.c.owner_id == bindparam("owner"), table.c.conversation_id == bindparam("conversation"))
+
+
+CLAIM_COLUMNS = ("turn_id", "fingerprint", "state", "content", "lease_id", "lease_holder", "lease_expires_at_ms",
+                 "regenerates_turn_id", "user_index", "partial_text", "event_sequence", "prompt_tokens",
+                 "cached_prompt_tokens", "output_tokens", "created_at_ms", "updated_at_ms")
+CONVERSATION_ROW = select(CONV).where(_key(CONV))
+TURN_ROW = select(TURN).where(_key(TURN), TURN.c.turn_id == bindparam("turn"))
+TURN_FOR_FINISH = (select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.regenerates_turn_id,
+                          TURN.c.user_index, TURN.c.reply_index)
+                   .where(_key(TURN), TURN.c.turn_id == bindparam("turn")).with_for_update())
+MESSAGES_FROM = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
+                 .order_by(MSG.c.message_index))
+NEWEST_MESSAGES = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
+                   .order_by(MSG.c.message_index.desc()).limit(bindparam("limit")))
+MESSAGE_AT = select(MSG).where(_key(MSG), MSG.c.message_index == bindparam("index"))
+ADVANCE_CONVERSATION = (update(CONV).where(_key(CONV))
+                        .values(message_count=CONV.c.message_count + bindparam("added"),
+                                updated_at_ms=bindparam("now"))
+                        .returning(CONV.c.message_count))
+INSERT_MESSAGES = insert(MSG)
+STORE_TURN = (update(TURN).where(_key(TURN), TURN.c.turn_id == bindparam("turn"))
+              .values(state=bindparam("to_state"), content=None, partial_text="",
+                      user_index=bindparam("to_user_index"), reply_index=bindparam("to_reply_index"),
+                      prompt_tokens=bindparam("to_prompt_tokens"),
+                      cached_prompt_tokens=bindparam("to_cached_prompt_tokens"),
+                      output_tokens=bindparam("to_output_tokens"), updated_at_ms=bindparam("now")))
+
+
+def _claim_statement(upsert: Any) -> Any:
+    """INSERT INTO turns SELECT <owner, conversation, values> FROM conversations WHERE <owner's conversation>
+    ON CONFLICT DO NOTHING RETURNING turn_id: a new claim exactly when the conversation is the owner's and
+    the turn id is new."""
+    source = select(CONV.c.owner_id, CONV.c.conversation_id,
+                    *[bindparam(f"v_{k}", type_=TURN.c[k].type) for k in CLAIM_COLUMNS]).where(_key(CONV))
+    return (upsert(TURN).from_select(["owner_id", "conversation_id", *CLAIM_COLUMNS], source)
+            .on_conflict_do_nothing(index_elements=["owner_id", "conversation_id", "turn_id"])
+            .returning(TURN.c.turn_id))
+
+
+def _usage_statement(upsert: Any) -> Any:
+    stmt = upsert(USAGE).values(owner_id=bindparam("owner"), day=bindparam("day"),
+                                prompt_tokens=bindparam("add_prompt_tokens"),
+                                cached_prompt_tokens=bindparam("add_cached_prompt_tokens"),
+                                output_tokens=bindparam("add_output_tokens"), turns=1)
+    return stmt.on_conflict_do_update(index_elements=["owner_id", "day"], set_=dict(
+        prompt_tokens=USAGE.c.prompt_tokens + stmt.excluded.prompt_tokens,
+        cached_prompt_tokens=USAGE.c.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
+        output_tokens=USAGE.c.output_tokens + stmt.excluded.output_tokens,
+        turns=USAGE.c.turns + stmt.excluded.turns))
 
 Clock = Callable[[], int]
 DAY_MS = 86_400_000
@@ -111,6 +166,9 @@ class ConversationStore:
         self.limits = limits
         self._clock = clock
         self._sqlite = is_sqlite(engine)
+        upsert = sqlite.insert if self._sqlite else postgresql.insert
+        self._claim = _claim_statement(upsert)
+        self._add_usage_stmt = _usage_statement(upsert)
 
     # --- transactions ---
 
@@ -132,9 +190,6 @@ class ConversationStore:
                 yield await autocommit(conn)
         except (OperationalError, InterfaceError) as err:
             raise Unavailable("the conversation store's database is unavailable; retry") from err
-
-    def _upsert(self, table: Table) -> Any:
-        return sqlite.insert(table) if self._sqlite else postgresql.insert(table)
 
     # --- validation ---
 
@@ -186,14 +241,12 @@ class ConversationStore:
         self._check_count("max_messages", max_messages)
         async with self._single() as conn:
             row = await self._conversation_row(conn, owner, conversation)
-            query = select(MSG).where(MSG.c.owner_id == owner, MSG.c.conversation_id == conversation,
-                                    MSG.c.message_index >= from_index)
+            key = {"owner": owner, "conversation": conversation, "from_index": from_index}
             if max_messages:
-                rows = list((await conn.execute(
-                    query.order_by(MSG.c.message_index.desc()).limit(max_messages))).all())
+                rows = list((await conn.execute(NEWEST_MESSAGES, key | {"limit": max_messages})).all())
                 rows.reverse()
             else:
-                rows = list((await conn.execute(query.order_by(MSG.c.message_index))).all())
+                rows = list((await conn.execute(MESSAGES_FROM, key)).all())
         summary = None
         if row.summary_text is not None:
             summary = Summary(row.summary_text, row.summary_covers_through, row.summary_token_count,
@@ -232,10 +285,8 @@ class ConversationStore:
 
     async def _conversation_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                                 for_update: bool = False) -> Row[Any]:
-        query = select(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
-        if for_update:
-            query = query.with_for_update()
-        row = (await conn.execute(query)).first()
+        query = CONVERSATION_ROW.with_for_update() if for_update else CONVERSATION_ROW
+        row = (await conn.execute(query, {"owner": owner, "conversation": conversation})).first()
         if row is None:
             raise NotFound(f"conversation {conversation} not found")
         return row
@@ -278,17 +329,11 @@ class ConversationStore:
                 lease_id=lease, lease_holder=lease_holder, lease_expires_at_ms=expires,
                 regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
                 prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
-            table = TURN
-            source = select(CONV.c.owner_id, CONV.c.conversation_id,
-                            *[literal(v, type_=table.c[k].type) for k, v in values.items()]).where(
-                CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
-            claim = (self._upsert(TURN).from_select(["owner_id", "conversation_id", *values], source)
-                     .on_conflict_do_nothing(index_elements=["owner_id", "conversation_id", "turn_id"])
-                     .returning(TURN.c.turn_id))
-            if (await conn.execute(claim)).first() is not None:
+            params = {"owner": owner, "conversation": conversation} | {f"v_{k}": v for k, v in values.items()}
+            if (await conn.execute(self._claim, params)).first() is not None:
                 return Claimed(lease, expires)
-            row = (await conn.execute(select(TURN).where(
-                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn))).first()
+            row = (await conn.execute(TURN_ROW, {"owner": owner, "conversation": conversation,
+                                                 "turn": turn})).first()
             if row is None:
                 raise NotFound(f"conversation {conversation} not found")
             if row.fingerprint != fingerprint:
@@ -335,10 +380,8 @@ class ConversationStore:
         now = self._clock()
         target = TurnState.STOPPED if reply.status is MessageStatus.STOPPED else TurnState.STORED
         async with self._write() as conn:
-            row = (await conn.execute(
-                select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.regenerates_turn_id, TURN.c.user_index, TURN.c.reply_index)
-                .where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn)
-                .with_for_update())).first()
+            key = {"owner": owner, "conversation": conversation}
+            row = (await conn.execute(TURN_FOR_FINISH, key | {"turn": turn})).first()
             if row is None:
                 raise NotFound(f"turn {turn} not found")
             state = TurnState(row.state)
@@ -349,10 +392,7 @@ class ConversationStore:
                                          f"was claimed again)")
             require_move(turn, state, target)
             added = 1 if row.regenerates_turn_id is not None else 2
-            end = (await conn.execute(
-                update(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
-                .values(message_count=CONV.c.message_count + added, updated_at_ms=now)
-                .returning(CONV.c.message_count))).scalar_one_or_none()
+            end = (await conn.execute(ADVANCE_CONVERSATION, key | {"added": added, "now": now})).scalar_one_or_none()
             if end is None:
                 raise NotFound(f"conversation {conversation} not found")
             stored = Message(end - 1, Role.ASSISTANT, reply.text, reply.token_count, reply.status, turn, now)
@@ -366,26 +406,18 @@ class ConversationStore:
                 await conn.execute(update(MSG).where(
                     MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index > user_index,
                     MSG.c.role == Role.ASSISTANT.value, MSG.c.superseded == false()).values(superseded=True))
-            await conn.execute(insert(MSG), rows)  # executemany: cached, unlike a multi-VALUES insert
-            await conn.execute(update(TURN).where(
-                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn).values(
-                state=target.value, content=None, partial_text="", user_index=user_index, reply_index=end - 1,
-                prompt_tokens=reply.usage.prompt_tokens, cached_prompt_tokens=reply.usage.cached_prompt_tokens,
-                output_tokens=reply.usage.output_tokens, updated_at_ms=now))
-            await self._add_usage(conn, owner, utc_day(now), reply.usage)
+            await conn.execute(INSERT_MESSAGES, rows)  # executemany: cached, unlike a multi-VALUES insert
+            usage = reply.usage
+            await conn.execute(STORE_TURN, key | {
+                "turn": turn, "to_state": target.value, "to_user_index": user_index, "to_reply_index": end - 1,
+                "to_prompt_tokens": usage.prompt_tokens, "to_cached_prompt_tokens": usage.cached_prompt_tokens,
+                "to_output_tokens": usage.output_tokens, "now": now})
+            await conn.execute(self._add_usage_stmt, {
+                "owner": owner, "day": utc_day(now), "add_prompt_tokens": usage.prompt_tokens,
+                "add_cached_prompt_tokens": usage.cached_prompt_tokens, "add_output_tokens": usage.output_tokens})
         log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn, state=target.value,
                  output_tokens=reply.usage.output_tokens)
         return Finished(False, stored)
-
-    async def _add_usage(self, conn: AsyncConnection, owner: OwnerId, day: str, usage: Usage) -> None:
-        stmt = self._upsert(USAGE).values(owner_id=owner, day=day, prompt_tokens=usage.prompt_tokens,
-                                      cached_prompt_tokens=usage.cached_prompt_tokens,
-                                      output_tokens=usage.output_tokens, turns=1)
-        await conn.execute(stmt.on_conflict_do_update(index_elements=["owner_id", "day"], set_=dict(
-            prompt_tokens=USAGE.c.prompt_tokens + stmt.excluded.prompt_tokens,
-            cached_prompt_tokens=USAGE.c.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
-            output_tokens=USAGE.c.output_tokens + stmt.excluded.output_tokens,
-            turns=USAGE.c.turns + stmt.excluded.turns)))
 
     async def fail_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                         reason: str = "") -> bool:
@@ -438,8 +470,7 @@ class ConversationStore:
 
     async def _turn_row(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                         turn: TurnId) -> Row[Any]:
-        row = (await conn.execute(select(TURN).where(
-            TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn))).first()
+        row = (await conn.execute(TURN_ROW, {"owner": owner, "conversation": conversation, "turn": turn})).first()
         if row is None:
             raise NotFound(f"turn {turn} not found")
         return row
@@ -448,8 +479,8 @@ class ConversationStore:
                        index: int | None) -> Message:
         row = None
         if index is not None:
-            row = (await conn.execute(select(MSG).where(
-                MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index == index))).first()
+            row = (await conn.execute(MESSAGE_AT, {"owner": owner, "conversation": conversation,
+                                                   "index": index})).first()
         if row is None:
             raise NotFound(f"message {index} of conversation {conversation} not found")
         return _message(row)

@@ -35,16 +35,19 @@ def is_sqlite(url_or_engine: str | AsyncEngine) -> bool:
     return url_or_engine.startswith("sqlite")
 
 
-def make_engine(url: str, *, pool_size: int = 20, search_path: str | None = None) -> AsyncEngine:
-    """An async engine for `url`. `search_path` (PostgreSQL) puts every table in that schema (tests use it)."""
+def make_engine(url: str, *, pool_size: int = 20, search_path: str | None = None,
+                application_name: str = "chatmesh-store") -> AsyncEngine:
+    """An async engine for `url`. PostgreSQL: `search_path` puts every table in that schema (tests use it);
+    `application_name` names the connections in pg_stat_activity."""
     if is_sqlite(url):
         engine = create_async_engine(url, pool_size=pool_size, max_overflow=0,
                                      connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
         _sqlite_events(engine)
         return engine
-    connect_args: dict[str, Any] = {}
+    server_settings = {"application_name": application_name}
     if search_path is not None:
-        connect_args["server_settings"] = {"search_path": search_path}
+        server_settings["search_path"] = search_path
+    connect_args: dict[str, Any] = {"server_settings": server_settings}
     return create_async_engine(url, pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False,
                                connect_args=connect_args)
 

@@ -1,0 +1,252 @@
+"""Turn cycles per second through the conversation store core, on PostgreSQL and SQLite, side by side.
+
+One cycle is what the chat service does per turn: BeginTurn (claim), ReadConversation of the newest 20
+messages, FinishTurn (user message + reply + usage). `--clients` asyncio tasks in total (default 32), each on
+its own owner and conversation seeded with 20 messages, run cycles for `--seconds` after a warm-up; p50/p99
+are per operation. PostgreSQL can be driven by several processes (`--processes`, the clients split between
+them), as several stateless store replicas would; SQLite runs in one process (one writer at a time anyway).
+
+The machine is shared, so besides turns/s the bench reports CPU per turn, which a busy neighbour inflates
+much less: the store core's (this process, including aiosqlite's threads) and, on PostgreSQL, the server
+backends serving the bench's connections (/proc, found through pg_stat_activity). "Projected" is what two
+idle cores would do at that CPU cost. Issue 3's target: at least 1,000 turns/s on PostgreSQL.
+
+    .venv/bin/python -m bench.store_turns [--seconds 10] [--clients 32] [--processes 2] [--append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import multiprocessing
+import os
+import platform
+import statistics
+import tempfile
+import time
+import uuid
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import insert, text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.store.core import CONV, MSG, ConversationStore
+from chatmesh.store.db import make_engine
+from chatmesh.store.migrate import upgrade
+from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
+
+POSTGRES_URL = os.environ.get("CHATMESH_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
+APP_NAME = "chatmesh-bench"
+USER_TEXT = "Could you explain how a prefix cache saves prefill time? " * 8  # ~450 bytes
+REPLY_TEXT = "A prefix cache keeps the KV blocks of a prompt's stable beginning. " * 25  # ~1.7 KB
+REPLY = Reply(110, REPLY_TEXT, 400, MessageStatus.COMPLETE, Usage(1500, 1100, 400))
+OPS = ("claim", "read20", "finish")
+HISTORY = 20
+
+
+@dataclass
+class Result:
+    """One worker's (or the merged) measurements."""
+
+    turns: int = 0
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+    latencies_ms: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPS})
+
+    def merge(self, other: Result) -> None:
+        self.turns += other.turns
+        self.seconds = max(self.seconds, other.seconds)
+        self.cpu_s += other.cpu_s
+        for op in OPS:
+            self.latencies_ms[op].extend(other.latencies_ms[op])
+
+
+def pct(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else float("nan")
+
+
+async def seed(engine: AsyncEngine, first: int, clients: int) -> list[tuple[OwnerId, ConversationId]]:
+    """Conversations with 20 stored messages each, written directly (seeding through turns is slow)."""
+    now = int(time.time() * 1000)
+    convs = [(OwnerId(f"bench-{uuid.uuid4().hex[:8]}-{first + i}"), ConversationId(str(uuid.uuid4())))
+             for i in range(clients)]
+    async with engine.begin() as conn:
+        await conn.execute(insert(CONV), [dict(
+            owner_id=o, conversation_id=c, title="bench", system_prompt_version="v1", created_at_ms=now,
+            updated_at_ms=now, message_count=HISTORY, summary_covers_through=-1, summary_token_count=0,
+            summary_created_at_ms=0) for o, c in convs])
+        await conn.execute(insert(MSG), [dict(
+            owner_id=o, conversation_id=c, message_index=i, role="user" if i % 2 == 0 else "assistant",
+            content=USER_TEXT if i % 2 == 0 else REPLY_TEXT, token_count=100, status="complete",
+            turn_id=str(uuid.uuid4()), created_at_ms=now, superseded=False) for o, c in convs for i in range(HISTORY)])
+    return convs
+
+
+async def cycle(store: ConversationStore, owner: OwnerId, conv: ConversationId,
+                latencies: dict[str, list[float]] | None) -> None:
+    turn = TurnId(str(uuid.uuid4()))
+    t0 = time.perf_counter()
+    claim = await store.begin_turn(owner, conv, turn, content=USER_TEXT, lease_holder="bench")
+    t1 = time.perf_counter()
+    history = await store.read_conversation(owner, conv, max_messages=HISTORY)
+    t2 = time.perf_counter()
+    assert isinstance(claim, Claimed) and len(history.messages) == HISTORY
+    await store.finish_turn(owner, conv, turn, claim.lease_id, REPLY)
+    t3 = time.perf_counter()
+    if latencies is not None:
+        for op, ms in zip(OPS, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)):
+            latencies[op].append(ms)
+
+
+async def drive(engine: AsyncEngine, first: int, clients: int, start_at: float, warmup: float,
+                seconds: float) -> Result:
+    store = ConversationStore(engine)
+    convs = await seed(engine, first, clients)
+    result = Result()
+    measure_from, stop_at = start_at + warmup, start_at + warmup + seconds
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu = 0.0
+
+    async def client(owner: OwnerId, conv: ConversationId) -> None:
+        while time.time() < stop_at:
+            measuring = time.time() >= measure_from
+            await cycle(store, owner, conv, result.latencies_ms if measuring else None)
+            if measuring:
+                result.turns += 1
+
+    async def cpu_clock() -> None:
+        nonlocal cpu
+        await asyncio.sleep(max(0.0, measure_from - time.time()))
+        cpu = time.process_time()
+
+    tasks = [asyncio.create_task(client(o, c)) for o, c in convs]
+    await asyncio.gather(cpu_clock(), *tasks)
+    result.cpu_s = time.process_time() - cpu
+    result.seconds = time.time() - measure_from
+    return result
+
+
+def pg_worker(schema: str, first: int, clients: int, start_at: float, warmup: float, seconds: float) -> Result:
+    async def main() -> Result:
+        engine = make_engine(POSTGRES_URL, pool_size=clients, search_path=schema, application_name=APP_NAME)
+        try:
+            return await drive(engine, first, clients, start_at, warmup, seconds)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def proc_cpu_s(pids: list[int]) -> float:
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def bench_backends(admin: AsyncEngine) -> list[int]:
+    async with admin.connect() as conn:
+        rows = await conn.execute(text("SELECT pid FROM pg_stat_activity WHERE application_name = :n"),
+                                  {"n": APP_NAME})
+        return [int(r[0]) for r in rows]
+
+
+async def on_postgres(clients: int, processes: int, seconds: float, warmup: float) -> tuple[str, Result, float]:
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(POSTGRES_URL, pool_size=1)
+    async with admin.begin() as conn:
+        await conn.execute(text(f"CREATE SCHEMA {schema}"))
+    engine = make_engine(POSTGRES_URL, pool_size=1, search_path=schema)
+    await upgrade(engine)
+    await engine.dispose()
+    merged = Result()
+    db_cpu = 0.0
+    try:
+        start_at = time.time() + 5.0 + processes  # time for the workers to start and seed
+        share = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(pg_worker, schema, sum(share[:i]), n, start_at, warmup, seconds)
+                       for i, n in enumerate(share)]
+            await asyncio.sleep(max(0.0, start_at + warmup - time.time()))
+            pids = await bench_backends(admin)
+            before = proc_cpu_s(pids)
+            await asyncio.sleep(max(0.0, start_at + warmup + seconds - time.time()))
+            db_cpu = proc_cpu_s(pids) - before
+            for future in futures:
+                merged.merge(future.result())
+    finally:
+        async with admin.begin() as conn:
+            await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        await admin.dispose()
+    return f"PostgreSQL 15, asyncpg, {processes} process(es)", merged, db_cpu
+
+
+async def on_sqlite(clients: int, seconds: float, warmup: float, pool_size: int) -> tuple[str, Result, float]:
+    with tempfile.TemporaryDirectory() as folder:
+        engine = make_engine(f"sqlite+aiosqlite:///{Path(folder) / 'bench.db'}", pool_size=pool_size)
+        try:
+            await upgrade(engine)
+            result = await drive(engine, 0, clients, time.time() + 1.0, warmup, seconds)
+        finally:
+            await engine.dispose()
+    return f"SQLite WAL, aiosqlite, {pool_size} connections, 1 process", result, 0.0
+
+
+def table(rows: list[tuple[str, Result, float]], clients: int) -> str:
+    lines = [f"| backend | turns/s ({clients} clients) | "
+             + " | ".join(f"{op} p50 / p99 ms" for op in OPS)
+             + " | store-core CPU ms/turn | DB server CPU ms/turn | projected turns/s, 2 idle cores |",
+             "|---|---|" + "---|" * len(OPS) + "---|---|---|"]
+    for name, r, db_cpu in rows:
+        cells = " | ".join(f"{pct(r.latencies_ms[op], 50):.1f} / {pct(r.latencies_ms[op], 99):.1f}" for op in OPS)
+        core_ms, db_ms = 1000 * r.cpu_s / max(r.turns, 1), 1000 * db_cpu / max(r.turns, 1)
+        lines.append(f"| {name} | {r.turns / r.seconds:,.0f} | {cells} | {core_ms:.2f} | "
+                     f"{db_ms:.2f} | {2000 / (core_ms + db_ms):,.0f} |")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> str:
+    rows = []
+    for backend in args.backends.split(","):
+        if backend == "postgres":
+            rows.append(await on_postgres(args.clients, args.processes, args.seconds, args.warmup))
+        elif backend == "sqlite":
+            rows.append(await on_sqlite(args.clients, args.seconds, args.warmup, args.sqlite_pool))
+        else:
+            raise SystemExit(f"unknown backend {backend}")
+    return table(rows, args.clients)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--processes", type=int, default=2, help="PostgreSQL driver processes")
+    parser.add_argument("--sqlite-pool", type=int, default=4)
+    parser.add_argument("--backends", default="postgres,sqlite")
+    parser.add_argument("--append", action="store_true", help="append the results to BENCHMARKS.md")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    body = asyncio.run(main_async(args))
+    header = (f"\n### store_turns, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
+              f"{platform.machine()}, {os.cpu_count()} cores shared with other work (1-minute load "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after), Python {platform.python_version()}; "
+              f"{args.seconds:.0f} s per backend after {args.warmup:.0f} s warm-up; a cycle = claim + read 20 "
+              f"messages + finish (user message, ~1.7 KB reply, usage).\n\n")
+    print(header + body)
+    if args.append:
+        with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as out:
+            out.write(header + body + "\n")
+
+
+if __name__ == "__main__":
+    main()
