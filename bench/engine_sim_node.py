@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
@@ -145,6 +147,60 @@ async def _in_process(streams: int) -> None:
           f"{counts[0] / virtual:,.0f} tokens/s of modelled time")
 
 
+async def _message_cost(streams: int = 32, per_stream: int = 2_000) -> None:
+    """gRPC's own CPU per streamed message (server and client in this process): a servicer yielding one prebuilt
+    message vs GenerateServicer over a backend yielding Deltas, so the servicer's own layers show up as the gap."""
+    from chatmesh.engine_adapter.backend import (
+        Backend,
+        Delta,
+        Finished,
+        FinishReason,
+        GenerateEvent,
+        GenerateParams,
+        Started,
+        Usage,
+    )
+    from chatmesh.engine_adapter.service import GenerateServicer
+
+    class Fake:
+        name = "fake"
+
+        async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
+            yield Started(0, 0)
+            for _ in range(per_stream):
+                yield Delta((1, 2), "ab")
+            yield Finished(FinishReason.LENGTH, Usage(1, 0, per_stream))
+
+    class Raw(GenerateServicer):
+        async def Generate(self, request: generate_pb2.GenerateRequest,
+                           context: object) -> AsyncIterator[generate_pb2.GenerateResponse]:
+            msg = generate_pb2.GenerateResponse(delta=generate_pb2.GenerateDelta(token_ids=[1, 2], text="ab"))
+            for _ in range(per_stream + 2):
+                yield msg
+
+    fake = cast(Backend, Fake())
+    servicers = [("prebuilt messages", Raw(fake, "r")), ("GenerateServicer", GenerateServicer(fake, "r"))]
+    for name, servicer in servicers:
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generate_pb2_grpc.GenerateServiceStub(channel)
+
+            async def one() -> int:
+                req = generate_pb2.GenerateRequest(prompt_token_ids=[1], max_tokens=1)
+                return len([r async for r in stub.Generate(req)])
+
+            await one()
+            c0 = _self_cpu()
+            n = sum(await asyncio.gather(*(one() for _ in range(streams))))
+            cpu = _self_cpu() - c0
+        await server.stop(0)
+        print(f"{name}: {n:,} messages over {streams} streams, {cpu / n * 1e6:.0f} us CPU per message "
+              f"(server + client)")
+
+
 def _self_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -160,7 +216,11 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="write the server's cProfile stats to this file")
     ap.add_argument("--pin", action="store_true", help="server on CPU 0, this client on CPU 1")
     ap.add_argument("--in-process", action="store_true", help="measure the engine core alone, no gRPC")
+    ap.add_argument("--message-cost", action="store_true", help="measure gRPC's CPU per streamed message")
     args = ap.parse_args()
+    if args.message_cost:
+        asyncio.run(_message_cost())
+        return
     if args.in_process:
         asyncio.run(_in_process(args.streams))
         return
