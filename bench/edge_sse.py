@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from chatmesh.gateway.app import tune_gc
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 
 _TEXT = re.compile(rb'"text":"(\d+)\|"')
@@ -155,7 +156,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def client(args: argparse.Namespace, port: int, gateway_pid: int) -> dict[str, object]:
+async def client(args: argparse.Namespace, port: int, gateway_pid: int, chat_pid: int) -> dict[str, object]:
     await wait_http("127.0.0.1", port)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
@@ -172,9 +173,11 @@ async def client(args: argparse.Namespace, port: int, gateway_pid: int) -> dict[
         await asyncio.sleep(0.1)
     ramp_s = time.monotonic() - t0
     stats.steady = True
-    cpu0, w0 = cpu_seconds(gateway_pid), time.monotonic()
+    pids = (gateway_pid, chat_pid, os.getpid())
+    cpu0, w0 = [cpu_seconds(p) for p in pids], time.monotonic()
     await asyncio.sleep(args.measure_s)
-    cpu1, w1 = cpu_seconds(gateway_pid), time.monotonic()
+    cpu1, w1 = [cpu_seconds(p) for p in pids], time.monotonic()
+    cpu_pct = [round(100 * (b - a) / (w1 - w0)) for a, b in zip(cpu0, cpu1)]
     stats.steady = False
     held_during_measure = stats.open_now
     await asyncio.gather(*tasks)
@@ -190,7 +193,7 @@ async def client(args: argparse.Namespace, port: int, gateway_pid: int) -> dict[
         "events_measured": len(lat), "events_per_s": round(len(lat) / args.measure_s),
         "latency_ms_p50": pct(0.50), "latency_ms_p95": pct(0.95), "latency_ms_p99": pct(0.99),
         "latency_ms_mean": round(statistics.fmean(lat), 2) if lat else None,
-        "gateway_cpu_pct": round(100 * (cpu1 - cpu0) / (w1 - w0)),
+        "cpu_pct_gateway_chat_client": cpu_pct,
         "load_avg": os.getloadavg()[0],
     }
 
@@ -204,9 +207,12 @@ def main() -> int:
     parser.add_argument("--ramp", type=int, default=400, help="new streams per second")
     parser.add_argument("--role", choices=("run", "chat"), default="run")
     parser.add_argument("--chat-port", type=int, default=0)
+    parser.add_argument("--gc-threshold", type=int, default=0, help="experiment: gateway gen0 GC threshold")
+    parser.add_argument("--profile", default="", help="write a cProfile of the gateway process to this file")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    tune_gc()  # the load generator and the paced chat hold 2,000 streams too: same tuning as the gateway
     if args.role == "chat":
         asyncio.run(serve_chat(args.chat_port, args.interval_ms / 1000, args.hold_s))
         return 0
@@ -216,9 +222,13 @@ def main() -> int:
            "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_DATA_DIR": f"/tmp/chatmesh-bench-{os.getpid()}"}
     chat = subprocess.Popen([sys.executable, "-m", "bench.edge_sse", "--role", "chat", "--chat-port",
                              str(chat_port), "--interval-ms", str(args.interval_ms), "--hold-s", str(args.hold_s)])
-    gateway = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "gateway"], env=env)
+    profile = ["-m", "cProfile", "-o", args.profile] if args.profile else []
+    entry = ["-c", f"import gc, sys; gc.set_threshold({max(0, args.gc_threshold)}, 10, 10); from chatmesh.mesh.cli import main; "
+                   "sys.exit(main(['serve', 'gateway']))"] if args.gc_threshold else \
+        ["-m", "chatmesh.mesh.cli", "serve", "gateway"]
+    gateway = subprocess.Popen([sys.executable, *profile, *entry], env=env)
     try:
-        result = asyncio.run(client(args, gw_port, gateway.pid))
+        result = asyncio.run(client(args, gw_port, gateway.pid, chat.pid))
     finally:
         for proc in (gateway, chat):
             proc.send_signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ Identity: CHATMESH_AUTH=local serves one development user and is refused on any 
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -189,11 +190,29 @@ def server_for(cfg: Config, app: Starlette | None = None, port: int | None = Non
     return _Server(config, app.state.relays, grace)
 
 
+# Garbage collection for a process that holds thousands of open streams. Every open stream keeps a few hundred
+# live objects (connection, request, tasks, gRPC call, sanitiser), all long-lived, so CPython's default
+# thresholds (700, 10, 10) keep triggering full collections that walk every one of them: with 2,000 streams open
+# each pause took hundreds of milliseconds and set the p95 latency of every stream (bench/edge_sse.py: p95
+# 300-2,400 ms with the defaults, 22 ms with collection off). So: what start-up built (modules, the app) is moved
+# out of the collector's sight (`gc.freeze`), and young collections run every 50,000 allocations instead of 700,
+# which makes full collections ~1,000x rarer. Per-event garbage is acyclic and freed by reference counting, so
+# memory does not wait on the collector.
+GC_THRESHOLDS = (50_000, 20, 50)
+
+
+def tune_gc() -> None:
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run(cfg: Config) -> int:
     try:
         server = server_for(cfg)
     except StartupRefused as err:
         log.error("startup_refused", reason=str(err))
         return 2
+    tune_gc()
     server.run()
     return 0 if server.started else 1
