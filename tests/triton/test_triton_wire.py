@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.engine_adapter.triton import python_model, wire
 from chatmesh.engine_adapter.triton.render import Deployment, parse_model_config, planned_host_cache_bytes, render
-from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted
+from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from chatmesh.mesh.ids import ConversationId, TurnId
 
 CONVERSATION = ConversationId("8a3d7f0e-3f51-4c1e-9c63-0d6a2b1f9e11")
@@ -143,3 +144,30 @@ def test_build_backend_connects_or_renders_a_local_server(tmp_path: Path) -> Non
     engine_env = python_model.parse_engine_env(config.parameters["engine_env"].string_value)  # type: ignore[attr-defined]
     assert engine_env["CHATMESH_SIM_STEP_MS"] == "4" and "CHATMESH_ENGINE" not in engine_env
     assert config.parameters["engine"].string_value == "sim"  # type: ignore[attr-defined]
+
+
+async def test_unavailable_before_the_first_token_is_retried_invisibly() -> None:
+    import grpc
+
+    from chatmesh.engine_adapter.triton import backend as tb
+
+    attempts: list[int] = []
+
+    class Flaky(tb.TritonBackend):
+        async def _stream(self, inputs: object) -> AsyncGenerator[wire.Getter, None]:
+            attempts.append(1)
+            yield wire.getter(wire.event_tensors(Started(cached_tokens=0, host_cached_tokens=0)))
+            if len(attempts) < 3:
+                raise tb._StreamFailed("UNAVAILABLE: connection reset", grpc.StatusCode.UNAVAILABLE)
+            yield wire.getter(wire.event_tensors(Delta((5,), "five")))
+            yield wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1))))
+
+    b = Flaky(tb.TritonOptions(address="triton-9:8001", retries=2))
+    events = [e async for e in b.generate(GenerateParams((1,), 1))]
+    assert len(attempts) == 3
+    assert [type(e) for e in events] == [Started, Delta, Finished]  # one Started, though three were received
+    b = Flaky(tb.TritonOptions(address="triton-9:8001", retries=1))
+    attempts.clear()
+    with pytest.raises(Unavailable, match="triton-9:8001"):
+        [e async for e in b.generate(GenerateParams((1,), 1))]
+    assert len(attempts) == 2

@@ -5,12 +5,13 @@ generation cancels one stream and nothing else), on one shared channel. The requ
 until the generation finishes; responses are wire.py's started / delta / finished tensors.
 
 Failure rules (the servicer maps the typed errors to gRPC statuses):
-- Triton unreachable or answering UNAVAILABLE before the first event: retried `retries` times with a short
-  backoff (nothing was streamed, so a retry cannot duplicate output), then `Unavailable` naming the address.
-- Any other Triton-level error before the first event (model not loaded, deadline): `Unavailable` naming the
+- Triton unreachable or answering UNAVAILABLE before the first token: retried `retries` times with a short
+  backoff, then `Unavailable` naming the address. `Started` is held back until the first token (they arrive
+  within one engine step of each other), so the caller never sees the abandoned attempt.
+- Any other Triton-level error before the first token (model not loaded, deadline): `Unavailable` naming the
   address: this replica cannot serve, the router should try another.
 - The model's own refusals arrive typed: `InvalidArgument`, `ResourceExhausted` (queue full), never retried.
-- After the first event nothing is retried: the stream ends with `Finished(ERROR)` and what was produced.
+- After the first token nothing is retried: the stream ends with `Finished(ERROR)` and what was produced.
 - Deadline: `timeout_s` bounds the whole stream (gRPC deadline).
 - Cancel: closing the event iterator cancels the gRPC call; Triton marks the request cancelled, the model aborts
   the sequence and frees its blocks (python_model.py).
@@ -42,6 +43,7 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    Started,
     TierStats,
     Usage,
 )
@@ -161,13 +163,20 @@ class TritonBackend:
         while True:
             produced = 0
             streamed = False
+            held: Started | None = None  # Started waits for the first token: until then a retry is invisible
             try:
                 async with contextlib.aclosing(self._stream(inputs)) as responses:
                     async for get in responses:
                         event = self._event(get, prompt)
+                        if isinstance(event, Started):
+                            held = event
+                            continue
+                        streamed = True
+                        if held is not None:
+                            yield held
+                            held = None
                         if isinstance(event, Delta):
                             produced += len(event.token_ids)
-                        streamed = True
                         yield event
                         if isinstance(event, Finished):
                             return

@@ -15,7 +15,8 @@ engine's own asyncio loop (a daemon thread) and returns. Responses are queued, i
 send is an IPC round trip to the server, and the engine loop should keep stepping meanwhile. A watcher thread asks
 Triton every `cancel_check_ms` whether each open request was cancelled (the client cancelled its stream or went
 away) and cancels its coroutine, which closes the backend's event iterator: the sequence is aborted and its KV
-blocks freed (I5). Every request gets exactly one response flagged COMPLETE_FINAL, whatever happens.
+blocks freed (I5). Every request gets exactly one response flagged COMPLETE_FINAL, whatever happens, and is
+never asked `is_cancelled()` after it (see `_send_loop`).
 
 The model takes `pb_utils` (triton_python_backend_utils, which exists only inside the stub) as an argument, so this
 module imports anywhere and is type-checked; triton_models/chatmesh_llm/1/model.py is the two-line shim Triton loads.
@@ -108,7 +109,7 @@ class ChatmeshModel:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_cancellation, name="chatmesh-cancel", daemon=True)
-        self._outbox: queue.SimpleQueue[tuple[Any, Any, bool] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[int, Any, Any, bool] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="chatmesh-send", daemon=True)
         self._cancel_check_s = DEFAULT_CANCEL_CHECK_MS / 1000
         self._next_key = 0
@@ -189,7 +190,7 @@ class ChatmeshModel:
 
         def send(tensors: Mapping[str, wire.Array], final: bool = False) -> None:
             nonlocal final_sent
-            self._outbox.put((sender, self._response(tensors), final))
+            self._outbox.put((key, sender, self._response(tensors), final))
             final_sent = final_sent or final
 
         try:
@@ -232,34 +233,46 @@ class ChatmeshModel:
             if not final_sent:
                 send(wire.error_tensors(err), final=True)
         finally:
-            with self._lock:
-                self._open.pop(key, None)
             if events is not None:
                 await _close(events)
             if not final_sent:
-                self._outbox.put((sender, None, True))
+                self._outbox.put((key, sender, None, True))
 
     def _send_loop(self) -> None:
-        """Sends responses in order, off the engine loop (each send is an IPC round trip to the server)."""
+        """Sends responses in order, off the engine loop (each send is an IPC round trip to the server).
+
+        A request leaves `_open` here, under the lock, in the same critical section as its final send: Triton
+        frees the request's response factory on that send, and asking a freed request `is_cancelled()`
+        crashes tritonserver (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled, seen under 8 concurrent
+        streams), so the watcher may only ask requests still in `_open`, and only under the same lock."""
         while (item := self._outbox.get()) is not None:
-            sender, response, final = item
-            flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-            try:
-                if response is None:
-                    sender.send(flags=flags)
-                else:
-                    sender.send(response, flags=flags)
-            except Exception as err:  # noqa: BLE001  (the request was cancelled and released meanwhile)
-                self.pb.Logger.log_verbose(f"chatmesh_llm: send failed: {type(err).__name__}")
+            key, sender, response, final = item
+            if final:
+                with self._lock:
+                    self._open.pop(key, None)
+                    self._send(sender, response, final)
+            else:
+                self._send(sender, response, final)
+
+    def _send(self, sender: Any, response: Any, final: bool) -> None:
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        try:
+            if response is None:
+                sender.send(flags=flags)
+            else:
+                sender.send(response, flags=flags)
+        except Exception as err:  # noqa: BLE001  (the request was cancelled and released meanwhile)
+            self.pb.Logger.log_verbose(f"chatmesh_llm: send failed: {type(err).__name__}")
 
     def _watch_cancellation(self) -> None:
         while not self._stopping.wait(self._cancel_check_s):
-            with self._lock:
-                open_now = list(self._open.values())
-            for entry in open_now:
-                try:
-                    cancelled = bool(entry.request.is_cancelled())
-                except Exception:  # noqa: BLE001  (a request Triton already released counts as cancelled)
-                    cancelled = True
-                if cancelled:
-                    entry.task.cancel()  # a concurrent future: cancelling it cancels the coroutine on the loop
+            with self._lock:  # no final send (which frees a request) can happen while we ask
+                cancelled = [entry for entry in self._open.values() if self._is_cancelled(entry.request)]
+            for entry in cancelled:
+                entry.task.cancel()  # a concurrent future: cancelling it cancels the coroutine on the loop
+
+    def _is_cancelled(self, request: Any) -> bool:
+        try:
+            return bool(request.is_cancelled())
+        except Exception:  # noqa: BLE001  (an error asking means the request is gone: stop its work)
+            return True
