@@ -21,14 +21,16 @@ import grpc
 import pytest
 
 from chatmesh.chat import context
-from chatmesh.chat.clients import Channels, GrpcEngines, GrpcModeration, GrpcRouter, GrpcStore
+from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.prompting import ChatMLRenderer
 from chatmesh.mesh import settings
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.mesh.up import Mesh
+from chatmesh.mesh.up import Extra, Mesh
 from chatmesh.model import tokenizer as model_tokenizer
 from chatmesh.model.settings import MODEL_DIR
+from chatmesh.moderation.client import ModerationClient
+from prometheus_client import CollectorRegistry
 from chatmesh.mesh.config import Config
 from chatmesh.v1 import (
     chat_pb2, chat_pb2_grpc, common_pb2, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc,
@@ -52,15 +54,10 @@ def start_cluster(tmp: Path, **extra: str) -> Cluster:
     engine0 = env["CHATMESH_ENGINE_ADDRESS"]
     engine1 = f"127.0.0.1:{free_port()}"
     env["CHATMESH_REPLICAS"] = f"engine-0={engine0},engine-1={engine1}"
-    mesh = Mesh(env=env, log_dir=tmp / "logs", start_timeout_s=90)
+    mesh = Mesh(env=env, log_dir=tmp / "logs", start_timeout_s=180)
     chat1 = f"127.0.0.1:{free_port()}"
-    mesh.start(before={"router": lambda: mesh.add("engine-1", "engine", engine1, {"CHATMESH_REPLICA_ID": "engine-1"}),
-                       "chat": lambda: None})
-    try:
-        mesh.add("chat-1", "chat", chat1, {"CHATMESH_CHAT_INSTANCE_ID": "chat-1"})
-    except BaseException:
-        mesh.stop()
-        raise
+    mesh.start(extra=[Extra("engine-1", "engine", engine1, {"CHATMESH_REPLICA_ID": "engine-1"}),
+                      Extra("chat-1", "chat", chat1, {"CHATMESH_CHAT_INSTANCE_ID": "chat-1"})])
     return Cluster(mesh, [env["CHATMESH_CHAT_ADDRESS"], chat1], {"engine-0": engine0, "engine-1": engine1})
 
 
@@ -187,7 +184,8 @@ def _core_for(cluster: Cluster, channels: Channels) -> ChatCore:
         keep_recent_messages=4)
     return ChatCore(GrpcStore(channels.get(cfg[settings.STORE_ADDRESS])),
                     GrpcRouter(channels.get(cfg[settings.ROUTER_ADDRESS])), GrpcEngines(channels),
-                    GrpcModeration(channels.get(cfg[settings.MODERATION_ADDRESS])), renderer, renderer.count, options)
+                    Moderation(ModerationClient.from_config(cfg, registry=CollectorRegistry())), renderer, renderer.count,
+                    options)
 
 
 async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Cluster) -> None:

@@ -3,8 +3,7 @@ one place (`translate`), so the core and the ChatService servicer never see a ra
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -12,10 +11,8 @@ import grpc
 from chatmesh.chat.ports import OutputScreen, Screening
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId
-from chatmesh.v1 import (
-    generate_pb2, generate_pb2_grpc, moderate_pb2, moderate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2,
-    store_pb2_grpc,
-)
+from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc
 
 T = TypeVar("T")
 
@@ -145,50 +142,40 @@ class GrpcEngines:
         return resp.blocks_evicted
 
 
-def _screening(verdict: moderate_pb2.Verdict) -> Screening:
-    top = verdict.categories[0].category if verdict.categories else ""
-    match verdict.action:
-        case moderate_pb2.MODERATION_ACTION_BLOCK:
-            return Screening(blocked=True, category=top, reason=verdict.reason)
-        case _:
-            return Screening(blocked=False, category=top, reason=verdict.reason)
+def _screening(outcome: Outcome) -> Screening:
+    """A moderation outcome as the turn records it; a failure-policy block names moderation, not a category."""
+    if outcome.fallback:
+        category = "moderation_unavailable"
+    else:
+        category = next(iter(categories_of(outcome)), "")
+    return Screening(blocked=outcome.blocked, category=category, reason=outcome.reason)
 
 
-class GrpcOutputScreen:
-    """One CheckOutput stream per reply: chunks in, one verdict per chunk out, in order."""
+class ModerationOutput:
+    """One reply's output session: chunks in order, one outcome each, the window spanning chunks."""
 
-    def __init__(self, stub: moderate_pb2_grpc.ModerateServiceAsyncStub, conversation_id: ConversationId):
-        self.conversation_id = conversation_id
-        self.queue: asyncio.Queue[moderate_pb2.CheckOutputRequest | None] = asyncio.Queue()
-        self.rpc = stub.CheckOutput(self._requests())
+    def __init__(self, session: OutputSession):
+        self.session = session
 
-    async def _requests(self) -> AsyncIterator[moderate_pb2.CheckOutputRequest]:
-        while (item := await self.queue.get()) is not None:
-            yield item
-
-    async def check(self, chunk: str) -> Screening:
-        try:
-            self.queue.put_nowait(moderate_pb2.CheckOutputRequest(text=chunk, conversation_id=self.conversation_id))
-            resp = await self.rpc.read()
-        except grpc.aio.AioRpcError as err:
-            raise translate(err, "moderation") from None
-        if not isinstance(resp, moderate_pb2.CheckOutputResponse):
-            raise errors.Unavailable("moderation closed the output check stream")
-        return _screening(resp.verdict)
+    async def check(self, chunk: str, final: bool = False) -> Screening:
+        return _screening(await self.session.check(chunk, final=final))
 
     async def close(self) -> None:
-        self.queue.put_nowait(None)
-        self.rpc.cancel()
+        await self.session.close()
 
 
-class GrpcModeration:
-    def __init__(self, channel: grpc.aio.Channel):
-        self.stub = moderate_pb2_grpc.ModerateServiceStub(channel)
+class Moderation:
+    """The moderation service through its client, which applies the configured failure policy per direction
+    (fail closed or open) when the service is down, failing or slow, and says so in the outcome."""
+
+    def __init__(self, client: ModerationClient):
+        self.client = client
 
     async def check_input(self, text: str, conversation_id: ConversationId) -> Screening:
-        resp = await call("moderation", self.stub.CheckInput(
-            moderate_pb2.CheckInputRequest(text=text, conversation_id=conversation_id)))
-        return _screening(resp.verdict)
+        return _screening(await self.client.check_input(text, conversation_id))
 
     async def open_output(self, conversation_id: ConversationId) -> OutputScreen:
-        return GrpcOutputScreen(self.stub, conversation_id)
+        return ModerationOutput(self.client.output(conversation_id))
+
+    async def close(self) -> None:
+        await self.client.close()

@@ -301,7 +301,7 @@ class ChatCore:
             await live.publish(Started(replayed=False))
             final = await self._generate(live, job)
         except errors.CoreError as err:
-            log.warning("turn_failed", conversation_id=conv, turn_id=turn, error=type(err).__name__)
+            log.warning("turn_failed", conversation_id=conv, turn_id=turn, error=type(err).__name__, reason=str(err))
             final = Failed(message=str(err), retryable=isinstance(err, errors.Unavailable))
             if not isinstance(err, LeaseLost):
                 await self._fail(job, type(err).__name__)
@@ -349,7 +349,8 @@ class ChatCore:
             if screening.blocked:
                 machine.advance(TurnState.BLOCKED)
                 await self._finish(job, user_tokens, "", 0, common_pb2.MESSAGE_STATUS_BLOCKED, Usage())
-                return Blocked(stage="input", category=screening.category)
+                log.info("input_blocked", conversation_id=conv, turn_id=turn, category=screening.category)
+                return Blocked(stage="input", category=screening.category, reason=screening.reason)
         view = await self.get_conversation(owner, conv)
         summary = await self._summary_for(owner, conv, view)
         rendered = self.render(view, summary, job.content if job.regenerates is None else None, job.regenerates)
@@ -503,7 +504,7 @@ class ChatCore:
                         if resp.delta.text:
                             verdict = await screen.check(resp.delta.text)
                             if verdict.blocked:
-                                return Blocked(stage="output", category=verdict.category)
+                                return Blocked(stage="output", category=verdict.category, reason=verdict.reason)
                             await live.publish(Delta(resp.delta.text))
                     case "finished":
                         progress.output_tokens = max(progress.output_tokens, resp.finished.usage.output_tokens)

@@ -62,6 +62,7 @@ class Failed:
 class Blocked:
     stage: str  # "input" or "output"
     category: str
+    reason: str = ""  # why, never the checked text
 
 
 EventKind = Started | Delta | Completed | Stopped | Failed | Blocked

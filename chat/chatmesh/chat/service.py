@@ -13,7 +13,7 @@ from typing import assert_never
 import grpc
 
 from chatmesh.chat import context, settings
-from chatmesh.chat.clients import Channels, GrpcEngines, GrpcModeration, GrpcRouter, GrpcStore
+from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
 from chatmesh.chat.prompting import ChatMLRenderer
@@ -22,6 +22,7 @@ from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import parse_conversation_id, parse_owner_id, parse_turn_id
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.model import settings as model_settings
+from chatmesh.moderation.client import ModerationClient
 from chatmesh.model import tokenizer as model_tokenizer
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
@@ -43,9 +44,10 @@ def event_to_proto(event: TurnEvent) -> chat_pb2.TurnEvent:
         case Failed(message=message, retryable=retryable):
             out.failed.message = message
             out.failed.retryable = retryable
-        case Blocked(stage=stage, category=category):
+        case Blocked(stage=stage, category=category, reason=reason):
             out.blocked.stage = stage
             out.blocked.category = category
+            out.blocked.reason = reason
         case _:
             assert_never(event.kind)
     return out
@@ -155,11 +157,12 @@ def build(cfg: Config) -> Service:
         keep_recent_messages=cfg[settings.KEEP_RECENT_MESSAGES],
         instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}", salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
         system_prompts=prompts, default_prompt_version=default_version)
+    moderation = Moderation(ModerationClient.from_config(cfg))
     core = ChatCore(
         store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS])),
         router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS])),
         engines=GrpcEngines(channels),
-        moderation=GrpcModeration(channels.get(cfg[mesh_settings.MODERATION_ADDRESS])),
+        moderation=moderation,
         renderer=renderer, count_tokens=renderer.count, options=options)
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -168,6 +171,7 @@ def build(cfg: Config) -> Service:
 
     async def close() -> None:
         await core.close()
+        await moderation.close()
         await channels.close()
 
     return Service(name="chat", register=register, close=close)

@@ -9,7 +9,6 @@ takes the mesh down with a message naming it. The same `Mesh` class starts the m
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh import config, settings
 from chatmesh.mesh.config import Config
+from chatmesh.v1 import route_pb2, route_pb2_grpc
 
 # (service, setting holding its address) in start order; the gateway comes last.
 ORDER: tuple[tuple[str, config.Setting[str]], ...] = (
@@ -38,21 +38,40 @@ ORDER: tuple[tuple[str, config.Setting[str]], ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Extra:
+    """One more gRPC process beside the standard ones, such as a second engine replica or chat process."""
+
+    name: str
+    service: str
+    address: str
+    env: Mapping[str, str]
+
+
 class MeshError(RuntimeError):
     """A service did not start or died."""
 
 
 def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
-    async def check() -> bool:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-            return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+    """One standard health check (a blocking call: usable with or without a running event loop)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                             timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
-    try:
-        return asyncio.run(check())
-    except grpc.aio.AioRpcError:
-        return False
+
+def replicas_serving(router: str, timeout_s: float = 1.0) -> bool:
+    """True once the router sees every configured engine replica as serving (it watches their health)."""
+    with grpc.insecure_channel(router) as channel:
+        try:
+            resp = route_pb2_grpc.RouteServiceStub(channel).ListReplicas(route_pb2.ListReplicasRequest(),
+                                                                         timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(resp.replicas) and all(r.state == route_pb2.REPLICA_STATE_SERVING for r in resp.replicas)
 
 
 def http_answers(url: str, timeout_s: float = 1.0) -> bool:
@@ -107,26 +126,27 @@ class Mesh:
         raise MeshError(f"{name} did not become healthy in {self.start_timeout_s:.0f} s; "
                         f"see {self.log_dir / name}.log")
 
-    def add(self, name: str, service: str, address: str, env: Mapping[str, str]) -> None:
-        """Starts one more gRPC process (a second engine replica or chat process) and waits for its health."""
-        self._spawn(service, name, {**env, "CHATMESH_LISTEN": address})
-        self._wait(name, lambda: grpc_serving(address))
 
-    def start(self, on_ready: Any = None, before: Mapping[str, Any] | None = None) -> None:
-        """Starts the mesh; `before[service]()` runs just before that service starts (to add extra replicas)."""
+    def start(self, on_ready: Any = None, extra: Sequence[Extra] = ()) -> None:
+        """Starts every service (plus `extra` replicas) at once and waits until each is healthy. Services reach
+        each other lazily (channels connect on first use, the router keeps re-watching engines), so the start
+        order does not matter and the mesh is up in the time of its slowest service, not the sum."""
         cfg = self.cfg
         try:
+            waits: list[tuple[str, Any, str]] = []
             for service, address in ORDER:
-                if before and service in before:
-                    before[service]()
                 self._spawn(service)
-                self._wait(service, lambda a=cfg[address]: grpc_serving(a))
-                if on_ready:
-                    on_ready(service, cfg[address])
+                waits.append((service, lambda a=cfg[address]: grpc_serving(a), cfg[address]))
+            for x in extra:
+                self._spawn(x.service, x.name, {**x.env, "CHATMESH_LISTEN": x.address})
+                waits.append((x.name, lambda a=x.address: grpc_serving(a), x.address))
             self._spawn("gateway")
-            self._wait("gateway", lambda: http_answers(self.gateway_url + "/healthz"))
-            if on_ready:
-                on_ready("gateway", self.gateway_url)
+            waits.append(("gateway", lambda: http_answers(self.gateway_url + "/healthz"), self.gateway_url))
+            for name, ready, where in waits:
+                self._wait(name, ready)
+                if on_ready:
+                    on_ready(name, where)
+            self._wait("router", lambda: replicas_serving(cfg[settings.ROUTER_ADDRESS]))
         except BaseException:
             self.stop()
             raise

@@ -224,9 +224,11 @@ class TurnFailed(_message.Message):
     def __init__(self, message: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class TurnBlocked(_message.Message):
-    __slots__ = ("stage", "category")
+    __slots__ = ("stage", "category", "reason")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     stage: str
     category: str
-    def __init__(self, stage: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, stage: _Optional[str] = ..., category: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

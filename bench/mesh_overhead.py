@@ -1,0 +1,131 @@
+"""Time the mesh adds to a turn: time to first token through the edge and chat vs calling GenerateService directly.
+
+Both sides run in one go against one mesh (every service its own process, `sim` engine at a speed factor that
+makes its step time ~0, so what is measured is the mesh: HTTP + SSE at the gateway, chat's claim / history read /
+input check / route / output check / store writes, and the extra gRPC hops). `--conversations` clients each send
+`--turns` turns one after another; TTFT is from sending the request to the first text delta.
+
+    .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--append BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+
+from chatmesh.mesh import settings
+from chatmesh.mesh.up import Mesh
+from chatmesh.model import template
+from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model.tokenizer import load as load_tokenizer
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from tests.e2e.conftest import mesh_env
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def through_edge(url: str, conversations: int, turns: int) -> list[float]:
+    ttfts: list[float] = []
+    limits = httpx.Limits(max_connections=conversations + 10, max_keepalive_connections=conversations + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async def conversation(i: int) -> None:
+            conv = (await client.post("/v1/conversations", json={})).json()["id"]
+            for t in range(turns):
+                body = {"turn_id": str(uuid.uuid4()), "content": f"Conversation {i}, turn {t}: tell me more."}
+                start = time.perf_counter()
+                first = None
+                async with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if first is None and line.startswith("event: turn.delta"):
+                            first = time.perf_counter() - start
+                if first is not None:
+                    ttfts.append(first)
+
+        await asyncio.gather(*[conversation(i) for i in range(conversations)])
+    return ttfts
+
+
+async def direct(address: str, prompt_ids: list[int], conversations: int, turns: int) -> list[float]:
+    ttfts: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+
+        async def conversation(i: int) -> None:
+            conv = str(uuid.uuid4())
+            for _ in range(turns):
+                req = generate_pb2.GenerateRequest(request_id=str(uuid.uuid4()), conversation_id=conv,
+                                                   turn_id=str(uuid.uuid4()), prompt_token_ids=prompt_ids,
+                                                   cache_salt=f"owner-{i}".encode(), max_tokens=48)
+                start = time.perf_counter()
+                first = None
+                async for resp in stub.Generate(req):
+                    if first is None and resp.WhichOneof("event") == "delta":
+                        first = time.perf_counter() - start
+                if first is not None:
+                    ttfts.append(first)
+
+        await asyncio.gather(*[conversation(i) for i in range(conversations)])
+    return ttfts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=50)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--append", help="append the results to this Markdown file")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = mesh_env(Path(tmp) / "data", CHATMESH_SIM_SPEED="100000", CHATMESH_MAX_REPLY_TOKENS="48",
+                       CHATMESH_LOG_LEVEL="warning")
+        mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
+        mesh.start()
+        try:
+            tok = load_tokenizer(mesh.cfg[MODEL_DIR])
+            prompt = list(template.render(tok, [(template.Role.USER, "Conversation 1, turn 1: tell me more.")])
+                          .token_ids)
+            # Warm both paths (connections, caches), then measure.
+            asyncio.run(through_edge(mesh.gateway_url, 4, 1))
+            asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, 4, 1))
+            engine = asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, args.conversations, args.turns))
+            edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns))
+        finally:
+            mesh.stop()
+    rows = []
+    for name, values in (("GenerateService directly", engine), ("edge + chat (full mesh)", edge)):
+        rows.append((name, len(values), statistics.median(values) * 1e3, pct(values, 0.99) * 1e3))
+    added_p50 = rows[1][2] - rows[0][2]
+    added_p99 = rows[1][3] - rows[0][3]
+    lines = [
+        f"### Mesh overhead on TTFT ({datetime.date.today()}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"{args.conversations} concurrent conversations x {args.turns} turns, sim at ~0 step time)",
+        "",
+        "| path | turns | TTFT p50 (ms) | TTFT p99 (ms) |",
+        "|---|---|---|---|",
+        *[f"| {n} | {c} | {p50:.1f} | {p99:.1f} |" for n, c, p50, p99 in rows],
+        f"| **added by the mesh** | | **{added_p50:.1f}** | **{added_p99:.1f}** |",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
