@@ -33,6 +33,7 @@ from pathlib import Path
 from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.store.core import CONV, MSG, ConversationStore
 from chatmesh.store.db import make_engine
@@ -131,6 +132,8 @@ async def drive(engine: AsyncEngine, first: int, clients: int, start_at: float, 
 
 
 def pg_worker(schema: str, first: int, clients: int, start_at: float, warmup: float, seconds: float) -> Result:
+    quiet_logs()
+
     async def main() -> Result:
         engine = make_engine(POSTGRES_URL, pool_size=clients, search_path=schema, application_name=APP_NAME)
         try:
@@ -139,6 +142,11 @@ def pg_worker(schema: str, first: int, clients: int, start_at: float, warmup: fl
             await engine.dispose()
 
     return asyncio.run(main())
+
+
+def quiet_logs() -> None:
+    """JSON logs as the service writes them, at warning: the bench measures the store, not the terminal."""
+    logs.configure("store", "warning", json=True)
 
 
 def proc_cpu_s(pids: list[int]) -> float:
@@ -170,7 +178,7 @@ async def on_postgres(clients: int, processes: int, seconds: float, warmup: floa
     merged = Result()
     db_cpu = 0.0
     try:
-        start_at = time.time() + 5.0 + processes  # time for the workers to start and seed
+        start_at = time.time() + 10.0 + 3.0 * processes  # time for the workers to start and seed (busy box)
         share = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
         with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(pg_worker, schema, sum(share[:i]), n, start_at, warmup, seconds)
@@ -186,7 +194,7 @@ async def on_postgres(clients: int, processes: int, seconds: float, warmup: floa
         async with admin.begin() as conn:
             await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         await admin.dispose()
-    return f"PostgreSQL 15, asyncpg, {processes} process(es)", merged, db_cpu
+    return f"PostgreSQL 15, asyncpg, {processes} process(es), {len(pids)} backends", merged, db_cpu
 
 
 async def on_sqlite(clients: int, seconds: float, warmup: float, pool_size: int) -> tuple[str, Result, float]:
@@ -235,6 +243,7 @@ def main() -> None:
     parser.add_argument("--backends", default="postgres,sqlite")
     parser.add_argument("--append", action="store_true", help="append the results to BENCHMARKS.md")
     args = parser.parse_args()
+    quiet_logs()
     load_before = os.getloadavg()[0]
     body = asyncio.run(main_async(args))
     header = (f"\n### store_turns, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"

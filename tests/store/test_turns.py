@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
@@ -174,3 +177,27 @@ async def test_bad_input_and_ownership(make_store: object, store: ConversationSt
         await claim(store, ConversationId(str(uuid.uuid4())), new_turn())
     with pytest.raises(InvalidArgument, match="title"):
         await store.insert_conversation(OWNER, "t" * 201)
+
+
+async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationStore, engine: AsyncEngine) -> None:
+    conv = await conversation(store)
+    turn = new_turn()
+    c = await claim(store, conv, turn)
+    assert isinstance(c, Claimed)
+
+    def fail_on_usage(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if statement.startswith("INSERT INTO usage_days"):
+            raise RuntimeError("disk full")
+
+    event.listen(engine.sync_engine, "before_cursor_execute", fail_on_usage)
+    try:
+        with pytest.raises(Exception, match="disk full"):
+            await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", fail_on_usage)
+    history = await store.read_conversation(OWNER, conv)
+    assert history.messages == [] and history.conversation.message_count == 0
+    assert (await store.read_turn(OWNER, conv, turn)).state is TurnState.RECEIVED
+    assert await store.usage(OWNER) == []
+    assert not (await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())).already_finished
+    assert len((await store.read_conversation(OWNER, conv)).messages) == 2

@@ -312,7 +312,7 @@ class ConversationStore:
                 raise NotFound(f"conversation {conversation} not found") from None
             if outcome is not None:
                 if isinstance(outcome, Claimed):
-                    log.info("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
+                    log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
                 return outcome
         raise Unavailable(f"turn {turn}: claim contended {CLAIM_ATTEMPTS} times; retry")
 
