@@ -40,7 +40,7 @@ def mesh_env(data_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def start_mesh(tmp: Path, **extra: str) -> Mesh:
-    mesh = Mesh(env=mesh_env(tmp / "data", **extra), log_dir=tmp / "logs", start_timeout_s=90)
+    mesh = Mesh(env=mesh_env(tmp / "data", **extra), log_dir=tmp / "logs", start_timeout_s=180)
     mesh.start()
     return mesh
 

@@ -9,7 +9,7 @@ import pytest
 
 from chatmesh.engine_adapter.backend import Delta, Finished, FinishReason, GenerateParams, Started
 from chatmesh.engine_adapter.engine import EngineCore
-from chatmesh.engine_adapter.local import build_local
+from chatmesh.engine_adapter.local.backend import build_local
 from chatmesh.engine_adapter.local.executor import LocalExecutor
 from chatmesh.engine_adapter.local.model import LoadedModel
 from chatmesh.mesh.config import Config

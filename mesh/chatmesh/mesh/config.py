@@ -22,6 +22,7 @@ SETTING_MODULES = (
     "chatmesh.store.settings",
     "chatmesh.router.settings",
     "chatmesh.engine_adapter.settings",
+    "chatmesh.engine_adapter.local.settings",
     "chatmesh.engine_adapter.triton.settings",
     "chatmesh.moderation.settings",
     "chatmesh.chat.settings",

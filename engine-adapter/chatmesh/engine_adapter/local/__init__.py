@@ -1,64 +1,19 @@
-"""The `local` backend: SmolLM2-135M-Instruct on the CPU (PyTorch fp32) under the engine core.
+"""The `local` backend: SmolLM2-135M-Instruct on the CPU under the engine core (see `backend.py`).
 
-`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process), sizes the KV tiers
-(defaults: 2,048 device blocks of 32 tokens = a 64 k-token budget, and a quarter of that on the host, in
-bfloat16) and returns an EngineCore over a LocalExecutor that runs each step in a worker thread. The model file
-is a setup step (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
+This package's `__init__` stays light: the settings module is imported by every process for the flag table,
+and importing torch there would add seconds to every service's start. `build_backend` imports it on use.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from chatmesh.engine_adapter import settings as engine_settings
-from chatmesh.engine_adapter.backend import Backend
-from chatmesh.engine_adapter.block_manager import BlockConfig
-from chatmesh.engine_adapter.engine import Clock, EngineCore
-from chatmesh.engine_adapter.local import settings as local_settings
-from chatmesh.engine_adapter.local.executor import LocalExecutor
-from chatmesh.engine_adapter.local.model import LoadedModel, load_gguf
-from chatmesh.engine_adapter.scheduler import SchedulerConfig
-from chatmesh.mesh.config import Config
-from chatmesh.model.assets import gguf_path
-from chatmesh.model.settings import MODEL_DIR
-
-DEFAULT_KV_TOKENS = 65_536
-KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@functools.lru_cache(maxsize=2)
-def _load(path: str) -> LoadedModel:
-    return load_gguf(path)
-
-
-def load_model(model_dir: str | Path) -> LoadedModel:
-    """The model in `model_dir`, loaded once per process (raises ModelMissing when not fetched)."""
-    return _load(str(gguf_path(model_dir).resolve()))
-
-
-def default_threads() -> int:
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
-
-
-def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock | None = None) -> EngineCore:
-    model = model or load_model(cfg[MODEL_DIR])
-    threads = cfg[local_settings.THREADS]
-    torch.set_num_threads(threads if threads > 0 else default_threads())
-    bs = cfg[engine_settings.BLOCK_SIZE]
-    device = cfg[engine_settings.DEVICE_BLOCKS]
-    host = cfg[engine_settings.HOST_BLOCKS]
-    blocks = BlockConfig(bs, device if device >= 0 else DEFAULT_KV_TOKENS // bs,
-                         host if host >= 0 else DEFAULT_KV_TOKENS // 4 // bs)
-    executor = LocalExecutor(model, blocks.device_blocks, blocks.host_blocks, bs,
-                             KV_DTYPES[cfg[local_settings.KV_DTYPE]])
-    sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH], cfg[engine_settings.STEP_TOKEN_BUDGET], cfg[engine_settings.QUEUE_LIMIT])
-    return EngineCore(executor, blocks, sched, model.tokenizer, replica_id=cfg[engine_settings.REPLICA_ID],
-                      flush_interval_s=cfg[engine_settings.FLUSH_INTERVAL_MS] / 1000, clock=clock, offload=True)
+if TYPE_CHECKING:
+    from chatmesh.engine_adapter.backend import Backend
+    from chatmesh.mesh.config import Config
 
 
 def build_backend(cfg: Config) -> Backend:
+    from chatmesh.engine_adapter.local.backend import build_local
+
     return build_local(cfg)
