@@ -165,8 +165,7 @@ class ConversationStore:
         self.engine = engine
         self.limits = limits
         self._clock = clock
-        self._sqlite = is_sqlite(engine)
-        upsert = sqlite.insert if self._sqlite else postgresql.insert
+        upsert = sqlite.insert if is_sqlite(engine) else postgresql.insert
         self._claim = _claim_statement(upsert)
         self._add_usage_stmt = _usage_statement(upsert)
 
@@ -613,11 +612,3 @@ def _message_values(owner: OwnerId, conversation: ConversationId, m: Message) ->
     return dict(owner_id=owner, conversation_id=conversation, message_index=m.index, role=m.role.value,
                 content=m.content, token_count=m.token_count, status=m.status.value, turn_id=m.turn_id,
                 created_at_ms=m.created_at_ms, superseded=m.superseded)
-
-
-async def create_schema(engine: AsyncEngine) -> None:
-    """Creates the tables directly (tests and the embedded default before migrations existed)."""
-    async with engine.begin() as conn:
-        await conn.run_sync(Base.metadata.create_all)
-
-

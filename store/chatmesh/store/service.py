@@ -2,8 +2,10 @@
 
 Converts protobuf to core values (ids parsed by `chatmesh.mesh.ids`, so a malformed id is INVALID_ARGUMENT
 naming its field) and back; typed core errors become status codes in `chatmesh.mesh.server`. At start the
-embedded SQLite schema is migrated to head; the engine is closed at stop. A background task purges what is
-past retention every CHATMESH_STORE_PURGE_INTERVAL_S seconds.
+schema is migrated to head (Alembic; on PostgreSQL under an advisory lock, so replicas starting together
+migrate once); the engine is closed at stop. A background task purges what is past retention every
+CHATMESH_STORE_PURGE_INTERVAL_S seconds and logs the conversation ids it removed; the engines' copies of a
+purged conversation age out of their LRU (the chat service evicts on explicit deletion).
 """
 
 from __future__ import annotations
@@ -280,7 +282,9 @@ async def purge_periodically(store: ConversationStore, interval_s: float) -> Non
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await store.purge_expired()
+            purged = await store.purge_expired()
+            if purged.conversations:
+                log.info("purged_conversations", conversation_ids=[c for _, c in purged.conversations])
         except Exception:  # the next round retries; a failed purge must not stop the service
             log.exception("purge_failed")
 
