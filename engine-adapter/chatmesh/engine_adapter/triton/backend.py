@@ -167,19 +167,19 @@ class TritonBackend:
             try:
                 async with contextlib.aclosing(self._stream(inputs)) as responses:
                     async for get in responses:
-                        event = self._event(get, prompt)
-                        if isinstance(event, Started):
-                            held = event
-                            continue
-                        streamed = True
-                        if held is not None:
-                            yield held
-                            held = None
-                        if isinstance(event, Delta):
-                            produced += len(event.token_ids)
-                        yield event
-                        if isinstance(event, Finished):
-                            return
+                        for event in self._events(get, prompt):
+                            if isinstance(event, Started):
+                                held = event
+                                continue
+                            streamed = True
+                            if held is not None:
+                                yield held
+                                held = None
+                            if isinstance(event, Delta):
+                                produced += len(event.token_ids)
+                            yield event
+                            if isinstance(event, Finished):
+                                return
                 raise _StreamFailed("the stream ended before the generation finished")
             except (GeneratorExit, asyncio.CancelledError):
                 self._refresh_soon()  # the caller cancelled: the model frees the sequence within a cancel check
@@ -195,16 +195,15 @@ class TritonBackend:
                     continue
                 raise Unavailable(f"Triton at {self.address} is unavailable: {err}") from None
 
-    def _event(self, get: wire.Getter, prompt_tokens: int) -> GenerateEvent:
-        """The event one response carries; the model's typed refusals are raised."""
+    def _events(self, get: wire.Getter, prompt_tokens: int) -> list[GenerateEvent]:
+        """The events one response carries; the model's typed refusals are raised."""
         if wire.kind_of(get) is wire.EventKind.ERROR:
             error = wire.error_of(get)
             if error is not None:
                 raise error
-            return Finished(FinishReason.ERROR, Usage(prompt_tokens, 0, 0), wire.error_message_of(get))
-        event = wire.event_of(get)
+            return [Finished(FinishReason.ERROR, Usage(prompt_tokens, 0, 0), wire.error_message_of(get))]
         self._take(wire.stats_of(get))
-        return event
+        return wire.events_of(get)
 
     async def _stream(self, inputs: Mapping[str, wire.Array]) -> AsyncGenerator[wire.Getter, None]:
         """One request on its own stream; yields each response's outputs. Leaving early cancels the stream."""
@@ -223,7 +222,7 @@ class TritonBackend:
                 if error is not None:
                     raise _StreamFailed(str(error))
                 kind = wire.kind_of(result.as_numpy)
-                complete = kind is not wire.EventKind.STARTED and kind is not wire.EventKind.DELTA
+                complete = kind not in (wire.EventKind.STARTED, wire.EventKind.DELTA, wire.EventKind.FIRST)
                 yield result.as_numpy
                 if complete:
                     break  # that was the request's last response

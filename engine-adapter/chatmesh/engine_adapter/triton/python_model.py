@@ -38,7 +38,7 @@ from typing import Any, TypeVar, assert_never
 
 import numpy as np
 
-from chatmesh.engine_adapter.backend import Backend, Finished, GenerateEvent, Started
+from chatmesh.engine_adapter.backend import Backend, Delta, Finished, GenerateEvent, Started
 from chatmesh.engine_adapter.triton import wire
 from chatmesh.mesh.errors import CoreError
 from chatmesh.mesh.ids import parse_conversation_id
@@ -219,12 +219,25 @@ class ChatmeshModel:
                 send(wire.error_tensors(err), final=True)
                 return
             while event is not None:
-                if isinstance(event, Finished):
-                    await _close(events)  # the sequence is released before the stats that ride on Finished
-                    send(wire.event_tensors(event, self._snapshot()), final=True)
-                    return
-                send(wire.event_tensors(event, self._snapshot() if isinstance(event, Started) else None))
-                event = await anext(events, None)
+                match event:
+                    case Finished():
+                        await _close(events)  # the sequence is released before the stats that ride on Finished
+                        send(wire.event_tensors(event, self._snapshot()), final=True)
+                        return
+                    case Started():
+                        snapshot = self._snapshot()
+                        after = await anext(events, None)
+                        if isinstance(after, Delta):  # the usual case: one response for the first token
+                            send(wire.first_tensors(event, after, snapshot))
+                            event = await anext(events, None)
+                        else:
+                            send(wire.event_tensors(event, snapshot))
+                            event = after
+                    case Delta():
+                        send(wire.event_tensors(event))
+                        event = await anext(events, None)
+                    case _:
+                        assert_never(event)
             raise RuntimeError("the engine's event stream ended without a Finished event")
         except asyncio.CancelledError:
             pass  # the client cancelled its stream: closing `events` below aborts the sequence

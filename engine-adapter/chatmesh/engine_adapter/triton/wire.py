@@ -5,6 +5,7 @@ generation answers with a stream of responses, each naming its kind in the `even
 
     started   cached_prompt_tokens, host_cached_prompt_tokens, stats_json
     delta     token_ids, text
+    first     started and the first delta together (what the model sends when a token follows Started)
     finished  finish_reason, prompt_tokens, cached_prompt_tokens, output_tokens, error_message, stats_json
     error     error_kind, error_message   (the request was refused before it started: bad argument, queue full)
     stats     stats_json
@@ -66,6 +67,7 @@ class Command(enum.Enum):
 class EventKind(enum.Enum):
     STARTED = "started"
     DELTA = "delta"
+    FIRST = "first"  # started + the first delta in one response: one IPC and one message fewer per generation
     FINISHED = "finished"
     ERROR = "error"
     STATS = "stats"
@@ -270,6 +272,24 @@ def _event_tensors(event: GenerateEvent) -> dict[str, Array]:
             raise AssertionError(f"unknown event {event!r}")
 
 
+def first_tensors(started: Started, delta: Delta, snapshot: Snapshot | None = None) -> dict[str, Array]:
+    """Started and the first Delta as one response."""
+    out = {**event_tensors(started, snapshot), **event_tensors(delta)}
+    out["event"] = _bytes(EventKind.FIRST.value)
+    return out
+
+
+def events_of(get: Getter) -> list[GenerateEvent]:
+    """The generation events a response carries, in order (two for `first`)."""
+    if kind_of(get) is EventKind.FIRST:
+        ids = get("token_ids")
+        return [Started(cached_tokens=_int(get, "cached_prompt_tokens"),
+                        host_cached_tokens=_int(get, "host_cached_prompt_tokens")),
+                Delta(token_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
+                      text=text_of(get, "text"))]
+    return [event_of(get)]
+
+
 def error_tensors(err: CoreError | Exception) -> dict[str, Array]:
     """A refusal before the generation started."""
     match err:
@@ -312,8 +332,8 @@ def event_of(get: Getter) -> GenerateEvent:
                                         cached_prompt_tokens=_int(get, "cached_prompt_tokens"),
                                         output_tokens=_int(get, "output_tokens")),
                             error=text_of(get, "error_message"))
-        case EventKind.ERROR | EventKind.STATS | EventKind.EVICTED:
-            raise ValueError(f"a {kind.value} response is not a generation event")
+        case EventKind.FIRST | EventKind.ERROR | EventKind.STATS | EventKind.EVICTED:
+            raise ValueError(f"a {kind.value} response is not one generation event")
         case _:
             raise AssertionError(kind)
 
