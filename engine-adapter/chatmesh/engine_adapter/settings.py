@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from chatmesh.mesh.config import Setting
 
-ENGINE = Setting("CHATMESH_ENGINE", "sim", "engine backend: sim (roofline-timed simulator), local (SmolLM2 on the CPU)"
-                 ", triton (Triton Inference Server)", str, choices=("sim", "local", "triton"))
+ENGINE = Setting("CHATMESH_ENGINE", "local", "engine backend: local (SmolLM2 on the CPU, the embedded default), sim "
+                 "(roofline-timed simulator), triton (Triton Inference Server)", str, choices=("sim", "local", "triton"))
 REPLICA_ID = Setting("CHATMESH_REPLICA_ID", "engine-0", "this engine replica's id, reported in streams and stats", str)
 BLOCK_SIZE = Setting("CHATMESH_BLOCK_SIZE", 32, "tokens per KV block", int)
 DEVICE_BLOCKS = Setting("CHATMESH_DEVICE_BLOCKS", -1,

@@ -1,0 +1,53 @@
+"""The embedded default, end to end: the real SmolLM2 model on the CPU behind the whole mesh answers in English,
+and the second turn of a conversation is served mostly from the prefix cache."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.up import Mesh
+from chatmesh.model.assets import ModelMissing, gguf_path
+from chatmesh.model.settings import MODEL_DIR
+from tests.e2e.conftest import read_sse, start_mesh
+
+
+@pytest.fixture(scope="module")
+def local_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    try:
+        gguf_path(Config()[MODEL_DIR])
+    except ModelMissing as err:
+        pytest.skip(str(err))
+    m = start_mesh(tmp_path_factory.mktemp("local"), CHATMESH_ENGINE="local", CHATMESH_SIM_STEP_MS="0",
+                   CHATMESH_MAX_REPLY_TOKENS="24")
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def ask(client: httpx.Client, conv: str, content: str) -> tuple[str, dict[str, int]]:
+    body = {"turn_id": str(uuid.uuid4()), "content": content}
+    with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = list(read_sse(resp))
+    assert events[-1].event == "turn.completed", [e.event for e in events]
+    text = "".join(e.data["text"] for e in events if e.event == "turn.delta")
+    usage: dict[str, int] = events[-1].data["usage"]
+    return text, usage
+
+
+def test_capital_of_france_is_paris_and_the_next_turn_hits_the_cache(local_mesh: Mesh, tmp_path: Path) -> None:
+    with httpx.Client(base_url=local_mesh.gateway_url, timeout=120) as client:
+        conv = client.post("/v1/conversations", json={}).json()["id"]
+        reply, first = ask(client, conv, "What is the capital of France?")
+        assert "Paris" in reply, reply
+        _, second = ask(client, conv, "And of Italy?")
+        # Turn 2 replays turn 1: everything up to the last full block of turn 1 is served from the cache.
+        assert second["cached_prompt_tokens"] >= first["prompt_tokens"] - 32
+        assert second["cached_prompt_tokens"] > second["prompt_tokens"] // 2
