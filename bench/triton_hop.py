@@ -74,7 +74,7 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--flush-ms", type=float, default=0.0, help="stream flush interval (0: a Delta per token)")
-    ap.add_argument("--cancel-check-ms", type=int, default=20, help="the model's cancellation poll period")
+    ap.add_argument("--cancel-check-ms", type=int, default=50, help="the model's cancellation poll period")
     args = ap.parse_args()
     env = {**ENV, "CHATMESH_FLUSH_INTERVAL_MS": str(args.flush_ms)}
 

@@ -18,7 +18,7 @@ Failure rules (the servicer maps the typed errors to gRPC statuses):
 
 Stats and readiness: a poller asks the model for its EngineStats every `stats_interval_s`; every Started and
 Finished carries a fresh snapshot too, and a cancel triggers re-reads 50, 200 and 700 ms later (the model frees
-the sequence within its 20 ms cancel check). Snapshots are versioned, so a late one never overwrites a newer one.
+the sequence within one cancel check, 50 ms by default). Snapshots are versioned, so a late one never overwrites a newer one.
 Readiness is Triton's ModelReady for the model, refreshed by the same poller.
 """
 
@@ -62,7 +62,7 @@ log = logs.get("chatmesh.triton.backend")
 _INPUT_TYPES = {name: wire.CLIENT_DTYPE[dtype] for name, dtype, _ in wire.INPUTS}
 RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
 DRAIN_S = 2.0  # a completed stream gets this long to end on its own
-CANCEL_REFRESH_S = (0.05, 0.15, 0.5)  # after a cancel, stats are re-read at these delays (the model's check is 20 ms)
+CANCEL_REFRESH_S = (0.1, 0.25, 0.7)  # after a cancel, stats are re-read at these delays (model check: 50 ms)
 
 
 class _StreamFailed(Exception):

@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     q.add_argument("--engine", choices=r.ENGINES, default=d.engine,
                    help="engine in the model: auto = TensorRT-LLM where it imports, else --fallback-engine")
     q.add_argument("--fallback-engine", choices=("sim", "local"), default=d.fallback_engine)
+    q.add_argument("--cancel-check-ms", type=int, default=d.cancel_check_ms,
+                   help="how often the model asks Triton whether each open request was cancelled")
     q.add_argument("--engine-env", action="append", default=[], metavar="CHATMESH_X=V",
                    help="a setting for a sim/local engine (repeatable)")
     g = q.add_argument_group("TensorRT-LLM (LLM API, PyTorch backend)")
@@ -60,6 +62,7 @@ def _render(args: argparse.Namespace) -> int:
     try:
         deployment = r.Deployment(
             name=args.name, engine=args.engine, fallback_engine=args.fallback_engine, engine_env=env,
+            cancel_check_ms=args.cancel_check_ms,
             model=args.model, tensor_parallel_size=args.tp, free_gpu_memory_fraction=args.kv_fraction,
             host_cache_bytes=host, tokens_per_block=args.tokens_per_block, max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len, salt_policy=args.salt_policy,

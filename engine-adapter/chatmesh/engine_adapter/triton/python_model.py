@@ -13,7 +13,7 @@ What runs inside (`engine` parameter of config.pbtxt):
 Threads: Triton calls `execute` on the stub's main thread; it only schedules one coroutine per request on the
 engine's own asyncio loop (a daemon thread) and returns. Responses are queued, in order, to a sender thread: a
 send is an IPC round trip to the server, and the engine loop should keep stepping meanwhile. A watcher thread asks
-Triton every `cancel_check_ms` whether each open request was cancelled (the client cancelled its stream or went
+Triton every `cancel_check_ms` (50) whether each open request was cancelled (the client cancelled its stream or went
 away) and cancels its coroutine, which closes the backend's event iterator: the sequence is aborted and its KV
 blocks freed (I5). Every request gets exactly one response flagged COMPLETE_FINAL, whatever happens, and is
 never asked `is_cancelled()` after it (see `_send_loop`).
@@ -43,7 +43,7 @@ from chatmesh.engine_adapter.triton import wire
 from chatmesh.mesh.errors import CoreError
 from chatmesh.mesh.ids import parse_conversation_id
 
-DEFAULT_CANCEL_CHECK_MS = 20
+DEFAULT_CANCEL_CHECK_MS = 50
 T = TypeVar("T")
 
 
