@@ -148,7 +148,8 @@ def main() -> int:
         f"{args.in_flight} leases open in the core cycle; the service is one `chatmesh serve router` process"
         f"{' pinned to one CPU' if pinned else ''}, the client one process with {args.clients} asyncio tasks "
         "on one channel. Picks per CPU-second: the core's own process time, the server process's CPU time "
-        f"(from /proc), so the figure holds for one uncontended core; load average at start {load:.1f}.\n",
+        "(from /proc); less sensitive than wall time to other jobs on the machine but not immune (shared caches, "
+        f"SMT siblings). Load average at start: {load:.1f}.\n",
         *table, "",
     ])
     print(text)
