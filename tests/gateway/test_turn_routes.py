@@ -3,6 +3,7 @@ the OpenAPI document naming every route, and a turn streamed over HTTPS with a C
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import ssl
 import subprocess
@@ -12,9 +13,10 @@ from pathlib import Path
 import httpx
 from starlette.routing import Mount, Route
 
-from chatmesh.gateway.app import route_table
+from chatmesh.gateway.app import create_app, route_table, serve_hypercorn
 from chatmesh.gateway.openapi import DOCUMENT
-from tests.conftest import need
+from chatmesh.mesh.config import Config
+from tests.conftest import free_port, need
 from tests.gateway.conftest import Gateway, StartGateway
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.sse_client import collect, frames, reply_text
@@ -173,3 +175,36 @@ async def test_tls_streams_a_turn_to_a_client_trusting_the_test_ca(start_gateway
             raise AssertionError("a client without the test CA must not connect")
         except httpx.ConnectError as err:
             assert "CERTIFICATE_VERIFY_FAILED" in str(err)
+
+
+async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_path: Path) -> None:
+    need(shutil.which("openssl") is not None, "the openssl command")
+    ca, cert, key = make_ca_and_cert(tmp_path)
+    port = free_port()
+    cfg = Config(env={"CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
+                      "CHATMESH_GATEWAY_SERVER": "hypercorn", "CHATMESH_TLS_CERT": str(cert),
+                      "CHATMESH_TLS_KEY": str(key), "CHATMESH_SHUTDOWN_GRACE_S": "1"})
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_hypercorn(cfg, create_app(cfg), port, stop))
+    try:
+        trusting = ssl.create_default_context(cafile=str(ca))
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=trusting, http2=True,
+                                     timeout=10) as client:
+            for _ in range(100):
+                try:
+                    await client.get("/healthz")
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            conv = (await client.post("/v1/conversations")).json()["id"]
+            async with client.stream("POST", f"/v1/conversations/{conv}/turns",
+                                     json={"turn_id": str(uuid.uuid4()), "content": "x"}) as r:
+                assert r.http_version == "HTTP/2"
+                events = await collect(r)
+        async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=trusting, timeout=10) as h1:
+            plain = await h1.get("/healthz")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    assert reply_text(events) == "Hello, world."
+    assert plain.http_version == "HTTP/1.1" and plain.status_code == 200

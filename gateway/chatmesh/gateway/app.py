@@ -9,10 +9,15 @@ the partial replies as stopped), then uvicorn closes idle connections and runs t
 process returns 0 instead of re-raising the signal, and nothing is logged with a traceback.
 
 Identity: CHATMESH_AUTH=local serves one development user and is refused on any address but loopback.
+
+Servers: uvicorn (default; HTTP/1.1, with or without TLS) or, with CHATMESH_GATEWAY_SERVER=hypercorn, hypercorn,
+which also speaks HTTP/2 to clients that offer it in the TLS handshake (ALPN), so a browser multiplexes its
+streams over one connection instead of hitting its six-connections-per-host limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import signal
@@ -207,8 +212,47 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
+                          stop: asyncio.Event | None = None) -> None:
+    """The app on hypercorn: HTTP/2 (ALPN h2) and HTTP/1.1 over TLS, HTTP/1.1 in the clear. Same shutdown as on
+    uvicorn: SIGTERM/SIGINT (or `stop`) -> open relays drain for the grace period -> the server stops."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config as HypercornConfig
+
+    check_bind(cfg)
+    host = cfg[mesh_settings.HOST]
+    hc = HypercornConfig()
+    hc.bind = [f"[{host}]:{port or cfg[mesh_settings.GATEWAY_PORT]}" if ":" in host
+               else f"{host}:{port or cfg[mesh_settings.GATEWAY_PORT]}"]
+    if cfg[settings.TLS_CERT]:
+        hc.certfile, hc.keyfile = cfg[settings.TLS_CERT], cfg[settings.TLS_KEY]
+    grace = cfg[mesh_settings.SHUTDOWN_GRACE_S]
+    hc.graceful_timeout = grace + 2
+    hc.accesslog = None
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests): the caller sets `stop`
+            loop.add_signal_handler(sig, stop.set)
+    relays: Relays = app.state.relays
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        await relays.drain(grace)
+
+    await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+
 def run(cfg: Config) -> int:
+    if bool(cfg[settings.TLS_CERT]) != bool(cfg[settings.TLS_KEY]):
+        log.error("startup_refused", reason="CHATMESH_TLS_CERT and CHATMESH_TLS_KEY go together")
+        return 2
     try:
+        if cfg[settings.SERVER] == "hypercorn":
+            check_bind(cfg)
+            tune_gc()
+            asyncio.run(serve_hypercorn(cfg, create_app(cfg)))
+            return 0
         server = server_for(cfg)
     except StartupRefused as err:
         log.error("startup_refused", reason=str(err))

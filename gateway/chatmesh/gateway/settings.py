@@ -17,6 +17,9 @@ AUTH_DATABASE_URL = Setting("CHATMESH_AUTH_DATABASE_URL", "",
                             "database of the gateway's auth_ tables (default: CHATMESH_DATABASE_URL, "
                             "else <CHATMESH_DATA_DIR>/chatmesh.db)", str)
 SESSION_TTL_S = Setting("CHATMESH_SESSION_TTL_S", 7 * 24 * 3600, "lifetime of a browser session, seconds", int)
+SERVER = Setting("CHATMESH_GATEWAY_SERVER", "uvicorn",
+                 "HTTP server of the gateway: uvicorn (HTTP/1.1) or hypercorn (HTTP/2 over TLS via ALPN, and "
+                 "HTTP/1.1)", str, choices=("uvicorn", "hypercorn"))
 TLS_CERT = Setting("CHATMESH_TLS_CERT", "", "PEM certificate chain for HTTPS at the edge (with CHATMESH_TLS_KEY)", str)
 TLS_KEY = Setting("CHATMESH_TLS_KEY", "", "PEM private key for HTTPS at the edge", str)
 REDIS_URL = Setting("CHATMESH_REDIS_URL", "",
