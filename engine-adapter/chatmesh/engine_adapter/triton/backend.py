@@ -81,7 +81,7 @@ class TritonOptions:
     timeout_s: float = 600.0
     retries: int = 2
     stats_interval_s: float = 1.0
-    ready_timeout_s: float = 60.0
+    ready_timeout_s: float = 10.0  # how long start() waits for ModelReady before serving not-ready
 
 
 class TritonBackend:
@@ -111,13 +111,16 @@ class TritonBackend:
             await self.server.start_async()
         self._client = grpcclient.InferenceServerClient(self.address)
         deadline = asyncio.get_running_loop().time() + self.options.ready_timeout_s
-        while not await self._model_ready():
-            if asyncio.get_running_loop().time() > deadline:
-                raise Unavailable(f"Triton at {self.address}: model {self.options.model} not ready "
-                                  f"after {self.options.ready_timeout_s:.0f} s")
+        while not await self._model_ready() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
-        await self.refresh_stats()
         self._poller = asyncio.create_task(self._poll())
+        if not self._ready:
+            # A remote Triton may still be loading a 70 B checkpoint: serve NOT ready (health, router) and let
+            # the poller notice ModelReady, rather than fail the engine's start.
+            log.warning("triton_not_ready", address=self.address, model=self.options.model,
+                        waited_s=self.options.ready_timeout_s)
+            return
+        await self.refresh_stats()
         log.info("triton_backend_ready", address=self.address, model=self.options.model)
 
     async def close(self) -> None:
@@ -150,7 +153,10 @@ class TritonBackend:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.options.stats_interval_s)
+            was_ready = self._ready
             if await self._model_ready():
+                if not was_ready:
+                    log.info("triton_backend_ready", address=self.address, model=self.options.model)
                 with contextlib.suppress(Unavailable):
                     await self.refresh_stats()
 

@@ -82,6 +82,13 @@ def build_engine(parameters: Mapping[str, str], model_dir: str) -> Backend:
     return backend
 
 
+async def _settle(timeout_s: float = 5.0) -> None:
+    """Waits for the loop's other tasks (requests being answered) to finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+
+
 async def _close(events: AsyncIterator[GenerateEvent]) -> None:
     """Closes a backend's event iterator (an async generator): its cleanup cancels the sequence."""
     aclose = getattr(events, "aclose", None)
@@ -136,7 +143,7 @@ class ChatmeshModel:
             with self._lock:
                 key = self._next_key
                 self._next_key += 1
-                # the lock is held until the entry exists, so _serve's removal of it always comes after
+                # the lock is held until the entry exists, so its removal (with the final send) always comes after
                 self._open[key] = _Open(request, asyncio.run_coroutine_threadsafe(self._serve(key, request),
                                                                                   self.loop))
         return None
@@ -145,7 +152,8 @@ class ChatmeshModel:
         self._stopping.set()
         if self.backend is not None:
             try:
-                self._call(self.backend.close())
+                self._call(self.backend.close())  # open generations finish CANCELLED...
+                self._call(_settle())  # ...and their coroutines queue their final responses
             except Exception as err:  # noqa: BLE001  (shutting down: log and go on stopping)
                 self.pb.Logger.log_error(f"chatmesh_llm: engine close failed: {type(err).__name__}")
         self.loop.call_soon_threadsafe(self.loop.stop)
