@@ -332,7 +332,8 @@ def from_config(cfg: Config) -> TritonBackend:
                       if k in {s.env for s in _engine_settings()} and k != engine_settings.ENGINE.env}
         render(Deployment(name=options.model, engine=cfg[settings.TRITON_ENGINE], engine_env=engine_env,
                           replica_id=options.replica_id), repository)
-    return TritonBackend(options, TritonServer(repository, models=[options.model]))
+    # a local engine inside the stub loads torch and the GGUF: over a minute on a busy 2-core machine
+    return TritonBackend(options, TritonServer(repository, models=[options.model], ready_timeout_s=300))
 
 
 def _engine_settings() -> list[Setting[Any]]:
