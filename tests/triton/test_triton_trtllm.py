@@ -51,6 +51,9 @@ class FakeLLM:
     script: list[FakeOutput] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
+    kv_events: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"event_id": 1, "data": {"type": "stored", "blocks": [{"block_hash": 11}]}},
+        {"event_id": 2, "data": {"type": "removed", "block_hashes": [11, 12, 13]}}])
 
     def generate_async(self, inputs: list[int], sampling_params: Any, streaming: bool, cache_salt: str | None) -> FakeStream:
         self.calls.append({"inputs": inputs, "sampling": sampling_params, "streaming": streaming, "salt": cache_salt})
@@ -60,6 +63,11 @@ class FakeLLM:
     async def get_stats_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
         yield {"numActiveRequests": 2, "numQueuedRequests": 1,
                "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 60, "usedNumBlocks": 40, "tokensPerBlock": 32}}
+
+    async def get_kv_cache_events_async(self, timeout: float) -> AsyncIterator[dict[str, Any]]:
+        events, self.kv_events = self.kv_events, []  # each event is drained once
+        for event in events:
+            yield event
 
     def shutdown(self) -> None:
         pass
@@ -129,16 +137,17 @@ async def test_cancel_aborts_and_salt_policy_none_sends_no_salt(fake_trtllm: lis
     await backend.close()
 
 
-async def test_stats_come_from_iteration_kv_cache_stats(fake_trtllm: list[FakeLLM]) -> None:
+async def test_stats_come_from_iteration_stats_and_kv_events(fake_trtllm: list[FakeLLM]) -> None:
     import asyncio
 
     backend = TrtLlmBackend(ARGS)
     await backend.start()
     for _ in range(50):
-        if backend.stats().device.total:
+        if backend.stats().device.total and backend.stats().device_evictions:
             break
         await asyncio.sleep(0.01)
     s = backend.stats()
     assert (s.device.total, s.device.used, s.device.free) == (100, 40, 60)
     assert s.running_sequences == 2 and s.queue_depth == 1 and s.block_size == 32
+    assert s.device_evictions == 3  # from the KV events: three blocks removed
     await backend.close()

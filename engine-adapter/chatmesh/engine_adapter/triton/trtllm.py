@@ -66,7 +66,8 @@ class TrtLlmBackend:
         self.block_size = int(self.llm_args.get("kv_cache_config", {}).get("tokens_per_block", 32))
         self._llm: Any = None
         self._iteration: dict[str, Any] = {}
-        self._stats_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._device_evictions = 0
         self._generations = 0
         self._hit_tokens = 0
         self._miss_tokens = 0
@@ -87,11 +88,11 @@ class TrtLlmBackend:
         args["kv_cache_config"] = KvCacheConfig(**args.get("kv_cache_config", {}))
         loop = asyncio.get_running_loop()
         self._llm = await loop.run_in_executor(None, lambda: LLM(**args))
-        self._stats_task = asyncio.create_task(self._poll_stats())
+        self._tasks = [asyncio.create_task(self._poll_stats()), asyncio.create_task(self._drain_kv_events())]
 
     async def close(self) -> None:
-        if self._stats_task is not None:
-            self._stats_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         if self._llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._llm.shutdown)
             self._llm = None
@@ -158,6 +159,15 @@ class TrtLlmBackend:
                 self._iteration = json.loads(iteration) if isinstance(iteration, str) else dict(iteration)
             await asyncio.sleep(STATS_POLL_S)
 
+    async def _drain_kv_events(self) -> None:
+        """KV events (KvCacheConfig.event_buffer_max_size): blocks `removed` from the device pool are evictions."""
+        while True:
+            async for event in self._llm.get_kv_cache_events_async(timeout=STATS_POLL_S):
+                data = event.get("data", event) if isinstance(event, dict) else {}
+                if data.get("type") == "removed":
+                    self._device_evictions += len(data.get("block_hashes", ()))
+            await asyncio.sleep(STATS_POLL_S)
+
     async def evict_conversation(self, conversation_id: ConversationId) -> int:
         log.info("trtllm_evict_unsupported", target="conversation")  # salted blocks age out by LRU
         return 0
@@ -177,4 +187,5 @@ class TrtLlmBackend:
             block_size=int(kv.get("tokensPerBlock", self.block_size)),
             device=TierStats(total=total, used=int(kv.get("usedNumBlocks", total - free)), free=free),
             host=TierStats(0, 0, 0),
-            hit_tokens=self._hit_tokens, miss_tokens=self._miss_tokens, generations=self._generations)
+            hit_tokens=self._hit_tokens, miss_tokens=self._miss_tokens, generations=self._generations,
+            device_evictions=self._device_evictions)
