@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from chatmesh.engine_adapter.backend import Delta, Finished, GenerateParams, Started
 from chatmesh.engine_adapter.engine import EngineCore
-from chatmesh.engine_adapter.local import build_local, load_model
+from chatmesh.engine_adapter.local.backend import build_local, load_model
 from chatmesh.engine_adapter.local.model import LoadedModel
 from chatmesh.mesh.config import Config
 from chatmesh.model.settings import MODEL_DIR
@@ -45,6 +45,11 @@ def text_of(tok: Tokenizer, n_tokens: int, offset: int) -> str:
     return text
 
 
+TOPICS = ("the history of Paris", "how bread is baked", "why the sky is blue", "the life of bees",
+          "how trains work", "the water cycle", "learning to swim", "the planets of the solar system",
+          "how a bicycle works", "the seasons of the year", "volcanoes", "the moon")
+
+
 @dataclass
 class Result:
     ttft_first: list[float] = field(default_factory=list)  # turn 1
@@ -60,7 +65,10 @@ async def conversation(engine: EngineCore, tok: Tokenizer, args: argparse.Namesp
     history = [Message(Role.SYSTEM, system)]
     salt = f"owner-{c}".encode()
     for turn in range(args.turns):
-        history.append(Message(Role.USER, f"Question {c}.{turn}: " + text_of(tok, args.message_tokens, c + turn)))
+        topic = TOPICS[(c * args.turns + turn) % len(TOPICS)]
+        ask = f" Now write a detailed paragraph about {topic}."
+        history.append(Message(Role.USER, "Notes: " + text_of(tok, args.message_tokens - len(tok.encode(ask)) - 2,
+                                                              c + turn) + ask))
         prompt = render(tok, history)
         params = GenerateParams(
             prompt.token_ids, args.reply_tokens,

@@ -114,7 +114,9 @@ def read_weights(reader: Any, cfg: ModelConfig) -> Weights:
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"GGUF has no tensor {name}")
-        array = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32, order="C")  # a writable copy
+        array = dequantize(t.data, t.tensor_type)
+        if array.dtype != np.float32 or not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, dtype=np.float32, order="C")  # F32 tensors are read-only views of the file
         return torch.from_numpy(array)
 
     layers = []
