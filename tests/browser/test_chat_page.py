@@ -12,7 +12,6 @@ import pytest
 
 from chatmesh.mesh.up import Mesh
 from tests.conftest import need
-from tests.e2e.conftest import start_mesh
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [pytest.mark.services, pytest.mark.slow]
@@ -21,6 +20,8 @@ pytestmark = [pytest.mark.services, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
+    from tests.e2e.conftest import start_mesh  # the lead's real-mesh fixture module
+
     mesh = start_mesh(tmp_path_factory.mktemp("browser-mesh"), CHATMESH_SIM_STEP_MS="150",
                       CHATMESH_MAX_REPLY_TOKENS="400")
     try:

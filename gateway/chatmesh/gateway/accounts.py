@@ -14,6 +14,7 @@ at once on logout from this process.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
@@ -100,8 +101,17 @@ class Accounts:
         self._sessions: dict[str, tuple[float, Session | None]] = {}
 
     async def create_tables(self) -> None:
-        async with self._engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
+        """Idempotent. Two gateways starting at once on PostgreSQL can race on CREATE TABLE; the loser retries
+        and then finds the tables."""
+        for attempt in range(3):
+            try:
+                async with self._engine.begin() as conn:
+                    await conn.run_sync(metadata.create_all)
+                return
+            except sa.exc.DBAPIError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(0.2 * (attempt + 1))
 
     async def close(self) -> None:
         await self._engine.dispose()
