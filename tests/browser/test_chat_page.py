@@ -1,6 +1,6 @@
 """The web chat page in a real browser (Debian's chromium driven by Playwright) against the real mesh: type a
-message, see the reply stream in, stop it mid-reply, reload and see the history with the stopped reply, delete
-the conversation. The sim engine is slowed so a reply streams for many seconds."""
+message, see the reply stream in, stop it mid-reply, reload and see the history with the stopped reply,
+regenerate it (and stop that), delete the conversation. The sim engine is slowed so a reply streams for many seconds."""
 
 from __future__ import annotations
 
@@ -65,6 +65,15 @@ def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
             expect(history).to_have_count(1)
             expect(history).to_have_attribute("data-status", "stopped")
             assert (history.get_attribute("data-text") or "").startswith(stopped_text[:10])
+
+            # Regenerate the stopped reply: a new reply streams in its place; stop it too.
+            expect(page.locator("#regenerate")).to_be_enabled()
+            page.click("#regenerate")
+            page.wait_for_function(
+                "() => { const m = [...document.querySelectorAll('.message.assistant')].pop();"
+                " return m && m.dataset.status === 'streaming' && m.dataset.text.length > 10; }")
+            page.click("#stop")
+            expect(page.locator(".message.assistant").last).to_have_attribute("data-status", "stopped")
 
             item = page.locator(f'#conversations li[data-id="{conversation}"]')
             expect(item).to_have_count(1)
