@@ -162,3 +162,18 @@ async def test_local_identity_serves_plain_curl(gateway: Gateway) -> None:
     async with httpx.AsyncClient(base_url=gateway.url) as client:
         me = (await client.get("/v1/session")).json()
     assert me == {"user": "local", "via": "local", "csrf_token": None}
+
+
+async def test_password_guessing_is_throttled_per_user_name(required: Gateway, tmp_path: Path) -> None:
+    accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(tmp_path)}))
+    await accounts.create_tables()
+    await accounts.create_user("gina", "right")
+    await accounts.close()
+    async with required.client() as client:
+        statuses = [(await client.post("/v1/session", json={"username": "gina", "password": f"guess{i}"})).status_code
+                    for i in range(11)]
+        right = await client.post("/v1/session", json={"username": "gina", "password": "right"})
+        other = await client.post("/v1/session", json={"username": "hank", "password": "x"})
+    assert statuses == [401] * 10 + [429]
+    assert right.status_code == 429 and int(right.headers["retry-after"]) >= 1
+    assert other.status_code == 401

@@ -4,6 +4,8 @@ cannot make the browser send it) and Secure when the edge speaks TLS or CHATMESH
 
 from __future__ import annotations
 
+import time
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -12,7 +14,30 @@ from chatmesh.gateway.accounts import Accounts, NewSession
 from chatmesh.gateway.auth import SESSION_COOKIE, digest, unauthenticated
 from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.gateway.identity import Via
+from chatmesh.gateway.limits import Bucket, refused
 from chatmesh.gateway.routes import edge_of
+
+
+# Password guessing: each user name has a bucket of 10 failed logins refilled at one per minute, in this
+# process (with N gateways an attacker gets N buckets: still ~N per minute, against a 256-bit key or a password).
+_FAILURES_CAPACITY, _FAILURES_PER_S = 10.0, 1 / 60
+_failures: dict[str, Bucket] = {}
+
+
+def _check_failures(name: str) -> None:
+    bucket = _failures.get(name)
+    if bucket is not None:
+        bucket.refill(time.monotonic())
+        if bucket.tokens < 1:
+            raise refused("failed logins", (1 - bucket.tokens) / _FAILURES_PER_S)
+
+
+def _record_failure(name: str) -> None:
+    now = time.monotonic()
+    if len(_failures) > 100_000:
+        _failures.clear()
+    bucket = _failures.setdefault(name, Bucket(_FAILURES_CAPACITY, _FAILURES_PER_S, _FAILURES_CAPACITY, now))
+    bucket.take(1, now)
 
 
 def _accounts(request: Request) -> Accounts:
@@ -44,7 +69,10 @@ async def login(request: Request) -> Response:
             raise bad_request("username is required (a string)")
         if not isinstance(password, str) or not password:
             raise bad_request("password is required (a string)")
+        _check_failures(name)
         session = await accounts.login(name, password)
+        if session is None:
+            _record_failure(name)
     if session is None:
         raise unauthenticated("wrong username, password or API key")
     response = JSONResponse({"user": session.owner, "csrf_token": session.csrf_token}, 201)

@@ -137,7 +137,8 @@ PATHS: dict[str, Any] = {
                  "security": [], "requestBody": {"required": True, **_json({"type": "object", "properties": {
                      "username": {"type": "string"}, "password": {"type": "string"},
                      "api_key": {"type": "string"}}})},
-                 "responses": {"201": {"description": "logged in", **_json(_ref("Session"))}, **_errors(400, 413)}},
+                 "responses": {"201": {"description": "logged in", **_json(_ref("Session"))},
+                               **_errors(400, 413, 429)}},
         "get": {"summary": "Who am I, and the CSRF token for session requests", "operationId": "whoami",
                 "responses": {"200": {"description": "the principal", **_json(_ref("Session"))}, **_errors()}},
         "delete": {"summary": "Log out", "operationId": "logout",

@@ -68,6 +68,8 @@ class Edge:
             raise
 
     async def _ended(self, owner: ids.OwnerId, lease: StreamLease, outcome: events.Outcome) -> None:
+        log.info("turn_stream_ended", owner=owner, outcome=outcome.kind.value if outcome.kind else "disconnected",
+                 prompt_tokens=outcome.prompt_tokens)
         try:
             await lease.release()
             await self.limits.charge_prompt_tokens(owner, outcome.prompt_tokens)
