@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,15 @@ def test_cli_migrate_current_downgrade(tmp_path: Path, monkeypatch: pytest.Monke
     assert lines.count(migrate.head()) == 2 and lines.count("base") == 1
     assert any(line.startswith("purged 0 conversations") for line in lines)
     assert (tmp_path / "chatmesh.db").exists()
+
+
+async def test_replicas_starting_together_migrate_once(backend: Backend) -> None:
+    engines = [backend.engine(pool_size=1) for _ in range(3)]
+    try:
+        await asyncio.gather(*[migrate.prepare_schema(e) for e in engines])
+        assert {await migrate.current(e) for e in engines} == {migrate.head()}
+        async with engines[0].connect() as conn:
+            assert await conn.run_sync(tables) == TABLES
+    finally:
+        for engine in engines:
+            await engine.dispose()
