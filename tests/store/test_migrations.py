@@ -65,6 +65,7 @@ def test_cli_migrate_current_downgrade(tmp_path: Path, monkeypatch: pytest.Monke
     assert (tmp_path / "chatmesh.db").exists()
 
 
+@pytest.mark.timeout(60)  # without the lock, concurrent DDL on PostgreSQL can wait forever
 async def test_replicas_starting_together_migrate_once(backend: Backend) -> None:
     engines = [backend.engine(pool_size=1) for _ in range(3)]
     try:
