@@ -19,7 +19,7 @@ from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Sto
 from chatmesh.chat.prompting import ChatMLRenderer
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.ids import parse_conversation_id, parse_owner_id, parse_turn_id
+from chatmesh.mesh.ids import TurnId, parse_conversation_id, parse_owner_id, parse_turn_id
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.model import settings as model_settings
 from chatmesh.moderation.client import ModerationClient
@@ -29,10 +29,11 @@ from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 Ctx = grpc.aio.ServicerContext[object, object]
 
 
-def event_to_proto(event: TurnEvent) -> chat_pb2.TurnEvent:
+def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
     out = chat_pb2.TurnEvent(sequence=event.sequence)
     match event.kind:
         case Started(replayed=replayed):
+            out.started.turn_id = turn
             out.started.replayed = replayed
         case Delta(text=text):
             out.delta.text = text
@@ -77,7 +78,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         conv = parse_conversation_id(request.conversation_id)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.send_turn(owner, conv, turn, request.content):
-            yield chat_pb2.SendTurnResponse(event=event_to_proto(event))
+            yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
 
     @stream_errors
     async def AttachTurn(self, request: chat_pb2.AttachTurnRequest, context: Ctx
@@ -86,7 +87,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         conv = parse_conversation_id(request.conversation_id)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.attach(owner, conv, turn, request.after_sequence):
-            yield chat_pb2.AttachTurnResponse(event=event_to_proto(event))
+            yield chat_pb2.AttachTurnResponse(event=event_to_proto(event, turn))
 
     @unary_errors
     async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Ctx) -> chat_pb2.StopTurnResponse:
@@ -102,7 +103,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         conv = parse_conversation_id(request.conversation_id)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.regenerate(owner, conv, turn):
-            yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event))
+            yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event, turn))
 
     @unary_errors
     async def ListConversations(self, request: chat_pb2.ListConversationsRequest, context: Ctx

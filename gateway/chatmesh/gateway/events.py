@@ -69,7 +69,7 @@ def data_of(event: chat_pb2.TurnEvent, kind: EventKind) -> dict[str, Any]:
         case EventKind.FAILED:
             return {"message": event.failed.message, "retryable": event.failed.retryable}
         case EventKind.BLOCKED:
-            return {"stage": event.blocked.stage, "category": event.blocked.category}
+            return {"stage": event.blocked.stage, "category": event.blocked.category, "reason": event.blocked.reason}
         case _:
             assert_never(kind)
 

@@ -37,7 +37,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
 SSE = {
     "description": "text/event-stream of turn events: turn.started, turn.delta ({text}), then one of turn.completed "
                    "({usage, replica_id}), turn.stopped ({usage}), turn.failed ({message, retryable}), "
-                   "turn.blocked ({stage, category}). Each event's id is its sequence; comments are heartbeats.",
+                   "turn.blocked ({stage, category, reason}). Each event's id is its sequence; comments are heartbeats.",
     "content": {"text/event-stream": {"schema": {"type": "string"}}},
 }
 CONV_PARAM = {"name": "conversation_id", "in": "path", "required": True, "schema": UUID}
