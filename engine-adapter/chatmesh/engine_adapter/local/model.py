@@ -239,7 +239,7 @@ class PagedLlama:
         pos = torch.tensor(positions, dtype=torch.long)
         slot = torch.tensor(slots, dtype=torch.long)
         cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
-        plan = _AttentionPlan(seqs, bs)
+        plan = _AttentionPlan(seqs, bs, cfg.n_heads // cfg.n_kv_heads)
         n_q, n_kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x = self.w.embed[torch.tensor(ids, dtype=torch.long)]
         for li, lw in enumerate(self.w.layers):
@@ -265,8 +265,9 @@ class PagedLlama:
 class _AttentionPlan:
     """Which rows attend how in one step: multi-token sequences alone (causal, offset), single-token rows together."""
 
-    def __init__(self, seqs: Sequence[SeqSlice], block_size: int):
+    def __init__(self, seqs: Sequence[SeqSlice], block_size: int, group: int):
         self.block_size = block_size
+        self.group = group  # query heads per KV head
         self.prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (row0, n, context, blocks)
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
@@ -299,17 +300,19 @@ class _AttentionPlan:
         """q [rows, heads, d]; k_pool/v_pool [blocks, block, kv_heads, d] -> [rows, heads, d]."""
         out = torch.empty_like(q)
         for row0, n, ctx, blocks in self.prefills:
-            k = k_pool[blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)  # [kv, ctx, d]
-            v = v_pool[blocks].flatten(0, 1)[:ctx].float().transpose(0, 1)
+            k = k_pool.index_select(0, blocks).flatten(0, 1)[:ctx].float().transpose(0, 1)  # [kv, ctx, d]
+            v = v_pool.index_select(0, blocks).flatten(0, 1)[:ctx].float().transpose(0, 1)
             qs = q[row0:row0 + n].transpose(0, 1)  # [heads, n, d]
             # query i sits at position ctx - n + i and sees keys 0 ..= ctx - n + i
             mask = torch.ones(n, ctx, dtype=torch.bool).tril(diagonal=ctx - n)
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[row0:row0 + n] = o.transpose(0, 1)
         if self.decode_tables is not None:
-            b = self.decode_tables.shape[0]
-            k = k_pool[self.decode_tables].flatten(1, 2).float().transpose(1, 2)  # [B, kv, L, d]
-            v = v_pool[self.decode_tables].flatten(1, 2).float().transpose(1, 2)
+            b, width = self.decode_tables.shape
+            flat = self.decode_tables.flatten()  # index_select on rows is ~2x faster than advanced indexing
+            shape = (b, width * self.block_size, q.shape[1] // self.group, q.shape[2])
+            k = k_pool.index_select(0, flat).float().view(shape).transpose(1, 2)  # [B, kv, L, d]
+            v = v_pool.index_select(0, flat).float().view(shape).transpose(1, 2)
             qs = q[self.decode_rows].unsqueeze(2)  # [B, heads, 1, d]
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=self.decode_mask, scale=scale, enable_gqa=True)
             out[self.decode_rows] = o.reshape(b, q.shape[1], q.shape[2])
