@@ -31,8 +31,9 @@ PROMPT_TOKENS_PER_HOUR = Setting("CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR", 1_000_
 HEARTBEAT_S = Setting("CHATMESH_SSE_HEARTBEAT_S", 15.0, "seconds of model silence before an SSE heartbeat", float)
 LINK_ALLOWLIST: Setting[tuple[str, ...]] = Setting("CHATMESH_LINK_ALLOWLIST", (),
                          "comma-separated hosts whose links survive output sanitising (subdomains included)", _hosts)
-MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 256 * 1024, "largest request body the edge accepts", int)
-MAX_CONTENT_CHARS = Setting("CHATMESH_MAX_CONTENT_CHARS", 32_000, "longest user message, characters", int)
+MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 1024 * 1024, "largest request body the edge accepts", int)
+MAX_CONTENT_CHARS = Setting("CHATMESH_MAX_CONTENT_CHARS", 512 * 1024,
+                            "longest user message, characters (the reference allows 128,000-token pastes)", int)
 CHAT_DEADLINE_S = Setting("CHATMESH_GATEWAY_RPC_DEADLINE_S", 10.0, "deadline of the edge's unary ChatService calls",
                           float)
 SECURE_COOKIES = Setting("CHATMESH_SECURE_COOKIES", False,
