@@ -201,3 +201,25 @@ async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationSto
     assert await store.usage(OWNER) == []
     assert not (await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())).already_finished
     assert len((await store.read_conversation(OWNER, conv)).messages) == 2
+
+
+async def test_only_the_last_reply_can_be_regenerated(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    first = new_turn()
+    c = await claim(store, conv, first, "one")
+    assert isinstance(c, Claimed)
+    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("r1"))
+    regen = new_turn()
+    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    assert isinstance(r, Claimed)
+    second = new_turn()  # a new message is stored while the regenerate runs
+    c2 = await claim(store, conv, second, "two")
+    assert isinstance(c2, Claimed)
+    await store.finish_turn(OWNER, conv, second, c2.lease_id, reply("r2"))
+    with pytest.raises(FailedPrecondition, match="last user message"):
+        await store.finish_turn(OWNER, conv, regen, r.lease_id, reply("r1 again"))
+    with pytest.raises(FailedPrecondition, match="last user message"):
+        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=first)
+    assert [m.superseded for m in (await store.read_conversation(OWNER, conv)).messages] == [False] * 4
+    with pytest.raises(InvalidArgument, match="lease_ttl_ms"):
+        await claim(store, conv, new_turn(), lease_ttl_ms=10**18)

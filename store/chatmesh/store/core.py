@@ -117,6 +117,7 @@ ACTIVE = (TurnState.RECEIVED, TurnState.RUNNING)
 FINAL = (TurnState.STORED, TurnState.STOPPED)
 CLAIM_ATTEMPTS = 5
 PURGE_BATCH = 500
+MAX_LEASE_TTL_MS = 86_400_000
 
 # The state machine's legal moves; `require_move` refuses the rest.
 TRANSITIONS: dict[TurnState, frozenset[TurnState]] = {
@@ -211,8 +212,8 @@ class ConversationStore:
             raise InvalidArgument(f"{field} must not be negative, got {value}")
 
     def _ttl(self, lease_ttl_ms: int) -> int:
-        if lease_ttl_ms < 0:
-            raise InvalidArgument(f"lease_ttl_ms must not be negative, got {lease_ttl_ms}")
+        if not 0 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
+            raise InvalidArgument(f"lease_ttl_ms must be 0 (the default) to {MAX_LEASE_TTL_MS}, got {lease_ttl_ms}")
         return lease_ttl_ms or self.limits.lease_ttl_ms
 
     # --- conversations ---
@@ -365,7 +366,17 @@ class ConversationStore:
         if TurnState(row.state) not in FINAL or row.user_index is None:
             raise FailedPrecondition(f"turn {regenerates} (regenerates_turn_id) has no stored reply to regenerate")
         index: int = row.user_index
+        await self._require_last_exchange(conn, owner, conversation, index)
         return index
+
+    async def _require_last_exchange(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                                     user_index: int) -> None:
+        """Only the reply to the last user message can be regenerated."""
+        later = (await conn.execute(select(MSG.c.message_index).where(
+            MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index > user_index,
+            MSG.c.role == Role.USER.value).limit(1))).first()
+        if later is not None:
+            raise FailedPrecondition("only the reply to the conversation's last user message can be regenerated")
 
     async def finish_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                           reply: Reply) -> Finished:
@@ -390,6 +401,8 @@ class ConversationStore:
                 raise FailedPrecondition(f"turn {turn}: lease {lease} is not held (it failed, or expired and "
                                          f"was claimed again)")
             require_move(turn, state, target)
+            if row.regenerates_turn_id is not None:
+                await self._require_last_exchange(conn, owner, conversation, row.user_index)
             added = 1 if row.regenerates_turn_id is not None else 2
             end = (await conn.execute(ADVANCE_CONVERSATION, key | {"added": added, "now": now})).scalar_one_or_none()
             if end is None:

@@ -57,7 +57,7 @@ def _sqlite_events(engine: AsyncEngine) -> None:
     def _connect(dbapi_conn: Any, _record: ConnectionPoolEntry) -> None:
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cursor = dbapi_conn.cursor()
-        for pragma in ("journal_mode=WAL", "synchronous=NORMAL", f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}",
+        for pragma in (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL",
                        "foreign_keys=ON"):
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
