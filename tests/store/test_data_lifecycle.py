@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.store.core import DAY_MS, ConversationStore
+from chatmesh.store.db import make_engine
 from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
 from tests.store.conftest import FakeClock
 
@@ -143,3 +144,15 @@ async def test_summary_and_windowed_reads(store: ConversationStore) -> None:
         await store.save_summary(BOB, conv, "not yours", 1, 2)
     listed = await store.list_conversations(ALICE)
     assert [c.conversation_id for c in listed] == [conv] and listed[0].message_count == 6
+
+
+async def test_an_unreachable_database_is_unavailable() -> None:
+    engine = make_engine("postgresql+asyncpg://postgres@127.0.0.1:1/test", pool_size=1)  # nothing listens there
+    store = ConversationStore(engine)
+    try:
+        with pytest.raises(Unavailable):
+            await store.list_conversations(ALICE)
+        with pytest.raises(Unavailable):
+            await store.insert_conversation(ALICE)
+    finally:
+        await engine.dispose()

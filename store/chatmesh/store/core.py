@@ -118,6 +118,9 @@ FINAL = (TurnState.STORED, TurnState.STOPPED)
 CLAIM_ATTEMPTS = 5
 PURGE_BATCH = 500
 MAX_LEASE_TTL_MS = 86_400_000
+# Errors that mean "the database cannot be reached or is shedding load": answered UNAVAILABLE (retryable).
+# asyncpg's refused or dropped connections surface as OSError / TimeoutError, not as SQLAlchemy errors.
+UNREACHABLE = (OperationalError, InterfaceError, OSError, TimeoutError)
 
 # The state machine's legal moves; `require_move` refuses the rest.
 TRANSITIONS: dict[TurnState, frozenset[TurnState]] = {
@@ -177,8 +180,8 @@ class ConversationStore:
         try:
             async with self.engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE
                 yield conn
-        except (OperationalError, InterfaceError) as err:
-            log.warning("database_unavailable", error=type(err.orig).__name__ if err.orig else type(err).__name__)
+        except UNREACHABLE as err:
+            log.warning("database_unavailable", error=type(err).__name__)
             raise Unavailable("the conversation store's database is unavailable; retry") from err
 
     @asynccontextmanager
@@ -188,7 +191,8 @@ class ConversationStore:
         try:
             async with self.engine.connect() as conn:
                 yield await autocommit(conn)
-        except (OperationalError, InterfaceError) as err:
+        except UNREACHABLE as err:
+            log.warning("database_unavailable", error=type(err).__name__)
             raise Unavailable("the conversation store's database is unavailable; retry") from err
 
     # --- validation ---
