@@ -101,6 +101,7 @@ async def test_export_is_the_owners_data_only(store: ConversationStore) -> None:
     conv = (await store.insert_conversation(ALICE, "greetings", "v1")).conversation_id
     await stored_turn(store, ALICE, conv, "héllo", "hi!")
     await store.save_summary(ALICE, conv, "a greeting", 1, 3)
+    pending = await pending_turn(store, ALICE, conv)
     other = (await store.insert_conversation(BOB)).conversation_id
     await stored_turn(store, BOB, other, "secret", "shh")
     document = json.loads(json.dumps(await store.export_user_data(ALICE)))
@@ -109,6 +110,7 @@ async def test_export_is_the_owners_data_only(store: ConversationStore) -> None:
     assert exported["conversation_id"] == conv and exported["title"] == "greetings"
     assert [(m["role"], m["content"]) for m in exported["messages"]] == [("user", "héllo"), ("assistant", "hi!")]
     assert exported["summary"]["text"] == "a greeting"
+    assert [(t["turn_id"], t["content"]) for t in exported["unfinished_turns"]] == [(pending, "pending")]
     assert document["usage"][0]["turns"] == 1
     assert "secret" not in json.dumps(document)
 

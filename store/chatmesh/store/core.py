@@ -543,6 +543,14 @@ class ConversationStore:
             msgs = (await conn.execute(select(MSG).where(MSG.c.owner_id == owner)
                                        .order_by(MSG.c.conversation_id, MSG.c.message_index))).all()
             days = (await conn.execute(select(USAGE).where(USAGE.c.owner_id == owner).order_by(USAGE.c.day))).all()
+            pending = (await conn.execute(
+                select(TURN.c.conversation_id, TURN.c.turn_id, TURN.c.state, TURN.c.content, TURN.c.partial_text)
+                .where(TURN.c.owner_id == owner, TURN.c.content.is_not(None))
+                .order_by(TURN.c.conversation_id, TURN.c.created_at_ms))).all()
+        unfinished: dict[str, list[dict[str, Any]]] = {}
+        for t in pending:  # user text held by turns not (yet) stored is the owner's data too
+            unfinished.setdefault(t.conversation_id, []).append({
+                "turn_id": t.turn_id, "state": t.state, "content": t.content, "partial_reply": t.partial_text})
         by_conv: dict[str, list[dict[str, Any]]] = {}
         for m in msgs:
             msg = _message(m)
@@ -559,7 +567,8 @@ class ConversationStore:
                 "conversation_id": c.conversation_id, "title": c.title,
                 "system_prompt_version": c.system_prompt_version, "created_at_ms": c.created_at_ms,
                 "updated_at_ms": c.updated_at_ms, "summary": summary,
-                "messages": by_conv.get(c.conversation_id, [])})
+                "messages": by_conv.get(c.conversation_id, []),
+                "unfinished_turns": unfinished.get(c.conversation_id, [])})
         usage = [{"day": d.day, "prompt_tokens": d.prompt_tokens, "cached_prompt_tokens": d.cached_prompt_tokens,
                   "output_tokens": d.output_tokens, "turns": d.turns} for d in days]
         return {"owner_id": owner, "conversations": conversations, "usage": usage}
