@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import ConnectionPoolEntry
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+SQLITE_MAX_POOL = 4  # writers serialize on one lock; past a few connections they only wait on each other
 _BEGIN_OPTION = "chatmesh_sqlite_begin"
 
 
@@ -40,7 +41,7 @@ def make_engine(url: str, *, pool_size: int = 20, search_path: str | None = None
     """An async engine for `url`. PostgreSQL: `search_path` puts every table in that schema (tests use it);
     `application_name` names the connections in pg_stat_activity."""
     if is_sqlite(url):
-        engine = create_async_engine(url, pool_size=pool_size, max_overflow=0,
+        engine = create_async_engine(url, pool_size=min(pool_size, SQLITE_MAX_POOL), max_overflow=0,
                                      connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
         _sqlite_events(engine)
         return engine
