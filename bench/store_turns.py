@@ -5,13 +5,16 @@ messages, FinishTurn (user message + reply + usage). `--clients` asyncio tasks i
 its own owner and conversation seeded with 20 messages, run cycles for `--seconds` after a warm-up; p50/p99
 are per operation. PostgreSQL can be driven by several processes (`--processes`, the clients split between
 them), as several stateless store replicas would; SQLite runs in one process (one writer at a time anyway).
+`grpc` runs the same cycle against a `chatmesh serve store` process over loopback gRPC (PostgreSQL behind it),
+which is what the chat service sees; its CPU column is then that server process's.
 
 The machine is shared, so besides turns/s the bench reports CPU per turn, which a busy neighbour inflates
 much less: the store core's (this process, including aiosqlite's threads) and, on PostgreSQL, the server
 backends serving the bench's connections (/proc, found through pg_stat_activity). "Projected" is what two
 idle cores would do at that CPU cost. Issue 3's target: at least 1,000 turns/s on PostgreSQL.
 
-    .venv/bin/python -m bench.store_turns [--seconds 10] [--clients 32] [--processes 2] [--append]
+    .venv/bin/python -m bench.store_turns [--seconds 10] [--clients 32] [--processes 1]
+        [--backends postgres,grpc,sqlite] [--append]
 """
 
 from __future__ import annotations
@@ -22,13 +25,19 @@ import datetime
 import multiprocessing
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import grpc
 
 from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -39,6 +48,7 @@ from chatmesh.store.core import CONV, MSG, ConversationStore
 from chatmesh.store.db import make_engine
 from chatmesh.store.migrate import upgrade
 from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
+from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
 
 POSTGRES_URL = os.environ.get("CHATMESH_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 APP_NAME = "chatmesh-bench"
@@ -208,6 +218,86 @@ async def on_sqlite(clients: int, seconds: float, warmup: float, pool_size: int)
     return f"SQLite WAL, aiosqlite, {pool_size} connections, 1 process", result, 0.0
 
 
+async def grpc_cycle(stub: Any, owner: str, conv: str, latencies: dict[str, list[float]] | None) -> None:
+    turn = str(uuid.uuid4())
+    t0 = time.perf_counter()
+    claim = await stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id=owner, conversation_id=conv, turn_id=turn,
+                                                            content=USER_TEXT, lease_holder="bench"))
+    t1 = time.perf_counter()
+    history = await stub.ReadConversation(store_pb2.ReadConversationRequest(
+        owner_id=owner, conversation_id=conv, max_messages=HISTORY))
+    t2 = time.perf_counter()
+    assert claim.WhichOneof("outcome") == "claimed" and len(history.messages) == HISTORY
+    await stub.FinishTurn(store_pb2.FinishTurnRequest(
+        owner_id=owner, conversation_id=conv, turn_id=turn, lease_id=claim.claimed.lease_id,
+        user_token_count=REPLY.user_token_count, reply=REPLY.text, reply_token_count=REPLY.token_count,
+        usage=common_pb2.Usage(prompt_tokens=1500, cached_prompt_tokens=1100, output_tokens=400)))
+    t3 = time.perf_counter()
+    if latencies is not None:
+        for op, ms in zip(OPS, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)):
+            latencies[op].append(ms)
+
+
+async def on_postgres_grpc(clients: int, seconds: float, warmup: float) -> tuple[str, Result, float]:
+    """The same cycle through a `chatmesh serve store` process over loopback gRPC; "store-core CPU" is then
+    that server process's CPU (gRPC included)."""
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    admin = make_engine(POSTGRES_URL, pool_size=1)
+    async with admin.begin() as conn:
+        await conn.execute(text(f"CREATE SCHEMA {schema}"))
+    port = _free_port()
+    env = os.environ | {"CHATMESH_DATABASE_URL": POSTGRES_URL, "CHATMESH_DATABASE_SCHEMA": schema,
+                        "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_STORE_PURGE_INTERVAL_S": "0",
+                        "CHATMESH_DATABASE_POOL_SIZE": str(clients)}
+    server = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "store", "--listen",
+                               f"127.0.0.1:{port}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = Result()
+    db_cpu = 0.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), 60)
+            stub = store_pb2_grpc.StoreServiceStub(channel)
+            await asyncio.sleep(1.0)  # the schema is migrated before the port opens; let start-up settle
+            engine = make_engine(POSTGRES_URL, pool_size=1, search_path=schema)
+            convs = await seed(engine, 0, clients)
+            await engine.dispose()
+            measure_from = time.time() + warmup
+            stop_at = measure_from + seconds
+
+            async def client(owner: str, conv: str) -> None:
+                while time.time() < stop_at:
+                    measuring = time.time() >= measure_from
+                    await grpc_cycle(stub, owner, conv, result.latencies_ms if measuring else None)
+                    if measuring:
+                        result.turns += 1
+
+            tasks = [asyncio.create_task(client(o, c)) for o, c in convs]
+            await asyncio.sleep(max(0.0, measure_from - time.time()))
+            async with admin.connect() as conn:
+                pids = [int(r[0]) for r in await conn.execute(text(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'chatmesh-store' "
+                    "AND query NOT ILIKE '%pg_stat_activity%'"))]
+            db_before, server_before = proc_cpu_s(pids), proc_cpu_s([server.pid])
+            await asyncio.gather(*tasks)
+            db_cpu = proc_cpu_s(pids) - db_before
+            result.cpu_s = proc_cpu_s([server.pid]) - server_before
+            result.seconds = time.time() - measure_from
+    finally:
+        server.terminate()
+        server.wait(30)
+        async with admin.begin() as conn:
+            await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        await admin.dispose()
+    return "PostgreSQL 15 via StoreService (gRPC, 1 server process)", result, db_cpu
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def table(rows: list[tuple[str, Result, float]], clients: int) -> str:
     lines = [f"| backend | turns/s ({clients} clients) | "
              + " | ".join(f"{op} p50 / p99 ms" for op in OPS)
@@ -226,6 +316,8 @@ async def main_async(args: argparse.Namespace) -> str:
     for backend in args.backends.split(","):
         if backend == "postgres":
             rows.append(await on_postgres(args.clients, args.processes, args.seconds, args.warmup))
+        elif backend == "grpc":
+            rows.append(await on_postgres_grpc(args.clients, args.seconds, args.warmup))
         elif backend == "sqlite":
             rows.append(await on_sqlite(args.clients, args.seconds, args.warmup, args.sqlite_pool))
         else:
@@ -240,7 +332,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--processes", type=int, default=2, help="PostgreSQL driver processes")
     parser.add_argument("--sqlite-pool", type=int, default=4)
-    parser.add_argument("--backends", default="postgres,sqlite")
+    parser.add_argument("--backends", default="postgres,sqlite",
+                        help="comma-separated: postgres, sqlite, grpc (PostgreSQL behind a StoreService process)")
     parser.add_argument("--append", action="store_true", help="append the results to BENCHMARKS.md")
     args = parser.parse_args()
     quiet_logs()
