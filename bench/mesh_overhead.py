@@ -49,6 +49,8 @@ async def through_edge(url: str, conversations: int, turns: int) -> list[float]:
                 start = time.perf_counter()
                 first = None
                 async with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as resp:
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"turn refused: {resp.status_code} {(await resp.aread())[:200]!r}")
                     async for line in resp.aiter_lines():
                         if first is None and line.startswith("event: turn.delta"):
                             first = time.perf_counter() - start
@@ -89,8 +91,10 @@ def main() -> int:
     parser.add_argument("--append", help="append the results to this Markdown file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        # One local user drives every conversation: lift the per-user limits so the edge measures, not refuses.
         env = mesh_env(Path(tmp) / "data", CHATMESH_SIM_SPEED="100000", CHATMESH_MAX_REPLY_TOKENS="48",
-                       CHATMESH_LOG_LEVEL="warning")
+                       CHATMESH_LOG_LEVEL="warning", CHATMESH_LIMIT_TURNS_PER_MINUTE="1000000",
+                       CHATMESH_LIMIT_OPEN_STREAMS="100000", CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="1000000000")
         mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
         mesh.start()
         try:

@@ -343,20 +343,39 @@ class ChatCore:
         owner, conv, turn = job.key
         machine = TurnMachine()
         user_tokens = 0
-        if job.regenerates is None:
-            screening = await self.moderation.check_input(job.content, conv)
-            user_tokens = self.count_tokens(job.content)
-            if screening.blocked:
-                machine.advance(TurnState.BLOCKED)
-                await self._finish(job, user_tokens, "", 0, common_pb2.MESSAGE_STATUS_BLOCKED, Usage())
-                log.info("input_blocked", conversation_id=conv, turn_id=turn, category=screening.category)
-                return Blocked(stage="input", category=screening.category, reason=screening.reason)
-        view = await self.get_conversation(owner, conv)
-        summary = await self._summary_for(owner, conv, view)
-        rendered = self.render(view, summary, job.content if job.regenerates is None else None, job.regenerates)
-        pick = await self.router.pick(conv)
-        machine.advance(TurnState.QUEUED)
+        # The input check, the history read and the replica pick do not depend on each other: run them at once
+        # (each is a hop; in sequence they were most of the time the mesh adds before the first token). A pick
+        # made for a turn that is then blocked is released at once and never reaches the engine.
+        screening_task = (asyncio.ensure_future(self.moderation.check_input(job.content, conv))
+                          if job.regenerates is None else None)
+        view_task = asyncio.ensure_future(self.get_conversation(owner, conv))
+        pick_task = asyncio.ensure_future(self.router.pick(conv))
         try:
+            pending = [t for t in (screening_task, view_task, pick_task) if t is not None]
+            await asyncio.gather(*pending)
+        except BaseException:
+            for t in (screening_task, view_task, pick_task):
+                if t is not None:
+                    t.cancel()
+            if pick_task.done() and not pick_task.cancelled() and pick_task.exception() is None:
+                with contextlib.suppress(errors.CoreError):
+                    await self.router.release(pick_task.result().lease_id)
+            raise
+        pick = pick_task.result()
+        try:
+            if screening_task is not None:
+                screening = screening_task.result()
+                user_tokens = self.count_tokens(job.content)
+                if screening.blocked:
+                    machine.advance(TurnState.BLOCKED)
+                    await self._finish(job, user_tokens, "", 0, common_pb2.MESSAGE_STATUS_BLOCKED, Usage())
+                    log.info("input_blocked", conversation_id=conv, turn_id=turn, category=screening.category)
+                    return Blocked(stage="input", category=screening.category, reason=screening.reason)
+            view = view_task.result()
+            summary = await self._summary_for(owner, conv, view)
+            rendered = self.render(view, summary, job.content if job.regenerates is None else None,
+                                   job.regenerates)
+            machine.advance(TurnState.QUEUED)
             return await self._stream(live, machine, job, rendered, pick.address, pick.replica_id, user_tokens)
         finally:
             with contextlib.suppress(errors.CoreError):
