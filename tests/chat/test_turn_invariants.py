@@ -117,7 +117,7 @@ class TurnResult:
 
 
 async def send(address: str, conv: str, turn: str, content: str, stop_after_deltas: int = 0,
-               owner: str = OWNER) -> TurnResult:
+               owner: str = OWNER, stop_via: str | None = None) -> TurnResult:
     async with grpc.aio.insecure_channel(address) as ch:
         stub = chat_pb2_grpc.ChatServiceStub(ch)
         text, seqs, deltas = "", [], 0
@@ -130,8 +130,9 @@ async def send(address: str, conv: str, turn: str, content: str, stop_after_delt
                 text += event.delta.text
                 deltas += 1
                 if deltas == stop_after_deltas:
-                    stopped = await stub.StopTurn(chat_pb2.StopTurnRequest(owner_id=owner, conversation_id=conv,
-                                                                           turn_id=turn))
+                    async with grpc.aio.insecure_channel(stop_via or address) as stop_ch:
+                        stopped = await chat_pb2_grpc.ChatServiceStub(stop_ch).StopTurn(chat_pb2.StopTurnRequest(
+                            owner_id=owner, conversation_id=conv, turn_id=turn))
                     assert stopped.stopped
             elif kind in ("completed", "stopped", "failed", "blocked"):
                 return TurnResult(text, kind, event, seqs)
@@ -241,6 +242,15 @@ async def test_stop_mid_stream_frees_the_sequence_and_stores_what_was_seen(clust
             break
         assert time.monotonic() < deadline, (held_before, held)
         await asyncio.sleep(0.1)
+
+
+async def test_stop_reaching_another_chat_process_is_forwarded_to_the_one_generating(cluster: Cluster) -> None:
+    conv = await new_conversation(cluster.chats[0])
+    result = await send(cluster.chats[0], conv, str(uuid.uuid4()), "Write a very long essay.", stop_after_deltas=3,
+                        stop_via=cluster.chats[1])
+    assert result.final == "stopped"
+    stored = await messages(cluster.chats[1], conv)
+    assert stored[-1].status == common_pb2.MESSAGE_STATUS_STOPPED and stored[-1].content == result.text
 
 
 async def test_engine_killed_mid_stream_stores_nothing_and_the_retry_generates_once_elsewhere(

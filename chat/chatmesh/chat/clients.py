@@ -12,7 +12,9 @@ from chatmesh.chat.ports import OutputScreen, Screening
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
-from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc
+from chatmesh.v1 import (
+    chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc,
+)
 
 T = TypeVar("T")
 
@@ -179,3 +181,16 @@ class Moderation:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+class GrpcPeers:
+    """Forwards a stop to the chat process that holds the turn's lease."""
+
+    def __init__(self, channels: Channels):
+        self.channels = channels
+
+    async def stop(self, address: str, owner: str, conversation_id: str, turn_id: str) -> bool:
+        stub = chat_pb2_grpc.ChatServiceStub(self.channels.get(address))
+        resp = await call(f"chat process at {address}", stub.StopTurn(chat_pb2.StopTurnRequest(
+            owner_id=owner, conversation_id=conversation_id, turn_id=turn_id), timeout=5))
+        return resp.stopped

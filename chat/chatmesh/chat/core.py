@@ -35,7 +35,7 @@ from chatmesh.chat import context
 from chatmesh.chat.events import (
     Blocked, Completed, Delta, EventKind, Failed, LiveTurn, Started, Stopped, TurnEvent, Usage, resume_from,
 )
-from chatmesh.chat.ports import EnginePort, ModerationPort, OutputScreen, RouterPort, StorePort
+from chatmesh.chat.ports import EnginePort, ModerationPort, OutputScreen, PeerPort, RouterPort, StorePort
 from chatmesh.chat.turn import TurnMachine, TurnState
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
@@ -68,6 +68,7 @@ class ChatOptions:
     default_prompt_version: str
     summary_threshold_tokens: int
     keep_recent_messages: int
+    advertise_address: str = ""  # where peers reach this process; recorded in the lease holder
 
 
 TurnKey = tuple[OwnerId, ConversationId, TurnId]
@@ -101,7 +102,9 @@ class _Job:
 
 class ChatCore:
     def __init__(self, store: StorePort, router: RouterPort, engines: EnginePort, moderation: ModerationPort,
-                 renderer: context.Renderer, count_tokens: Callable[[str], int], options: ChatOptions):
+                 renderer: context.Renderer, count_tokens: Callable[[str], int], options: ChatOptions,
+                 peers: PeerPort | None = None):
+        self.peers = peers
         self.store = store
         self.router = router
         self.engines = engines
@@ -201,17 +204,27 @@ class ChatCore:
         async for event in self._follow_stored((owner, conv, turn), after, None):
             yield event
 
-    async def stop(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> bool:
+    @property
+    def lease_holder(self) -> str:
+        """This process as recorded in the turns it holds: `name@address`, so a peer can forward a stop here."""
+        return f"{self.opt.instance_id}@{self.opt.advertise_address}" if self.opt.advertise_address \
+            else self.opt.instance_id
+
+    async def stop(self, owner: OwnerId, conv: ConversationId, turn: TurnId, forwarded: bool = False) -> bool:
+        """Stops a turn in progress here, or forwards the stop to the chat process generating it."""
         live = self.live.get((owner, conv, turn))
         if live is not None and live.final is None:
             live.stop_requested.set()
             return True
         record = await self.store.read_turn(store_pb2.ReadTurnRequest(owner_id=owner, conversation_id=conv,
                                                                       turn_id=turn))
-        if record.state in (store_pb2.TURN_STATE_RECEIVED, store_pb2.TURN_STATE_RUNNING):
+        if record.state not in (store_pb2.TURN_STATE_RECEIVED, store_pb2.TURN_STATE_RUNNING):
+            return False
+        _, _, address = record.lease_holder.partition("@")
+        if forwarded or not address or address == self.opt.advertise_address or self.peers is None:
             raise errors.FailedPrecondition(
-                f"turn {turn} is generating in chat process {record.lease_holder!r}; send the stop there")
-        return False
+                f"turn {turn} is generating in chat process {record.lease_holder!r}, which this process cannot reach")
+        return await self.peers.stop(address, owner, conv, turn)
 
     async def _turn(self, key: TurnKey, content: str, regenerates: TurnId | None, fp: str
                     ) -> AsyncIterator[TurnEvent]:
@@ -222,7 +235,7 @@ class ChatCore:
             return
         claim = await self.store.begin_turn(store_pb2.BeginTurnRequest(
             owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=fp, content=content,
-            lease_holder=self.opt.instance_id, lease_ttl_ms=self.opt.lease_ttl_ms,
+            lease_holder=self.lease_holder, lease_ttl_ms=self.opt.lease_ttl_ms,
             regenerates_turn_id=regenerates or ""))
         match claim.WhichOneof("outcome"):
             case "claimed":

@@ -78,3 +78,9 @@ class ModerationPort(Protocol):
     async def check_input(self, text: str, conversation_id: ConversationId) -> Screening: ...
 
     async def open_output(self, conversation_id: ConversationId) -> OutputScreen: ...
+
+
+class PeerPort(Protocol):
+    """Other chat processes: a stop reaching the wrong process is forwarded to the one generating the turn."""
+
+    async def stop(self, address: str, owner: str, conversation_id: str, turn_id: str) -> bool: ...

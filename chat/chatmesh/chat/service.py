@@ -13,7 +13,7 @@ from typing import assert_never
 import grpc
 
 from chatmesh.chat import context, settings
-from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, Moderation
+from chatmesh.chat.clients import Channels, GrpcEngines, GrpcPeers, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
 from chatmesh.chat.prompting import ChatMLRenderer
@@ -156,6 +156,8 @@ def build(cfg: Config) -> Service:
         progress_interval_s=cfg[settings.PROGRESS_INTERVAL_MS] / 1000,
         summary_threshold_tokens=cfg[settings.SUMMARY_THRESHOLD_TOKENS],
         keep_recent_messages=cfg[settings.KEEP_RECENT_MESSAGES],
+        advertise_address=(cfg[settings.ADVERTISE_ADDRESS] or cfg[mesh_settings.LISTEN]
+                           or cfg[mesh_settings.CHAT_ADDRESS]),
         instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}", salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
         system_prompts=prompts, default_prompt_version=default_version)
     moderation = Moderation(ModerationClient.from_config(cfg))
@@ -164,7 +166,7 @@ def build(cfg: Config) -> Service:
         router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS])),
         engines=GrpcEngines(channels),
         moderation=moderation,
-        renderer=renderer, count_tokens=renderer.count, options=options)
+        renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels))
 
     def register(server: grpc.aio.Server) -> list[str]:
         chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core), server)

@@ -36,5 +36,9 @@ CACHE_SALT_SECRET = Setting(
 INSTANCE_ID = Setting(
     "CHATMESH_CHAT_INSTANCE_ID", "",
     "this chat process's name, recorded as lease holder (empty: chat-<host>-<pid>)", str)
+ADVERTISE_ADDRESS = Setting(
+    "CHATMESH_CHAT_ADVERTISE_ADDRESS", "",
+    "address other chat processes reach this one at, to forward a stop to the process generating the turn "
+    "(empty: the listen address)", str)
 ENGINE_DEADLINE_S = Setting(
     "CHATMESH_ENGINE_DEADLINE_S", 300.0, "deadline of one engine generation", float)
