@@ -42,6 +42,7 @@ def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
             page.set_default_timeout(60_000)
             page.goto(slow_mesh.gateway_url)
             expect(page.locator("#whoami")).to_contain_text("signed in as")
+            expect(page.locator("#login")).to_be_hidden()  # a signed-in user is not shown the sign-in form
 
             page.fill("#input", "Please tell me a long story about routing.")
             page.click("#send")
