@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter as Counter_
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, assert_never
 
@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from chatmesh.mesh import logs
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
-from chatmesh.mesh.server import Service, status_for
+from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.moderation import settings
 from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
@@ -48,8 +48,6 @@ Context = grpc.aio.ServicerContext[Any, Any]
 M = TypeVar("M", bound=Message)
 MAX_REPLY_ID_BYTES = 128
 MAX_OPEN_REPLIES = 4096
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
 
 
 @dataclass(frozen=True)
@@ -129,39 +127,6 @@ class Limits:
                 assert_never(unreachable)
 
 
-def _unary_core_errors(
-    fn: Callable[[ModerateServicer, Req, Context], Awaitable[Resp]],
-) -> Callable[[ModerateServicer, Req, Context], Awaitable[Resp]]:
-    """Answers typed core errors with `status_for`'s code (the mesh decorators assert a context type the real
-    aio context is not; chatmesh.router.service works around the same)."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: ModerateServicer, request: Req, context: Context) -> Resp:
-        try:
-            return await fn(self, request, context)
-        except CoreError as err:
-            await context.abort(status_for(err), str(err))
-            raise  # unreachable: abort raises
-
-    return wrapper
-
-
-def _stream_core_errors(
-    fn: Callable[[ModerateServicer, Req, Context], AsyncIterator[Resp]],
-) -> Callable[[ModerateServicer, Req, Context], AsyncIterator[Resp]]:
-    """The same for a streaming method."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: ModerateServicer, requests: Req, context: Context) -> AsyncIterator[Resp]:
-        try:
-            async for item in fn(self, requests, context):
-                yield item
-        except CoreError as err:
-            await context.abort(status_for(err), str(err))
-
-    return wrapper
-
-
 def _log_failure(direction: Direction, exc: Exception) -> None:
     if isinstance(exc, CoreError):  # an expected failure, such as Unavailable from a guard model
         log.warning("check_failed", direction=direction.value, error=type(exc).__name__, detail=str(exc))
@@ -216,7 +181,7 @@ class ModerateServicer:
         self._metrics.fallbacks.labels(direction.value, label).inc()
         return Verdict.failed(mode.action, f"{why}; failing {mode.value}")
 
-    @_unary_core_errors
+    @unary_errors
     async def CheckInput(self, request: moderate_pb2.CheckInputRequest | Undecodable,
                          context: Context) -> moderate_pb2.CheckInputResponse:
         text = _decoded(request).text
@@ -226,7 +191,7 @@ class ModerateServicer:
                  categories=[c.category for c in verdict.categories], fallback=verdict.fallback)
         return moderate_pb2.CheckInputResponse(verdict=verdict_pb(verdict))
 
-    @_stream_core_errors
+    @stream_errors
     async def CheckOutput(self, requests: AsyncIterator[moderate_pb2.CheckOutputRequest | Undecodable],
                           context: Context) -> AsyncIterator[moderate_pb2.CheckOutputResponse]:
         check = self._moderator.open_output()
@@ -250,7 +215,7 @@ class ModerateServicer:
                      worst=worst.name)
 
 
-    @_stream_core_errors
+    @stream_errors
     async def CheckOutputBatch(self, requests: AsyncIterator[moderate_pb2.CheckOutputBatchRequest | Undecodable],
                                context: Context) -> AsyncIterator[moderate_pb2.CheckOutputBatchResponse]:
         replies: dict[str, _Reply] = {}

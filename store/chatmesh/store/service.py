@@ -11,20 +11,19 @@ purged conversation age out of their LRU (the chat service evicts on explicit de
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import typing
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
 from chatmesh.mesh import logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import CoreError, InvalidArgument
+from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import parse_conversation_id, parse_lease_id, parse_owner_id, parse_turn_id
-from chatmesh.mesh.server import Service, status_for, unary_errors
+from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.store import settings
 from chatmesh.store.core import ConversationStore, Limits
 from chatmesh.store.db import database_url, make_engine
@@ -38,26 +37,6 @@ from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
 log = logs.get("chatmesh.store.service")
 
 Context = grpc.aio.ServicerContext[Any, Any]
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-
-
-def core_errors(
-    fn: Callable[[StoreServicer, Req, Context], Awaitable[Resp]],
-) -> Callable[[StoreServicer, Req, Context], Awaitable[Resp]]:
-    """`unary_errors`, plus typed core errors answered with `status_for`'s code first: the shared
-    `_context_of` asserts `isinstance(ctx, grpc.aio.ServicerContext)`, which the real aio context is not
-    (the router works around it the same way). Remove once chatmesh.mesh.server is fixed."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: StoreServicer, request: Req, context: Context) -> Resp:
-        try:
-            return await fn(self, request, context)
-        except CoreError as err:
-            await context.abort(status_for(err), str(err))
-            raise  # unreachable: abort raises
-
-    return unary_errors(wrapper)
 
 
 def role_pb(role: Role) -> common_pb2.Role:
@@ -142,14 +121,14 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, store: ConversationStore) -> None:
         self.store = store
 
-    @core_errors
+    @unary_errors
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
                                  context: Context) -> store_pb2.InsertConversationResponse:
         conv = await self.store.insert_conversation(parse_owner_id(request.owner_id), request.title,
                                                     request.system_prompt_version)
         return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv))
 
-    @core_errors
+    @unary_errors
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
         history = await self.store.read_conversation(
@@ -162,7 +141,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             response.summary.CopyFrom(summary_pb(history.summary))
         return response
 
-    @core_errors
+    @unary_errors
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
         outcome = await self.store.begin_turn(
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
@@ -185,7 +164,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             case _:
                 typing.assert_never(outcome)
 
-    @core_errors
+    @unary_errors
     async def FinishTurn(self, request: store_pb2.FinishTurnRequest,
                          context: Context) -> store_pb2.FinishTurnResponse:
         reply = Reply(user_token_count=request.user_token_count, text=request.reply,
@@ -199,14 +178,14 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.FinishTurnResponse(already_finished=finished.already_finished,
                                             reply=message_pb(finished.reply))
 
-    @core_errors
+    @unary_errors
     async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
         released = await self.store.fail_turn(
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
         return store_pb2.FailTurnResponse(released=released)
 
-    @core_errors
+    @unary_errors
     async def UpdateTurnProgress(self, request: store_pb2.UpdateTurnProgressRequest,
                                  context: Context) -> store_pb2.UpdateTurnProgressResponse:
         progress = await self.store.update_turn_progress(
@@ -216,7 +195,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.UpdateTurnProgressResponse(held=progress.held,
                                                     lease_expires_at_ms=progress.lease_expires_at_ms)
 
-    @core_errors
+    @unary_errors
     async def ReadTurn(self, request: store_pb2.ReadTurnRequest, context: Context) -> store_pb2.ReadTurnResponse:
         turn = await self.store.read_turn(parse_owner_id(request.owner_id),
                                           parse_conversation_id(request.conversation_id),
@@ -230,7 +209,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             response.usage.CopyFrom(usage_pb(turn.usage))
         return response
 
-    @core_errors
+    @unary_errors
     async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
                           context: Context) -> store_pb2.SaveSummaryResponse:
         summary = await self.store.save_summary(
@@ -238,38 +217,38 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             request.covers_through_index, request.token_count)
         return store_pb2.SaveSummaryResponse(summary=summary_pb(summary))
 
-    @core_errors
+    @unary_errors
     async def ListOwnerConversations(self, request: store_pb2.ListOwnerConversationsRequest,
                                      context: Context) -> store_pb2.ListOwnerConversationsResponse:
         convs = await self.store.list_conversations(parse_owner_id(request.owner_id), request.page_size)
         return store_pb2.ListOwnerConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
-    @core_errors
+    @unary_errors
     async def DeleteStoredConversation(self, request: store_pb2.DeleteStoredConversationRequest,
                                        context: Context) -> store_pb2.DeleteStoredConversationResponse:
         evict = await self.store.delete_conversation(parse_owner_id(request.owner_id),
                                                      parse_conversation_id(request.conversation_id))
         return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
 
-    @core_errors
+    @unary_errors
     async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,
                               context: Context) -> store_pb2.DeleteOwnerDataResponse:
         evict = await self.store.delete_user_data(parse_owner_id(request.owner_id))
         return store_pb2.DeleteOwnerDataResponse(evict_conversation_ids=evict)
 
-    @core_errors
+    @unary_errors
     async def ExportOwnerData(self, request: store_pb2.ExportOwnerDataRequest,
                               context: Context) -> store_pb2.ExportOwnerDataResponse:
         document = await self.store.export_user_data(parse_owner_id(request.owner_id))
         return store_pb2.ExportOwnerDataResponse(json=json.dumps(document, ensure_ascii=False))
 
-    @core_errors
+    @unary_errors
     async def ReadUsage(self, request: store_pb2.ReadUsageRequest, context: Context) -> store_pb2.ReadUsageResponse:
         days = await self.store.usage(parse_owner_id(request.owner_id), request.days)
         return store_pb2.ReadUsageResponse(days=[
             store_pb2.UsageDay(day=d.day, usage=usage_pb(d.usage), turns=d.turns) for d in days])
 
-    @core_errors
+    @unary_errors
     async def PurgeExpired(self, request: store_pb2.PurgeExpiredRequest,
                            context: Context) -> store_pb2.PurgeExpiredResponse:
         purged = await self.store.purge_expired()
