@@ -74,6 +74,10 @@ def test_bounded_load_and_home_affinity(n: int, eps: float, vnodes: int, floor: 
                     # ... and the first replica with room clockwise from the conversation's point.
                     assert chosen == next(r for r in walk if r in room)
                 if home in serving and home not in exclude and before[home] < bound:
+                    assert chosen == home  # a conversation under the bound always lands home
+                # The outcome tells the truth: home when it landed home (even over the bound, when every
+                # replica it may use is over it), a spill otherwise.
+                if chosen == home:
                     assert pick.outcome is PickOutcome.HOME
                 else:
                     assert pick.outcome.spilled
