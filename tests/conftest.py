@@ -8,6 +8,13 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
+
+# CI runs property tests derandomized, so a submission's result does not depend on the run's luck; local runs
+# keep exploring new examples (and the .hypothesis database replays what they found).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 REQUIRE_SERVICES = os.environ.get("CHATMESH_REQUIRE_SERVICES", "") == "1"
 POSTGRES_URL = os.environ.get("CHATMESH_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")

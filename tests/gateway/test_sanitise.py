@@ -100,3 +100,11 @@ async def test_edge_sanitises_constructs_split_across_deltas(start_gateway: Star
     assert stored == text  # the history is sanitised the same way when read back
     deltas = [int(e.id or 0) for e in events if e.event == "turn.delta"]
     assert deltas == sorted(deltas)
+
+
+def test_markup_inside_an_allowed_link_destination_does_not_survive() -> None:
+    # Found by the chunking property test: an allowed host's link whose destination carries an HTML image.
+    out = Sanitiser(ALLOW).whole("see [docs](https://docs.example.com/<img src=x>) now")
+    assert "<img" not in out and "docs" in out
+    assert Sanitiser(ALLOW).whole("[a](https://docs.example.com/x \"title\")") == "a"
+    assert Sanitiser(ALLOW).whole("[a](https://docs.example.com/x)") == "[a](https://docs.example.com/x)"

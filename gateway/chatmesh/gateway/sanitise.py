@@ -126,10 +126,12 @@ class Sanitiser:
                 return _literal(buf, start, image)
             if image:
                 return "", end + 1
-            dest = _destination(buf[close + 2:end])
+            raw = buf[close + 2:end]
             text = Sanitiser(self._allow).whole(inner)
-            if host_allowed(dest, self._allow):
-                return f"[{text}]({buf[close + 2:end]})", end + 1
+            # An allowed link keeps a plain URL only: markup, quotes or a title in the destination could carry
+            # an image or an attribute through, so such a link is reduced to its text like an off-list one.
+            if host_allowed(_destination(raw), self._allow) and _plain_url(raw):
+                return f"[{text}]({raw})", end + 1
             return text, end + 1
         if after == "[":
             end = _matching(buf, close + 1, "[", "]")
@@ -222,6 +224,13 @@ def _matching(buf: str, i: int, open_c: str, close_c: str) -> int | None:
             return _NEVER  # a blank line ends any inline construct
         j += 1
     return None
+
+
+_NOT_IN_PLAIN_URL = frozenset("<>\"'`\\ \t\r\n")
+
+
+def _plain_url(raw: str) -> bool:
+    return bool(raw) and not any(c in _NOT_IN_PLAIN_URL for c in raw)
 
 
 def _destination(raw: str) -> str:
