@@ -210,7 +210,7 @@ class ChatCore:
         return f"{self.opt.instance_id}@{self.opt.advertise_address}" if self.opt.advertise_address \
             else self.opt.instance_id
 
-    async def stop(self, owner: OwnerId, conv: ConversationId, turn: TurnId, forwarded: bool = False) -> bool:
+    async def stop(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> bool:
         """Stops a turn in progress here, or forwards the stop to the chat process generating it."""
         live = self.live.get((owner, conv, turn))
         if live is not None and live.final is None:
@@ -221,7 +221,7 @@ class ChatCore:
         if record.state not in (store_pb2.TURN_STATE_RECEIVED, store_pb2.TURN_STATE_RUNNING):
             return False
         _, _, address = record.lease_holder.partition("@")
-        if forwarded or not address or address == self.opt.advertise_address or self.peers is None:
+        if not address or address == self.opt.advertise_address or self.peers is None:
             raise errors.FailedPrecondition(
                 f"turn {turn} is generating in chat process {record.lease_holder!r}, which this process cannot reach")
         return await self.peers.stop(address, owner, conv, turn)

@@ -29,7 +29,6 @@ from chatmesh.engine_adapter.backend import (
     Delta,
     EngineStats,
     Finished,
-    FinishReason,
     GenerateEvent,
     GenerateParams,
     Started,

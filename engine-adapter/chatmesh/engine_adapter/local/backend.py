@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from chatmesh.engine_adapter import settings as engine_settings
-from chatmesh.engine_adapter.backend import Backend
 from chatmesh.engine_adapter.block_manager import BlockConfig
 from chatmesh.engine_adapter.engine import Clock, EngineCore
 from chatmesh.engine_adapter.local import settings as local_settings
