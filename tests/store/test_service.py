@@ -194,3 +194,28 @@ async def test_list_usage_export_delete_purge(stub: Stub) -> None:
     assert list(everything.evict_conversation_ids) == [second]
     purged = await stub.PurgeExpired(store_pb2.PurgeExpiredRequest())
     assert len(purged.purged) == 0 and purged.abandoned_turns == 0
+
+
+async def test_begin_turn_returns_context(stub: Stub) -> None:
+    conv = await new_conversation(stub)
+    begin = store_pb2.BeginTurnRequest(owner_id="alice", conversation_id=conv, turn_id=str(uuid.uuid4()),
+                                       content="first", lease_holder="chat-1")
+    plain = await stub.BeginTurn(begin)
+    assert plain.WhichOneof("outcome") == "claimed" and not plain.claimed.HasField("context")
+    await stub.FinishTurn(store_pb2.FinishTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=begin.turn_id, lease_id=plain.claimed.lease_id,
+        user_token_count=1, reply="reply one", reply_token_count=2))
+    await stub.SaveSummary(store_pb2.SaveSummaryRequest(owner_id="alice", conversation_id=conv, text="s",
+                                                        covers_through_index=0, token_count=1))
+    second = await stub.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=str(uuid.uuid4()), content="second", lease_holder="chat-1",
+        context_max_messages=20))
+    assert second.WhichOneof("outcome") == "claimed" and second.claimed.HasField("context")
+    context = second.claimed.context
+    assert context.conversation.conversation_id == conv and context.message_count == 2
+    assert context.summary.text == "s" and context.summary.covers_through_index == 0
+    assert [(m.index, m.role, m.content) for m in context.messages] == [(1, common_pb2.ROLE_ASSISTANT, "reply one")]
+    code, details = await code_of(stub.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=str(uuid.uuid4()), content="x", lease_holder="c",
+        context_max_messages=-1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "context_max_messages" in details

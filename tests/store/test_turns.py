@@ -223,3 +223,35 @@ async def test_only_the_last_reply_can_be_regenerated(store: ConversationStore) 
     assert [m.superseded for m in (await store.read_conversation(OWNER, conv)).messages] == [False] * 4
     with pytest.raises(InvalidArgument, match="lease_ttl_ms"):
         await claim(store, conv, new_turn(), lease_ttl_ms=10**18)
+
+
+async def test_claim_with_context(store: ConversationStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    conv = await conversation(store)
+    for i in range(3):
+        t = new_turn()
+        c = await claim(store, conv, t, f"q{i}")
+        assert isinstance(c, Claimed) and c.context is None  # not asked for
+        await store.finish_turn(OWNER, conv, t, c.lease_id, reply(f"a{i}"))
+    turn = new_turn()
+    first = await claim(store, conv, turn, "q3", context_messages=4)
+    assert isinstance(first, Claimed) and first.context is not None
+    assert first.context.summary is None and first.context.conversation.message_count == 6
+    assert [(m.index, m.content) for m in first.context.messages] == [(2, "q1"), (3, "a1"), (4, "q2"), (5, "a2")]
+    again = await claim(store, conv, turn, "q3", context_messages=4)
+    assert isinstance(again, InProgress)  # only a NEW claim carries context
+    assert await store.fail_turn(OWNER, conv, turn, first.lease_id)
+    await store.save_summary(OWNER, conv, "they asked q0 and q1", 2, 7)
+    retaken = await claim(store, conv, turn, "q3", context_messages=1000)  # a failed turn claimed again
+    assert isinstance(retaken, Claimed) and retaken.context is not None
+    assert retaken.context.summary is not None and retaken.context.summary.covers_through_index == 2
+    assert [m.index for m in retaken.context.messages] == [3, 4, 5]  # only what follows the summary
+    await store.finish_turn(OWNER, conv, turn, retaken.lease_id, reply("a3"))
+    monkeypatch.setattr("chatmesh.store.core.MAX_CONTEXT_MESSAGES", 2)
+    capped = await claim(store, conv, new_turn(), "q4", context_messages=50)
+    assert isinstance(capped, Claimed) and capped.context is not None
+    assert [m.content for m in capped.context.messages] == ["q3", "a3"]
+    with pytest.raises(InvalidArgument, match="context_max_messages"):
+        await claim(store, conv, new_turn(), "q5", context_messages=-1)
+    with pytest.raises(NotFound):
+        await store.begin_turn(OwnerId("mallory"), conv, new_turn(), content="x", lease_holder="c",
+                               context_messages=5)

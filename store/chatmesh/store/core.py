@@ -73,6 +73,8 @@ TURN_FOR_FINISH = (select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.
                    .where(_key(TURN), TURN.c.turn_id == bindparam("turn")).with_for_update())
 MESSAGES_FROM = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
                  .order_by(MSG.c.message_index))
+CONTEXT_MESSAGES = (select(MSG).where(_key(MSG), MSG.c.message_index > bindparam("after_index"))
+                    .order_by(MSG.c.message_index.desc()).limit(bindparam("limit")))
 NEWEST_MESSAGES = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
                    .order_by(MSG.c.message_index.desc()).limit(bindparam("limit")))
 MESSAGE_AT = select(MSG).where(_key(MSG), MSG.c.message_index == bindparam("index"))
@@ -118,6 +120,7 @@ FINAL = (TurnState.STORED, TurnState.STOPPED)
 CLAIM_ATTEMPTS = 5
 PURGE_BATCH = 500
 MAX_LEASE_TTL_MS = 86_400_000
+MAX_CONTEXT_MESSAGES = 1000  # BeginTurn's context_max_messages is capped at this
 # Errors that mean "the database cannot be reached or is shedding load": answered UNAVAILABLE (retryable).
 # asyncpg's refused or dropped connections surface as OSError / TimeoutError, not as SQLAlchemy errors.
 UNREACHABLE = (OperationalError, InterfaceError, OSError, TimeoutError)
@@ -251,11 +254,7 @@ class ConversationStore:
                 rows.reverse()
             else:
                 rows = list((await conn.execute(MESSAGES_FROM, key)).all())
-        summary = None
-        if row.summary_text is not None:
-            summary = Summary(row.summary_text, row.summary_covers_through, row.summary_token_count,
-                              row.summary_created_at_ms)
-        return History(_conversation(row), [_message(r) for r in rows], summary)
+        return History(_conversation(row), [_message(r) for r in rows], _summary(row))
 
     async def list_conversations(self, owner: OwnerId, limit: int = 50) -> list[Conversation]:
         """The owner's conversations, most recently updated first."""
@@ -299,8 +298,12 @@ class ConversationStore:
 
     async def begin_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, *, content: str,
                          lease_holder: str, fingerprint: str = "", lease_ttl_ms: int = 0,
-                         regenerates: TurnId | None = None) -> Claim:
-        """Claims `turn` for generation, or says who has it, or returns its stored reply, or a conflict."""
+                         regenerates: TurnId | None = None, context_messages: int = 0) -> Claim:
+        """Claims `turn` for generation, or says who has it, or returns its stored reply, or a conflict.
+        With `context_messages` > 0 a NEW claim also carries the prompt's context (`Claimed.context`): the
+        summary and the newest that many messages after it (capped at MAX_CONTEXT_MESSAGES)."""
+        self._check_count("context_max_messages", context_messages)
+        context_messages = min(context_messages, MAX_CONTEXT_MESSAGES)
         self._check_text("content", content, required=regenerates is None)
         self._check_len("fingerprint", fingerprint, self.limits.max_fingerprint_chars)
         self._check_len("lease_holder", lease_holder, self.limits.max_lease_holder_chars)
@@ -311,7 +314,7 @@ class ConversationStore:
         for _ in range(CLAIM_ATTEMPTS):
             try:
                 outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint,
-                                                 ttl, regenerates)
+                                                 ttl, regenerates, context_messages)
             except IntegrityError:  # the conversation was deleted under us
                 raise NotFound(f"conversation {conversation} not found") from None
             if outcome is not None:
@@ -321,7 +324,8 @@ class ConversationStore:
         raise Unavailable(f"turn {turn}: claim contended {CLAIM_ATTEMPTS} times; retry")
 
     async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
-                          lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None) -> Claim | None:
+                          lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None,
+                          context_messages: int) -> Claim | None:
         now = self._clock()
         lease, expires = new_lease_id(), now + ttl
         async with self._single() as conn:
@@ -335,7 +339,7 @@ class ConversationStore:
                 prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
             params = {"owner": owner, "conversation": conversation} | {f"v_{k}": v for k, v in values.items()}
             if (await conn.execute(self._claim, params)).first() is not None:
-                return Claimed(lease, expires)
+                return Claimed(lease, expires, await self._context(conn, owner, conversation, context_messages))
             row = (await conn.execute(TURN_ROW, {"owner": owner, "conversation": conversation,
                                                  "turn": turn})).first()
             if row is None:
@@ -358,8 +362,19 @@ class ConversationStore:
             if taken is not None:
                 log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
                          previous_state=state.value)
-                return Claimed(lease, expires)
+                return Claimed(lease, expires, await self._context(conn, owner, conversation, context_messages))
         return None  # another racer took it between our read and our update: look again
+
+    async def _context(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
+                       limit: int) -> History | None:
+        if not limit:
+            return None
+        row = await self._conversation_row(conn, owner, conversation)
+        rows = list((await conn.execute(CONTEXT_MESSAGES, {
+            "owner": owner, "conversation": conversation, "after_index": row.summary_covers_through,
+            "limit": limit})).all())
+        rows.reverse()
+        return History(_conversation(row), [_message(r) for r in rows], _summary(row))
 
     async def _regenerated_user_index(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                                       regenerates: TurnId) -> int:
@@ -618,6 +633,12 @@ class ConversationStore:
                 break
         log.info("purged", conversations=len(purged), abandoned_turns=abandoned)
         return Purged(purged, abandoned)
+
+
+def _summary(row: Row[Any]) -> Summary | None:
+    if row.summary_text is None:
+        return None
+    return Summary(row.summary_text, row.summary_covers_through, row.summary_token_count, row.summary_created_at_ms)
 
 
 def _usage(row: Row[Any]) -> Usage:

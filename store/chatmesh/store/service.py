@@ -29,8 +29,8 @@ from chatmesh.store.core import ConversationStore, Limits
 from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
 from chatmesh.store.values import (
-    Claimed, Conflicted, Conversation, Done, InProgress, Message, MessageStatus, Reply, Role, Summary, TurnState,
-    Usage,
+    Claimed, Conflicted, Conversation, Done, History, InProgress, Message, MessageStatus, Reply, Role, Summary,
+    TurnState, Usage,
 )
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
 
@@ -117,6 +117,15 @@ def conversation_pb(c: Conversation) -> common_pb2.Conversation:
                                    updated_at_ms=c.updated_at_ms)
 
 
+def history_pb(history: History) -> store_pb2.ReadConversationResponse:
+    response = store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
+                                                  messages=[message_pb(m) for m in history.messages],
+                                                  message_count=history.conversation.message_count)
+    if history.summary is not None:
+        response.summary.CopyFrom(summary_pb(history.summary))
+    return response
+
+
 class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, store: ConversationStore) -> None:
         self.store = store
@@ -131,15 +140,9 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
-        history = await self.store.read_conversation(
+        return history_pb(await self.store.read_conversation(
             parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
-            from_index=request.from_index, max_messages=request.max_messages)
-        response = store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
-                                                      messages=[message_pb(m) for m in history.messages],
-                                                      message_count=history.conversation.message_count)
-        if history.summary is not None:
-            response.summary.CopyFrom(summary_pb(history.summary))
-        return response
+            from_index=request.from_index, max_messages=request.max_messages))
 
     @unary_errors
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
@@ -148,11 +151,13 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
-            if request.regenerates_turn_id else None)
+            if request.regenerates_turn_id else None, context_messages=request.context_max_messages)
         match outcome:
-            case Claimed(lease_id, expires):
-                return store_pb2.BeginTurnResponse(claimed=store_pb2.TurnClaimed(
-                    lease_id=lease_id, lease_expires_at_ms=expires))
+            case Claimed(lease_id, expires, prompt_context):
+                claimed = store_pb2.TurnClaimed(lease_id=lease_id, lease_expires_at_ms=expires)
+                if prompt_context is not None:
+                    claimed.context.CopyFrom(history_pb(prompt_context))
+                return store_pb2.BeginTurnResponse(claimed=claimed)
             case InProgress(holder, expires):
                 return store_pb2.BeginTurnResponse(in_progress=store_pb2.TurnInProgress(
                     lease_holder=holder, lease_expires_at_ms=expires))

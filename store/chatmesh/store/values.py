@@ -93,6 +93,8 @@ class Claimed:
 
     lease_id: LeaseId
     lease_expires_at_ms: int
+    context: History | None = None
+    """With `context_messages` > 0: the conversation, its summary and the newest messages after it."""
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,7 @@ class ReadConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ..., summary: _Optional[_Union[ConversationSummary, _Mapping]] = ..., message_count: _Optional[int] = ...) -> None: ...
 
 class BeginTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id", "context_max_messages")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class BeginTurnRequest(_message.Message):
     LEASE_HOLDER_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REGENERATES_TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
@@ -267,7 +268,8 @@ class BeginTurnRequest(_message.Message):
     lease_holder: str
     lease_ttl_ms: int
     regenerates_turn_id: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ...) -> None: ...
+    context_max_messages: int
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ..., context_max_messages: _Optional[int] = ...) -> None: ...
 
 class BeginTurnResponse(_message.Message):
     __slots__ = ("claimed", "in_progress", "done", "conflict")
@@ -282,12 +284,14 @@ class BeginTurnResponse(_message.Message):
     def __init__(self, claimed: _Optional[_Union[TurnClaimed, _Mapping]] = ..., in_progress: _Optional[_Union[TurnInProgress, _Mapping]] = ..., done: _Optional[_Union[TurnDone, _Mapping]] = ..., conflict: _Optional[_Union[TurnConflict, _Mapping]] = ...) -> None: ...
 
 class TurnClaimed(_message.Message):
-    __slots__ = ("lease_id", "lease_expires_at_ms")
+    __slots__ = ("lease_id", "lease_expires_at_ms", "context")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     lease_expires_at_ms: int
-    def __init__(self, lease_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ...) -> None: ...
+    context: ReadConversationResponse
+    def __init__(self, lease_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ..., context: _Optional[_Union[ReadConversationResponse, _Mapping]] = ...) -> None: ...
 
 class TurnInProgress(_message.Message):
     __slots__ = ("lease_holder", "lease_expires_at_ms")
