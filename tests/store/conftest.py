@@ -75,11 +75,16 @@ async def engine(backend: Backend) -> AsyncIterator[AsyncEngine]:
 
 
 @pytest.fixture
-def make_store(engine: AsyncEngine, clock: FakeClock) -> Callable[..., ConversationStore]:
-    def make(**limits: int) -> ConversationStore:
-        return ConversationStore(engine, Limits(**limits), clock)
+async def make_store(engine: AsyncEngine, clock: FakeClock) -> AsyncIterator[Callable[..., ConversationStore]]:
+    made: list[ConversationStore] = []
 
-    return make
+    def make(**limits: int) -> ConversationStore:
+        made.append(ConversationStore(engine, Limits(**limits), clock))
+        return made[-1]
+
+    yield make
+    for store in made:
+        await store.close()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.core import DAY_MS, ConversationStore
 from chatmesh.store.db import make_engine
 from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
@@ -156,5 +156,14 @@ async def test_an_unreachable_database_is_unavailable() -> None:
             await store.list_conversations(ALICE)
         with pytest.raises(Unavailable):
             await store.insert_conversation(ALICE)
+        conv, turn = ConversationId(str(uuid.uuid4())), TurnId(str(uuid.uuid4()))
+        with pytest.raises(Unavailable):  # the hot path's calls, through the driver
+            await store.begin_turn(ALICE, conv, turn, content="hi", lease_holder="c", context_messages=5)
+        with pytest.raises(Unavailable):
+            await store.read_conversation(ALICE, conv, max_messages=20)
+        with pytest.raises(Unavailable):
+            await store.finish_turn(ALICE, conv, turn, LeaseId(str(uuid.uuid4())),
+                                    Reply(1, "r", 1, MessageStatus.COMPLETE, Usage()))
     finally:
+        await store.close()
         await engine.dispose()

@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -17,7 +17,7 @@ from chatmesh.store.core import ConversationStore
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, TurnState, Usage,
 )
-from tests.store.conftest import FakeClock
+from tests.store.conftest import Backend, FakeClock
 
 OWNER = OwnerId("alice")
 
@@ -179,26 +179,30 @@ async def test_bad_input_and_ownership(make_store: object, store: ConversationSt
         await store.insert_conversation(OWNER, "t" * 201)
 
 
-async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationStore, engine: AsyncEngine) -> None:
+async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationStore, engine: AsyncEngine,
+                                                          backend: Backend) -> None:
     conv = await conversation(store)
     turn = new_turn()
     c = await claim(store, conv, turn)
     assert isinstance(c, Claimed)
-
-    def fail_on_usage(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if statement.startswith("INSERT INTO usage_days"):
-            raise RuntimeError("disk full")
-
-    event.listen(engine.sync_engine, "before_cursor_execute", fail_on_usage)
-    try:
-        with pytest.raises(Exception, match="disk full"):
-            await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
-    finally:
-        event.remove(engine.sync_engine, "before_cursor_execute", fail_on_usage)
+    # The database itself fails the finish's last write (the usage), whichever path sent it.
+    async with engine.begin() as conn:
+        if backend.name == "sqlite":
+            await conn.execute(text("CREATE TRIGGER usage_fails BEFORE INSERT ON usage_days "
+                                    "BEGIN SELECT RAISE(ABORT, 'disk full'); END"))
+        else:
+            await conn.execute(text("CREATE FUNCTION usage_fails() RETURNS trigger LANGUAGE plpgsql AS "
+                                    "$$ BEGIN RAISE EXCEPTION 'disk full'; END $$"))
+            await conn.execute(text("CREATE TRIGGER usage_fails BEFORE INSERT ON usage_days "
+                                    "FOR EACH ROW EXECUTE FUNCTION usage_fails()"))
+    with pytest.raises(Exception, match="disk full"):
+        await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
     history = await store.read_conversation(OWNER, conv)
     assert history.messages == [] and history.conversation.message_count == 0
     assert (await store.read_turn(OWNER, conv, turn)).state is TurnState.RECEIVED
     assert await store.usage(OWNER) == []
+    async with engine.begin() as conn:
+        await conn.execute(text("DROP TRIGGER usage_fails" + ("" if backend.name == "sqlite" else " ON usage_days")))
     assert not (await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())).already_finished
     assert len((await store.read_conversation(OWNER, conv)).messages) == 2
 

@@ -53,7 +53,10 @@ async def _run(cfg: Config, action: str, revision: str | None) -> int:
             print(await migrate.current(engine) or "base")
         else:
             store = ConversationStore(engine, Limits(retention_days=cfg[settings.RETENTION_DAYS]))
-            purged = await store.purge_expired()
+            try:
+                purged = await store.purge_expired()
+            finally:
+                await store.close()
             print(f"purged {len(purged.conversations)} conversations, {purged.abandoned_turns} abandoned turns")
     finally:
         await engine.dispose()

@@ -41,7 +41,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId, new_conversation_id, new_lease_id
-from chatmesh.store.db import autocommit, is_sqlite
+from chatmesh.store.db import autocommit, hot_path, is_sqlite
+from chatmesh.store.hot import FinishValues, NewTurn
 from chatmesh.store.schema import Base, ConversationRow, MessageRow, TurnRow, UsageRow
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
@@ -67,6 +68,9 @@ CLAIM_COLUMNS = ("turn_id", "fingerprint", "state", "content", "lease_id", "leas
                  "regenerates_turn_id", "user_index", "partial_text", "event_sequence", "prompt_tokens",
                  "cached_prompt_tokens", "output_tokens", "created_at_ms", "updated_at_ms")
 CONVERSATION_ROW = select(CONV).where(_key(CONV))
+# Writers that touch a conversation's turn or messages lock its row first (this order, everywhere, so a finish
+# and a delete cannot deadlock). NO KEY: claims' foreign-key checks (KEY SHARE) do not wait on it.
+CONVERSATION_LOCK = select(CONV.c.message_count).where(_key(CONV)).with_for_update(key_share=True)  # FOR NO KEY UPDATE
 TURN_ROW = select(TURN).where(_key(TURN), TURN.c.turn_id == bindparam("turn"))
 TURN_FOR_FINISH = (select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.regenerates_turn_id,
                           TURN.c.user_index, TURN.c.reply_index)
@@ -175,6 +179,11 @@ class ConversationStore:
         upsert = sqlite.insert if is_sqlite(engine) else postgresql.insert
         self._claim = _claim_statement(upsert)
         self._add_usage_stmt = _usage_statement(upsert)
+        self.hot = hot_path(engine)  # the turn cycle's common case, one round trip per call
+
+    async def close(self) -> None:
+        """Closes what the store opened itself (SQLite's hot-path connections); the engine is the caller's."""
+        await self.hot.close()
 
     # --- transactions ---
 
@@ -246,15 +255,10 @@ class ConversationStore:
         `max_messages` > 0 only the newest that many of those."""
         self._check_count("from_index", from_index)
         self._check_count("max_messages", max_messages)
-        async with self._single() as conn:
-            row = await self._conversation_row(conn, owner, conversation)
-            key = {"owner": owner, "conversation": conversation, "from_index": from_index}
-            if max_messages:
-                rows = list((await conn.execute(NEWEST_MESSAGES, key | {"limit": max_messages})).all())
-                rows.reverse()
-            else:
-                rows = list((await conn.execute(MESSAGES_FROM, key)).all())
-        return History(_conversation(row), [_message(r) for r in rows], _summary(row))
+        history = await self.hot.read(owner, conversation, from_index, max_messages)
+        if history is None:
+            raise NotFound(f"conversation {conversation} not found")
+        return history
 
     async def list_conversations(self, owner: OwnerId, limit: int = 50) -> list[Conversation]:
         """The owner's conversations, most recently updated first."""
@@ -311,10 +315,20 @@ class ConversationStore:
             raise InvalidArgument("regenerates_turn_id must differ from turn_id")
         ttl = self._ttl(lease_ttl_ms)
         fingerprint = fingerprint or default_fingerprint(content, regenerates)
+        insert = True
+        if regenerates is None:  # the common case: a new turn id, claimed in one round trip
+            now = self._clock()
+            new = NewTurn(turn, fingerprint, content, new_lease_id(), lease_holder, now + ttl, now)
+            claimed, prompt_context = await self.hot.claim(owner, conversation, new, context_messages)
+            if claimed:
+                log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
+                return Claimed(new.lease, new.lease_expires_at_ms, prompt_context)
+            insert = False  # known turn id (or no such conversation): the general path reads the record
         for _ in range(CLAIM_ATTEMPTS):
             try:
                 outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint,
-                                                 ttl, regenerates, context_messages)
+                                                 ttl, regenerates, context_messages, insert)
+                insert = True
             except IntegrityError:  # the conversation was deleted under us
                 raise NotFound(f"conversation {conversation} not found") from None
             if outcome is not None:
@@ -325,7 +339,7 @@ class ConversationStore:
 
     async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
                           lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None,
-                          context_messages: int) -> Claim | None:
+                          context_messages: int, insert: bool = True) -> Claim | None:
         now = self._clock()
         lease, expires = new_lease_id(), now + ttl
         async with self._single() as conn:
@@ -338,7 +352,7 @@ class ConversationStore:
                 regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
                 prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
             params = {"owner": owner, "conversation": conversation} | {f"v_{k}": v for k, v in values.items()}
-            if (await conn.execute(self._claim, params)).first() is not None:
+            if insert and (await conn.execute(self._claim, params)).first() is not None:
                 return Claimed(lease, expires, await self._context(conn, owner, conversation, context_messages))
             row = (await conn.execute(TURN_ROW, {"owner": owner, "conversation": conversation,
                                                  "turn": turn})).first()
@@ -408,8 +422,21 @@ class ConversationStore:
             self._check_count(field, value)
         now = self._clock()
         target = TurnState.STOPPED if reply.status is MessageStatus.STOPPED else TurnState.STORED
+        usage = reply.usage
+        user_index = await self.hot.finish(owner, conversation, turn, lease, FinishValues(
+            target.value, reply.user_token_count, reply.user_status.value, reply.text, reply.token_count,
+            reply.status.value, usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens, now,
+            utc_day(now)))
+        if user_index is not None:  # the common case, stored in one statement
+            log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn, state=target.value,
+                     output_tokens=usage.output_tokens)
+            return Finished(False, Message(user_index + 1, Role.ASSISTANT, reply.text, reply.token_count,
+                                           reply.status, turn, now))
+        # Already finished, another lease, a regenerate, or unknown: the general path finds out which.
         async with self._write() as conn:
             key = {"owner": owner, "conversation": conversation}
+            if (await conn.execute(CONVERSATION_LOCK, key)).first() is None:  # lock order: conversation, turn
+                raise NotFound(f"conversation {conversation} not found")
             row = (await conn.execute(TURN_FOR_FINISH, key | {"turn": turn})).first()
             if row is None:
                 raise NotFound(f"turn {turn} not found")
@@ -528,12 +555,13 @@ class ConversationStore:
 
     async def _delete_rows(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                            idle_before_ms: int | None = None) -> bool:
-        """Children first, then the conversation (whose FK cascade catches a row a racing turn just added)."""
-        gone = CONV.c.updated_at_ms < idle_before_ms if idle_before_ms is not None else None
-        if gone is not None:  # purge: only if it is still idle now that we hold the write lock
-            if (await conn.execute(select(CONV.c.conversation_id).where(
-                    CONV.c.owner_id == owner, CONV.c.conversation_id == conversation, gone).with_for_update())).first() is None:
-                return False
+        """The conversation row locked first (a racing finish then waits, or has committed and its messages are
+        seen), children, then the conversation (whose FK cascade catches a turn a racing claim just added)."""
+        lock = select(CONV.c.conversation_id).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
+        if idle_before_ms is not None:  # purge: only if it is still idle now that we hold the lock
+            lock = lock.where(CONV.c.updated_at_ms < idle_before_ms)
+        if (await conn.execute(lock.with_for_update())).first() is None:
+            return False
         await conn.execute(delete(MSG).where(MSG.c.owner_id == owner, MSG.c.conversation_id == conversation))
         await conn.execute(delete(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation))
         done = await conn.execute(delete(CONV).where(CONV.c.owner_id == owner, CONV.c.conversation_id == conversation)
@@ -543,6 +571,7 @@ class ConversationStore:
     async def delete_user_data(self, owner: OwnerId) -> list[ConversationId]:
         """Deletes all of an owner's data, usage included. Returns the conversation ids engines must evict."""
         async with self._write() as conn:
+            await conn.execute(select(CONV.c.conversation_id).where(CONV.c.owner_id == owner).with_for_update())
             await conn.execute(delete(MSG).where(MSG.c.owner_id == owner))
             await conn.execute(delete(TURN).where(TURN.c.owner_id == owner))
             ids = [ConversationId(r[0]) for r in (await conn.execute(

@@ -17,9 +17,13 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry
 
+from chatmesh.store.hot import HotPath, PostgresHotPath, SqliteHotPath
+
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_MAX_POOL = 4  # writers serialize on one lock; past a few connections they only wait on each other
 _BEGIN_OPTION = "chatmesh_sqlite_begin"
+SQLITE_PRAGMAS = (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL",
+                  "foreign_keys=ON")
 
 
 def database_url(configured: str, data_dir: str) -> str:
@@ -58,8 +62,7 @@ def _sqlite_events(engine: AsyncEngine) -> None:
     def _connect(dbapi_conn: Any, _record: ConnectionPoolEntry) -> None:
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cursor = dbapi_conn.cursor()
-        for pragma in (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL",
-                       "foreign_keys=ON"):
+        for pragma in SQLITE_PRAGMAS:
             cursor.execute(f"PRAGMA {pragma}")
         cursor.close()
 
@@ -76,3 +79,13 @@ async def autocommit(conn: AsyncConnection) -> AsyncConnection:
     if conn.dialect.name == "sqlite":
         return await conn.execution_options(**{_BEGIN_OPTION: None})
     return await conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
+def hot_path(engine: AsyncEngine) -> HotPath:
+    """The turn cycle's one-round-trip-per-call path for this engine's database (see `chatmesh.store.hot`)."""
+    if not is_sqlite(engine):
+        return PostgresHotPath(engine)
+    path = engine.url.database
+    if not path or path == ":memory:":
+        raise ValueError("the embedded store needs a SQLite file, not an in-memory database")
+    return SqliteHotPath(path, SQLITE_MAX_POOL, SQLITE_PRAGMAS)

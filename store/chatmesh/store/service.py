@@ -290,6 +290,7 @@ def build(cfg: Config) -> Service:
             service.background.append(asyncio.create_task(purge_periodically(store, interval)))
 
     async def close() -> None:
+        await store.close()
         await engine.dispose()
 
     service.start, service.close = start, close

@@ -1,0 +1,402 @@
+"""The turn cycle's hot path, one database round trip per operation, sent through the driver.
+
+The chat service's per-turn store work is three calls: BeginTurn (the claim, optionally with the prompt's
+context), the history read, FinishTurn. Through SQLAlchemy's async layer each of their ~10 statements cost
+~0.4-0.6 ms of client CPU, which capped PostgreSQL at a few hundred turns/s on two cores. Here each call is one
+round trip whose SQL is written once per backend:
+
+- PostgreSQL (asyncpg, a raw connection from SQLAlchemy's pool, asyncpg's prepared-statement cache):
+  the claim is one `INSERT .. SELECT .. ON CONFLICT DO NOTHING`, with the context read in the same statement
+  (a CTE; the read sees the statement's snapshot); the read is one statement (conversation LEFT JOIN LATERAL
+  its newest messages); the finish is ONE statement, so one implicit transaction and one commit:
+      conv     SELECT .. FROM conversations .. FOR NO KEY UPDATE   -- lock order: conversation, then turn
+      turn     UPDATE turns SET state = stored, indexes from conv .. WHERE lease_id = $lease AND state IN
+               (received, running) AND regenerates_turn_id IS NULL  -- the guard; re-checked on the locked row
+      advanced UPDATE conversations SET message_count = message_count + 2 .. WHERE EXISTS (turn)
+      stored   INSERT INTO messages (user message, reply) .. FROM turn
+      metered  INSERT INTO usage_days .. FROM turn ON CONFLICT DO UPDATE (add)
+  Either all of it happens or none (one statement); when the guard does not match (already finished, another
+  lease, a regenerate, unknown turn) nothing is written and the caller takes the general path, which says why.
+- SQLite (its own connections, each used by one worker thread; WAL, BEGIN IMMEDIATE for writes): each call's
+  statements run together in one hop to a worker thread (aiosqlite hopped per statement and per cursor call);
+  the finish runs the same guard in one transaction.
+
+Every statement sent here passes `_observe`, so tests see (and check for the owner id) exactly what the hot
+path sends, as they see SQLAlchemy's statements through its events.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.util import greenlet_spawn
+
+from chatmesh.mesh.errors import NotFound, Unavailable
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
+from chatmesh.store.values import Conversation, History, Message, MessageStatus, Role, Summary
+
+CONV_COLUMNS = ("owner_id", "conversation_id", "title", "system_prompt_version", "created_at_ms", "updated_at_ms",
+                "message_count", "summary_covers_through", "summary_token_count", "summary_created_at_ms")
+MSG_COLUMNS = ("message_index", "role", "content", "token_count", "status", "turn_id", "created_at_ms", "superseded")
+TURN_COLUMNS = ("owner_id", "conversation_id", "turn_id", "fingerprint", "state", "content", "lease_id",
+                "lease_holder", "lease_expires_at_ms", "regenerates_turn_id", "user_index", "reply_index",
+                "partial_text", "event_sequence", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
+                "created_at_ms", "updated_at_ms")
+# Rows the reads return: the conversation's columns, its summary text (first row only), then one message's.
+N_CONV = len(CONV_COLUMNS)
+ACTIVE_STATES = ("received", "running")  # TurnState.RECEIVED / RUNNING values
+
+
+@dataclass(frozen=True)
+class NewTurn:
+    """The values of a new turn record (state received, no progress, no usage)."""
+
+    turn: TurnId
+    fingerprint: str
+    content: str
+    lease: LeaseId
+    lease_holder: str
+    lease_expires_at_ms: int
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class FinishValues:
+    """What a plain (not regenerating) finish writes."""
+
+    to_state: str
+    user_token_count: int
+    user_status: str
+    reply_text: str
+    reply_token_count: int
+    reply_status: str
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    now_ms: int
+    day: str
+
+
+def history_from(rows: Sequence[Sequence[Any]]) -> History:
+    """Rows of (conversation columns, summary text, message columns or NULLs), newest message first."""
+    first = rows[0]
+    conv = Conversation(ConversationId(first[1]), OwnerId(first[0]), first[2], first[3], first[4], first[5], first[6])
+    text = first[N_CONV]
+    summary = None if text is None else Summary(text, first[7], first[8], first[9])
+    messages = [Message(r[N_CONV + 1], Role(r[N_CONV + 2]), r[N_CONV + 3], r[N_CONV + 4],
+                        MessageStatus(r[N_CONV + 5]), TurnId(r[N_CONV + 6]), r[N_CONV + 7], bool(r[N_CONV + 8]))
+                for r in reversed(rows) if r[N_CONV + 1] is not None]
+    return History(conv, messages, summary)
+
+
+class HotPath(abc.ABC):
+    """One backend's round-trip-per-call implementation of the claim, the read and the finish."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[str], None]] = []
+
+    def _observe(self, sql: str) -> None:
+        for listener in self.listeners:
+            listener(sql)
+
+    @abc.abstractmethod
+    async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
+                    context_limit: int) -> tuple[bool, History | None]:
+        """Creates the turn record when the conversation is the owner's and the turn id is new. Returns whether
+        it did, and (context_limit > 0, the conversation exists) the conversation, its summary and its newest
+        `context_limit` messages after the summary."""
+
+    @abc.abstractmethod
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+                   limit: int) -> History | None:
+        """The conversation, its summary and its messages from `from_index` (the newest `limit` of them when
+        limit > 0), or None when the owner has no such conversation."""
+
+    @abc.abstractmethod
+    async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                     values: FinishValues) -> int | None:
+        """Stores a plain turn whose lease is held and which is received/running: the user message, the reply,
+        the turn's final state, the usage, atomically. Returns the user message's index, or None when the
+        guard did not match (nothing written)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------------------------
+
+_PG_CONV = ", ".join(f"conversations.{c}" for c in CONV_COLUMNS)
+_PG_MSG = ", ".join(f"m.{c}" for c in MSG_COLUMNS)
+
+
+def _pg_read(bound: str) -> str:
+    """The conversation LEFT JOIN LATERAL its newest messages with index >= `bound`; the summary text only on
+    the first (newest) row."""
+    return (
+        f"SELECT {_PG_CONV}, CASE WHEN m.rn IS NULL OR m.rn = 1 THEN conversations.summary_text END, {_PG_MSG} "
+        "FROM conversations LEFT JOIN LATERAL ("
+        f"SELECT {', '.join(f'messages.{c}' for c in MSG_COLUMNS)}, "
+        "row_number() OVER (ORDER BY messages.message_index DESC) AS rn FROM messages "
+        "WHERE messages.owner_id = $1 AND messages.conversation_id = $2 "
+        f"AND messages.message_index >= {bound} ORDER BY messages.message_index DESC LIMIT $3) AS m ON true "
+        "WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2")
+
+
+_PG_INSERT_TURN = (
+    f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
+    "SELECT conversations.owner_id, conversations.conversation_id, {turn}, {fp}, 'received', {content}, {lease}, "
+    "{holder}, {expires}::bigint, NULL, NULL, NULL, '', 0, 0, 0, 0, {now}::bigint, {now}::bigint "
+    "FROM conversations WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 "
+    "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
+PG_CLAIM = _PG_INSERT_TURN.format(turn="$3::varchar", fp="$4::varchar", content="$5::text", lease="$6::varchar",
+                                  holder="$7::varchar", expires="$8", now="$9")
+# With the context: the read runs in the same statement (same snapshot; the new turn is not a message yet).
+PG_CLAIM_WITH_CONTEXT = (
+    "WITH claimed AS (" + _PG_INSERT_TURN.format(
+        turn="$4::varchar", fp="$5::varchar", content="$6::text", lease="$7::varchar", holder="$8::varchar",
+        expires="$9", now="$10") + ") "
+    "SELECT (SELECT count(*) FROM claimed), r.* FROM ("
+    + _pg_read("conversations.summary_covers_through + 1") + ") AS r")
+PG_READ = _pg_read("$4::integer")
+PG_FINISH = (
+    "WITH conv AS (SELECT conversations.message_count FROM conversations "
+    "WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 FOR NO KEY UPDATE), "
+    "turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
+    "user_index = (SELECT conv.message_count FROM conv), reply_index = (SELECT conv.message_count + 1 FROM conv), "
+    "prompt_tokens = $11::bigint, cached_prompt_tokens = $12::bigint, output_tokens = $13::bigint, "
+    "updated_at_ms = $14::bigint FROM turns AS prev "
+    "WHERE turns.owner_id = $1 AND turns.conversation_id = $2 AND turns.turn_id = $3 AND turns.lease_id = $4 "
+    "AND turns.state IN ('received', 'running') AND turns.regenerates_turn_id IS NULL "
+    "AND EXISTS (SELECT FROM conv) AND prev.owner_id = $1 AND prev.conversation_id = $2 AND prev.turn_id = $3 "
+    "RETURNING turns.user_index, prev.content), "
+    "advanced AS (UPDATE conversations SET message_count = conversations.message_count + 2, "
+    "updated_at_ms = $14::bigint "
+    "WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 AND EXISTS (SELECT FROM turn)), "
+    "stored AS (INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, status, "
+    "turn_id, created_at_ms, superseded) "
+    "SELECT $1, $2, turn.user_index, 'user', turn.content, $6::integer, $7::varchar, $3, $14::bigint, false "
+    "FROM turn UNION ALL "
+    "SELECT $1, $2, turn.user_index + 1, 'assistant', $8::text, $9::integer, $10::varchar, $3, $14::bigint, false "
+    "FROM turn), "
+    "metered AS (INSERT INTO usage_days (owner_id, day, prompt_tokens, cached_prompt_tokens, output_tokens, turns) "
+    "SELECT $1, $15::varchar, $11::bigint, $12::bigint, $13::bigint, 1 FROM turn "
+    "ON CONFLICT (owner_id, day) DO UPDATE SET prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens, "
+    "cached_prompt_tokens = usage_days.cached_prompt_tokens + excluded.cached_prompt_tokens, "
+    "output_tokens = usage_days.output_tokens + excluded.output_tokens, turns = usage_days.turns + 1) "
+    "SELECT turn.user_index FROM turn")
+
+# The driver's errors that mean "the database is unreachable or shedding load" (answered UNAVAILABLE).
+PG_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                  asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)
+PG_RETRYABLE = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
+
+
+class PostgresHotPath(HotPath):
+    """asyncpg under SQLAlchemy's pool: the same connections (and search_path), without the per-statement
+    SQLAlchemy layers; asyncpg prepares each statement once per connection and caches it."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    async def _fetch(self, sql: str, *args: Any) -> list[Any]:
+        self._observe(sql)
+        try:
+            fairy = await self.engine.raw_connection()
+        except Exception as err:  # SQLAlchemy wraps the driver's connect errors
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+        try:
+            rows: list[Any] = await fairy.driver_connection.fetch(sql, *args)  # type: ignore[union-attr]
+            return rows
+        except PG_UNREACHABLE as err:
+            fairy.invalidate(err)
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+        except PG_RETRYABLE as err:
+            raise Unavailable("the conversation store's database is busy; retry") from err
+        except asyncpg.ForeignKeyViolationError:  # the conversation was deleted under us
+            raise NotFound("conversation not found") from None
+        finally:
+            await greenlet_spawn(fairy.close)
+
+    async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
+                    context_limit: int) -> tuple[bool, History | None]:
+        if not context_limit:
+            rows = await self._fetch(PG_CLAIM, owner, conversation, new.turn, new.fingerprint, new.content,
+                                     new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms)
+            return bool(rows), None
+        rows = await self._fetch(PG_CLAIM_WITH_CONTEXT, owner, conversation, context_limit, new.turn,
+                                 new.fingerprint, new.content, new.lease, new.lease_holder,
+                                 new.lease_expires_at_ms, new.now_ms)
+        if not rows:
+            return False, None
+        return bool(rows[0][0]), history_from([tuple(r)[1:] for r in rows])
+
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+                   limit: int) -> History | None:
+        rows = await self._fetch(PG_READ, owner, conversation, limit or None, from_index)
+        return history_from(rows) if rows else None
+
+    async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                     v: FinishValues) -> int | None:
+        rows = await self._fetch(PG_FINISH, owner, conversation, turn, lease, v.to_state, v.user_token_count,
+                                 v.user_status, v.reply_text, v.reply_token_count, v.reply_status, v.prompt_tokens,
+                                 v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day)
+        return int(rows[0][0]) if rows else None
+
+    async def close(self) -> None:
+        pass  # the connections are the engine's
+
+
+# --- SQLite --------------------------------------------------------------------------------------------------
+
+_SQ_CONV = ", ".join(f"conversations.{c}" for c in CONV_COLUMNS)
+SQ_CONVERSATION = (f"SELECT {_SQ_CONV}, conversations.summary_text FROM conversations "
+                   "WHERE conversations.owner_id = ? AND conversations.conversation_id = ?")
+SQ_MESSAGES = (f"SELECT {', '.join(f'messages.{c}' for c in MSG_COLUMNS)} FROM messages "
+               "WHERE messages.owner_id = ? AND messages.conversation_id = ? AND messages.message_index >= ? "
+               "ORDER BY messages.message_index DESC LIMIT ?")
+SQ_CLAIM = (
+    f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
+    "SELECT conversations.owner_id, conversations.conversation_id, ?, ?, 'received', ?, ?, ?, ?, NULL, NULL, NULL, "
+    "'', 0, 0, 0, 0, ?, ? FROM conversations WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
+    "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
+SQ_TURN_FOR_FINISH = (
+    "SELECT turns.content FROM turns WHERE turns.owner_id = ? AND turns.conversation_id = ? AND turns.turn_id = ? "
+    "AND turns.lease_id = ? AND turns.state IN ('received', 'running') AND turns.regenerates_turn_id IS NULL")
+SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_count + 2, updated_at_ms = ? "
+              "WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
+              "RETURNING conversations.message_count")
+SQ_INSERT_MESSAGE = ("INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, "
+                     "status, turn_id, created_at_ms, superseded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)")
+SQ_STORE_TURN = ("UPDATE turns SET state = ?, content = NULL, partial_text = '', user_index = ?, reply_index = ?, "
+                 "prompt_tokens = ?, cached_prompt_tokens = ?, output_tokens = ?, updated_at_ms = ? "
+                 "WHERE turns.owner_id = ? AND turns.conversation_id = ? AND turns.turn_id = ?")
+SQ_ADD_USAGE = (
+    "INSERT INTO usage_days (owner_id, day, prompt_tokens, cached_prompt_tokens, output_tokens, turns) "
+    "VALUES (?, ?, ?, ?, ?, 1) ON CONFLICT (owner_id, day) DO UPDATE SET "
+    "prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens, "
+    "cached_prompt_tokens = usage_days.cached_prompt_tokens + excluded.cached_prompt_tokens, "
+    "output_tokens = usage_days.output_tokens + excluded.output_tokens, turns = usage_days.turns + 1")
+SQLITE_UNREACHABLE = (sqlite3.OperationalError, sqlite3.InterfaceError)  # locked past the busy timeout, I/O
+
+
+class SqliteHotPath(HotPath):
+    """`connections` worker threads, each with its own sqlite3 connection; a call runs all its statements in
+    one worker and comes back to the event loop once."""
+
+    def __init__(self, path: str, connections: int, pragmas: Sequence[str]) -> None:
+        super().__init__()
+        self._path, self._pragmas = path, tuple(pragmas)
+        self._local = threading.local()  # each worker thread's connection, opened on its first call
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._threads = ThreadPoolExecutor(connections, thread_name_prefix="chatmesh-sqlite")
+
+    def _connection(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+            for pragma in self._pragmas:
+                conn.execute(f"PRAGMA {pragma}")
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    async def _run(self, work: Callable[[sqlite3.Connection], Any]) -> Any:
+        def call() -> Any:
+            conn = self._connection()
+            try:
+                return work(conn)
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        except SQLITE_UNREACHABLE as err:
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+
+    def _exec(self, conn: sqlite3.Connection, sql: str, args: Sequence[Any] = ()) -> sqlite3.Cursor:
+        self._observe(sql)
+        return conn.execute(sql, args)
+
+    def _history(self, conn: sqlite3.Connection, owner: str, conversation: str, from_index: int | None,
+                 limit: int) -> History | None:
+        conv = self._exec(conn, SQ_CONVERSATION, (owner, conversation)).fetchone()
+        if conv is None:
+            return None
+        bound = conv[7] + 1 if from_index is None else from_index  # None: after the summary
+        messages = self._exec(conn, SQ_MESSAGES, (owner, conversation, bound, limit or -1)).fetchall()
+        if not messages:
+            return history_from([conv + (None,) * len(MSG_COLUMNS)])
+        return history_from([conv + m for m in messages])
+
+    async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
+                    context_limit: int) -> tuple[bool, History | None]:
+        args = (new.turn, new.fingerprint, new.content, new.lease, new.lease_holder, new.lease_expires_at_ms,
+                new.now_ms, new.now_ms, owner, conversation)
+
+        def work(conn: sqlite3.Connection) -> tuple[bool, History | None]:
+            if not context_limit:
+                return bool(self._exec(conn, SQ_CLAIM, args).fetchall()), None
+            self._exec(conn, "BEGIN IMMEDIATE")  # the context read sees the state the claim was made in
+            claimed = bool(self._exec(conn, SQ_CLAIM, args).fetchall())
+            context = self._history(conn, owner, conversation, None, context_limit)
+            self._exec(conn, "COMMIT")
+            return claimed, context
+
+        result: tuple[bool, History | None] = await self._run(work)
+        return result
+
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+                   limit: int) -> History | None:
+        def work(conn: sqlite3.Connection) -> History | None:
+            self._exec(conn, "BEGIN")  # one snapshot for the conversation row and its messages
+            history = self._history(conn, owner, conversation, from_index, limit)
+            self._exec(conn, "COMMIT")
+            return history
+
+        result: History | None = await self._run(work)
+        return result
+
+    async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                     v: FinishValues) -> int | None:
+        def work(conn: sqlite3.Connection) -> int | None:
+            self._exec(conn, "BEGIN IMMEDIATE")
+            row = self._exec(conn, SQ_TURN_FOR_FINISH, (owner, conversation, turn, lease)).fetchone()
+            advanced = [] if row is None else self._exec(conn, SQ_ADVANCE, (v.now_ms, owner, conversation)).fetchall()
+            if row is None or not advanced:
+                self._exec(conn, "ROLLBACK")
+                return None
+            user_index = int(advanced[0][0]) - 2
+            self._observe(SQ_INSERT_MESSAGE)
+            conn.executemany(SQ_INSERT_MESSAGE, (
+                (owner, conversation, user_index, "user", row[0], v.user_token_count, v.user_status, turn, v.now_ms),
+                (owner, conversation, user_index + 1, "assistant", v.reply_text, v.reply_token_count, v.reply_status,
+                 turn, v.now_ms)))
+            self._exec(conn, SQ_STORE_TURN, (v.to_state, user_index, user_index + 1, v.prompt_tokens,
+                                             v.cached_prompt_tokens, v.output_tokens, v.now_ms, owner,
+                                             conversation, turn))
+            self._exec(conn, SQ_ADD_USAGE, (owner, v.day, v.prompt_tokens, v.cached_prompt_tokens,
+                                            v.output_tokens))
+            self._exec(conn, "COMMIT")
+            return user_index
+
+        result: int | None = await self._run(work)
+        return result
+
+    async def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        for conn in self._all:
+            conn.close()
