@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.store.core import CONV, MSG, ConversationStore
-from chatmesh.store.db import make_engine
+from chatmesh.store.db import SQLITE_MAX_POOL, make_engine
 from chatmesh.store.migrate import upgrade
 from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
@@ -98,24 +98,45 @@ async def seed(engine: AsyncEngine, first: int, clients: int) -> list[tuple[Owne
 
 
 async def cycle(store: ConversationStore, owner: OwnerId, conv: ConversationId,
-                latencies: dict[str, list[float]] | None) -> None:
+                latencies: dict[str, list[float]] | None, context: bool = False) -> None:
+    """claim, read 20, finish; with `context` the claim returns the 20 messages (BeginTurn's
+    context_max_messages) and there is no separate read."""
     turn = TurnId(str(uuid.uuid4()))
     t0 = time.perf_counter()
-    claim = await store.begin_turn(owner, conv, turn, content=USER_TEXT, lease_holder="bench")
+    claim = await store.begin_turn(owner, conv, turn, content=USER_TEXT, lease_holder="bench",
+                                   context_messages=HISTORY if context else 0)
     t1 = time.perf_counter()
-    history = await store.read_conversation(owner, conv, max_messages=HISTORY)
+    assert isinstance(claim, Claimed)
+    if context:
+        assert claim.context is not None and len(claim.context.messages) == HISTORY
+    else:
+        history = await store.read_conversation(owner, conv, max_messages=HISTORY)
+        assert len(history.messages) == HISTORY
     t2 = time.perf_counter()
-    assert isinstance(claim, Claimed) and len(history.messages) == HISTORY
     await store.finish_turn(owner, conv, turn, claim.lease_id, REPLY)
     t3 = time.perf_counter()
     if latencies is not None:
-        for op, ms in zip(OPS, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)):
-            latencies[op].append(ms)
+        record(latencies, t0, t1, t2, t3, context)
+
+
+def record(latencies: dict[str, list[float]], t0: float, t1: float, t2: float, t3: float, context: bool) -> None:
+    latencies["claim"].append((t1 - t0) * 1e3)
+    if not context:
+        latencies["read20"].append((t2 - t1) * 1e3)
+    latencies["finish"].append((t3 - t2) * 1e3)
 
 
 async def drive(engine: AsyncEngine, first: int, clients: int, start_at: float, warmup: float,
-                seconds: float) -> Result:
+                seconds: float, context: bool) -> Result:
     store = ConversationStore(engine)
+    try:
+        return await drive_store(store, engine, first, clients, start_at, warmup, seconds, context)
+    finally:
+        await store.close()
+
+
+async def drive_store(store: ConversationStore, engine: AsyncEngine, first: int, clients: int, start_at: float,
+                      warmup: float, seconds: float, context: bool) -> Result:
     convs = await seed(engine, first, clients)
     result = Result()
     measure_from, stop_at = start_at + warmup, start_at + warmup + seconds
@@ -125,7 +146,7 @@ async def drive(engine: AsyncEngine, first: int, clients: int, start_at: float, 
     async def client(owner: OwnerId, conv: ConversationId) -> None:
         while time.time() < stop_at:
             measuring = time.time() >= measure_from
-            await cycle(store, owner, conv, result.latencies_ms if measuring else None)
+            await cycle(store, owner, conv, result.latencies_ms if measuring else None, context)
             if measuring:
                 result.turns += 1
 
@@ -141,13 +162,14 @@ async def drive(engine: AsyncEngine, first: int, clients: int, start_at: float, 
     return result
 
 
-def pg_worker(schema: str, first: int, clients: int, start_at: float, warmup: float, seconds: float) -> Result:
+def pg_worker(url: str, schema: str, first: int, clients: int, start_at: float, warmup: float, seconds: float,
+              context: bool) -> Result:
     quiet_logs()
 
     async def main() -> Result:
-        engine = make_engine(POSTGRES_URL, pool_size=clients, search_path=schema, application_name=APP_NAME)
+        engine = make_engine(url, pool_size=clients, search_path=schema, application_name=APP_NAME)
         try:
-            return await drive(engine, first, clients, start_at, warmup, seconds)
+            return await drive(engine, first, clients, start_at, warmup, seconds, context)
         finally:
             await engine.dispose()
 
@@ -177,7 +199,8 @@ async def bench_backends(admin: AsyncEngine) -> list[int]:
         return [int(r[0]) for r in rows]
 
 
-async def on_postgres(clients: int, processes: int, seconds: float, warmup: float) -> tuple[str, Result, float]:
+async def on_postgres(url: str, clients: int, processes: int, seconds: float, warmup: float,
+                      context: bool) -> tuple[str, Result, float]:
     schema = f"bench_{uuid.uuid4().hex[:12]}"
     admin = make_engine(POSTGRES_URL, pool_size=1)
     async with admin.begin() as conn:
@@ -191,7 +214,7 @@ async def on_postgres(clients: int, processes: int, seconds: float, warmup: floa
         start_at = time.time() + 10.0 + 3.0 * processes  # time for the workers to start and seed (busy box)
         share = [clients // processes + (1 if i < clients % processes else 0) for i in range(processes)]
         with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(pg_worker, schema, sum(share[:i]), n, start_at, warmup, seconds)
+            futures = [pool.submit(pg_worker, url, schema, sum(share[:i]), n, start_at, warmup, seconds, context)
                        for i, n in enumerate(share)]
             await asyncio.sleep(max(0.0, start_at + warmup - time.time()))
             pids = await bench_backends(admin)
@@ -204,41 +227,49 @@ async def on_postgres(clients: int, processes: int, seconds: float, warmup: floa
         async with admin.begin() as conn:
             await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         await admin.dispose()
-    return f"PostgreSQL 15, asyncpg, {processes} process(es), {len(pids)} backends", merged, db_cpu
+    transport = "Unix socket" if "host=/" in url else "TCP loopback"
+    return (f"PostgreSQL 15, core + asyncpg, {transport}, {processes} process(es), {len(pids)} backends",
+            merged, db_cpu)
 
 
-async def on_sqlite(clients: int, seconds: float, warmup: float, pool_size: int) -> tuple[str, Result, float]:
+async def on_sqlite(clients: int, seconds: float, warmup: float, context: bool) -> tuple[str, Result, float]:
     with tempfile.TemporaryDirectory() as folder:
-        engine = make_engine(f"sqlite+aiosqlite:///{Path(folder) / 'bench.db'}", pool_size=pool_size)
+        engine = make_engine(f"sqlite+aiosqlite:///{Path(folder) / 'bench.db'}")
         try:
             await upgrade(engine)
-            result = await drive(engine, 0, clients, time.time() + 1.0, warmup, seconds)
+            result = await drive(engine, 0, clients, time.time() + 1.0, warmup, seconds, context)
         finally:
             await engine.dispose()
-    return f"SQLite WAL, aiosqlite, {pool_size} connections, 1 process", result, 0.0
+    return f"SQLite WAL, core (sqlite3 in {SQLITE_MAX_POOL} worker threads), 1 process", result, 0.0
 
 
-async def grpc_cycle(stub: Any, owner: str, conv: str, latencies: dict[str, list[float]] | None) -> None:
+async def grpc_cycle(stub: Any, owner: str, conv: str, latencies: dict[str, list[float]] | None,
+                     context: bool = False) -> None:
     turn = str(uuid.uuid4())
     t0 = time.perf_counter()
     claim = await stub.BeginTurn(store_pb2.BeginTurnRequest(owner_id=owner, conversation_id=conv, turn_id=turn,
-                                                            content=USER_TEXT, lease_holder="bench"))
+                                                            content=USER_TEXT, lease_holder="bench",
+                                                            context_max_messages=HISTORY if context else 0))
     t1 = time.perf_counter()
-    history = await stub.ReadConversation(store_pb2.ReadConversationRequest(
-        owner_id=owner, conversation_id=conv, max_messages=HISTORY))
+    assert claim.WhichOneof("outcome") == "claimed"
+    if context:
+        assert len(claim.claimed.context.messages) == HISTORY
+    else:
+        history = await stub.ReadConversation(store_pb2.ReadConversationRequest(
+            owner_id=owner, conversation_id=conv, max_messages=HISTORY))
+        assert len(history.messages) == HISTORY
     t2 = time.perf_counter()
-    assert claim.WhichOneof("outcome") == "claimed" and len(history.messages) == HISTORY
     await stub.FinishTurn(store_pb2.FinishTurnRequest(
         owner_id=owner, conversation_id=conv, turn_id=turn, lease_id=claim.claimed.lease_id,
         user_token_count=REPLY.user_token_count, reply=REPLY.text, reply_token_count=REPLY.token_count,
         usage=common_pb2.Usage(prompt_tokens=1500, cached_prompt_tokens=1100, output_tokens=400)))
     t3 = time.perf_counter()
     if latencies is not None:
-        for op, ms in zip(OPS, ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)):
-            latencies[op].append(ms)
+        record(latencies, t0, t1, t2, t3, context)
 
 
-async def on_postgres_grpc(clients: int, seconds: float, warmup: float) -> tuple[str, Result, float]:
+async def on_postgres_grpc(url: str, clients: int, seconds: float, warmup: float,
+                           context: bool) -> tuple[str, Result, float]:
     """The same cycle through a `chatmesh serve store` process over loopback gRPC; "store-core CPU" is then
     that server process's CPU (gRPC included)."""
     schema = f"bench_{uuid.uuid4().hex[:12]}"
@@ -246,7 +277,7 @@ async def on_postgres_grpc(clients: int, seconds: float, warmup: float) -> tuple
     async with admin.begin() as conn:
         await conn.execute(text(f"CREATE SCHEMA {schema}"))
     port = _free_port()
-    env = os.environ | {"CHATMESH_DATABASE_URL": POSTGRES_URL, "CHATMESH_DATABASE_SCHEMA": schema,
+    env = os.environ | {"CHATMESH_DATABASE_URL": url, "CHATMESH_DATABASE_SCHEMA": schema,
                         "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_STORE_PURGE_INTERVAL_S": "0",
                         "CHATMESH_DATABASE_POOL_SIZE": str(clients)}
     server = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "store", "--listen",
@@ -267,7 +298,7 @@ async def on_postgres_grpc(clients: int, seconds: float, warmup: float) -> tuple
             async def client(owner: str, conv: str) -> None:
                 while time.time() < stop_at:
                     measuring = time.time() >= measure_from
-                    await grpc_cycle(stub, owner, conv, result.latencies_ms if measuring else None)
+                    await grpc_cycle(stub, owner, conv, result.latencies_ms if measuring else None, context)
                     if measuring:
                         result.turns += 1
 
@@ -288,7 +319,8 @@ async def on_postgres_grpc(clients: int, seconds: float, warmup: float) -> tuple
         async with admin.begin() as conn:
             await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         await admin.dispose()
-    return "PostgreSQL 15 via StoreService (gRPC, 1 server process)", result, db_cpu
+    transport = "Unix socket" if "host=/" in url else "TCP loopback"
+    return f"PostgreSQL 15 ({transport}) via StoreService (gRPC, 1 server process)", result, db_cpu
 
 
 def _free_port() -> int:
@@ -304,7 +336,8 @@ def table(rows: list[tuple[str, Result, float]], clients: int) -> str:
              + " | store-core CPU ms/turn | DB server CPU ms/turn | projected turns/s, 2 idle cores |",
              "|---|---|" + "---|" * len(OPS) + "---|---|---|"]
     for name, r, db_cpu in rows:
-        cells = " | ".join(f"{pct(r.latencies_ms[op], 50):.1f} / {pct(r.latencies_ms[op], 99):.1f}" for op in OPS)
+        cells = " | ".join(f"{pct(r.latencies_ms[op], 50):.1f} / {pct(r.latencies_ms[op], 99):.1f}"
+                           if r.latencies_ms[op] else "(in claim)" for op in OPS)
         core_ms, db_ms = 1000 * r.cpu_s / max(r.turns, 1), 1000 * db_cpu / max(r.turns, 1)
         lines.append(f"| {name} | {r.turns / r.seconds:,.0f} | {cells} | {core_ms:.2f} | "
                      f"{db_ms:.2f} | {2000 / (core_ms + db_ms):,.0f} |")
@@ -315,11 +348,13 @@ async def main_async(args: argparse.Namespace) -> str:
     rows = []
     for backend in args.backends.split(","):
         if backend == "postgres":
-            rows.append(await on_postgres(args.clients, args.processes, args.seconds, args.warmup))
+            rows.append(await on_postgres(args.postgres_url, args.clients, args.processes, args.seconds, args.warmup,
+                                          args.context))
         elif backend == "grpc":
-            rows.append(await on_postgres_grpc(args.clients, args.seconds, args.warmup))
+            rows.append(await on_postgres_grpc(args.postgres_url, args.clients, args.seconds, args.warmup,
+                                               args.context))
         elif backend == "sqlite":
-            rows.append(await on_sqlite(args.clients, args.seconds, args.warmup, args.sqlite_pool))
+            rows.append(await on_sqlite(args.clients, args.seconds, args.warmup, args.context))
         else:
             raise SystemExit(f"unknown backend {backend}")
     return table(rows, args.clients)
@@ -330,8 +365,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--processes", type=int, default=2, help="PostgreSQL driver processes")
-    parser.add_argument("--sqlite-pool", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=1, help="PostgreSQL driver processes")
+    parser.add_argument("--postgres-url", default=POSTGRES_URL,
+                        help="e.g. postgresql+asyncpg://postgres@/test?host=/var/run/postgresql (Unix socket)")
+    parser.add_argument("--context", action="store_true",
+                        help="two calls per turn: BeginTurn returns the 20 messages (context_max_messages), then "
+                             "FinishTurn; no separate read")
     parser.add_argument("--backends", default="postgres,sqlite",
                         help="comma-separated: postgres, sqlite, grpc (PostgreSQL behind a StoreService process)")
     parser.add_argument("--append", action="store_true", help="append the results to BENCHMARKS.md")
@@ -342,8 +381,10 @@ def main() -> None:
     header = (f"\n### store_turns, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
               f"{platform.machine()}, {os.cpu_count()} cores shared with other work (1-minute load "
               f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after), Python {platform.python_version()}; "
-              f"{args.seconds:.0f} s per backend after {args.warmup:.0f} s warm-up; a cycle = claim + read 20 "
-              f"messages + finish (user message, ~1.7 KB reply, usage).\n\n")
+              f"{args.seconds:.0f} s per backend after {args.warmup:.0f} s warm-up; a cycle = "
+              + ("claim returning the newest 20 messages + finish" if args.context
+                 else "claim + read 20 messages + finish")
+              + " (user message, ~1.7 KB reply, usage).\n\n")
     print(header + body)
     if args.append:
         with open(Path(__file__).resolve().parents[1] / "BENCHMARKS.md", "a") as out:

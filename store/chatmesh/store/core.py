@@ -26,6 +26,7 @@ owner.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -151,7 +152,12 @@ def wall_clock_ms() -> int:
 
 
 def utc_day(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC).strftime("%Y-%m-%d")
+    return _utc_day(ms // DAY_MS)
+
+
+@functools.lru_cache(maxsize=8)
+def _utc_day(day_number: int) -> str:
+    return datetime.datetime.fromtimestamp(day_number * 86_400, tz=datetime.UTC).strftime("%Y-%m-%d")
 
 
 def default_fingerprint(content: str, regenerates: TurnId | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import ConnectionPoolEntry
+from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
 
 from chatmesh.store.hot import HotPath, PostgresHotPath, SqliteHotPath
 
@@ -84,7 +84,9 @@ async def autocommit(conn: AsyncConnection) -> AsyncConnection:
 def hot_path(engine: AsyncEngine) -> HotPath:
     """The turn cycle's one-round-trip-per-call path for this engine's database (see `chatmesh.store.hot`)."""
     if not is_sqlite(engine):
-        return PostgresHotPath(engine)
+        pool = engine.pool
+        size = pool.size() if isinstance(pool, QueuePool) else 1
+        return PostgresHotPath(engine, keep=max(1, size))  # the pool's overflow stays for everything else
     path = engine.url.database
     if not path or path == ":memory:":
         raise ValueError("the embedded store needs a SQLite file, not an in-memory database")

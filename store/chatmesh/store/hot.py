@@ -38,6 +38,7 @@ from typing import Any
 
 import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
 from chatmesh.mesh.errors import NotFound, Unavailable
@@ -53,7 +54,8 @@ TURN_COLUMNS = ("owner_id", "conversation_id", "turn_id", "fingerprint", "state"
                 "created_at_ms", "updated_at_ms")
 # Rows the reads return: the conversation's columns, its summary text (first row only), then one message's.
 N_CONV = len(CONV_COLUMNS)
-ACTIVE_STATES = ("received", "running")  # TurnState.RECEIVED / RUNNING values
+ROLES = {r.value: r for r in Role}
+STATUSES = {s.value: s for s in MessageStatus}
 
 
 @dataclass(frozen=True)
@@ -92,8 +94,9 @@ def history_from(rows: Sequence[Sequence[Any]]) -> History:
     conv = Conversation(ConversationId(first[1]), OwnerId(first[0]), first[2], first[3], first[4], first[5], first[6])
     text = first[N_CONV]
     summary = None if text is None else Summary(text, first[7], first[8], first[9])
-    messages = [Message(r[N_CONV + 1], Role(r[N_CONV + 2]), r[N_CONV + 3], r[N_CONV + 4],
-                        MessageStatus(r[N_CONV + 5]), TurnId(r[N_CONV + 6]), r[N_CONV + 7], bool(r[N_CONV + 8]))
+    roles, statuses = ROLES, STATUSES  # dict lookups: calling an Enum by value costs ~1 us
+    messages = [Message(r[N_CONV + 1], roles[r[N_CONV + 2]], r[N_CONV + 3], r[N_CONV + 4],
+                        statuses[r[N_CONV + 5]], TurnId(r[N_CONV + 6]), r[N_CONV + 7], bool(r[N_CONV + 8]))
                 for r in reversed(rows) if r[N_CONV + 1] is not None]
     return History(conv, messages, summary)
 
@@ -202,30 +205,47 @@ PG_RETRYABLE = (asyncpg.DeadlockDetectedError, asyncpg.SerializationError)
 
 class PostgresHotPath(HotPath):
     """asyncpg under SQLAlchemy's pool: the same connections (and search_path), without the per-statement
-    SQLAlchemy layers; asyncpg prepares each statement once per connection and caches it."""
+    SQLAlchemy layers; asyncpg prepares each statement once per connection and caches it. Connections taken from
+    the pool are kept (up to `keep`) in a free list between calls: a pool checkout and checkin cost ~0.15 ms of
+    CPU (two greenlet hops), more than the statement itself."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, keep: int) -> None:
         super().__init__()
         self.engine = engine
+        self._keep = keep
+        self._idle: list[PoolProxiedConnection] = []
+        self._closed = False
 
     async def _fetch(self, sql: str, *args: Any) -> list[Any]:
         self._observe(sql)
-        try:
-            fairy = await self.engine.raw_connection()
-        except Exception as err:  # SQLAlchemy wraps the driver's connect errors
-            raise Unavailable("the conversation store's database is unavailable; retry") from err
+        if self._idle:
+            fairy = self._idle.pop()
+        else:
+            try:
+                fairy = await self.engine.raw_connection()
+            except Exception as err:  # SQLAlchemy wraps the driver's connect errors
+                raise Unavailable("the conversation store's database is unavailable; retry") from err
         try:
             rows: list[Any] = await fairy.driver_connection.fetch(sql, *args)  # type: ignore[union-attr]
-            return rows
         except PG_UNREACHABLE as err:
             fairy.invalidate(err)
-            raise Unavailable("the conversation store's database is unavailable; retry") from err
-        except PG_RETRYABLE as err:
-            raise Unavailable("the conversation store's database is busy; retry") from err
-        except asyncpg.ForeignKeyViolationError:  # the conversation was deleted under us
-            raise NotFound("conversation not found") from None
-        finally:
             await greenlet_spawn(fairy.close)
+            raise Unavailable("the conversation store's database is unavailable; retry") from err
+        except BaseException as err:
+            await self._put_back(fairy)
+            if isinstance(err, PG_RETRYABLE):
+                raise Unavailable("the conversation store's database is busy; retry") from err
+            if isinstance(err, asyncpg.ForeignKeyViolationError):  # the conversation was deleted under us
+                raise NotFound("conversation not found") from None
+            raise
+        await self._put_back(fairy)
+        return rows
+
+    async def _put_back(self, fairy: PoolProxiedConnection) -> None:
+        if self._closed or len(self._idle) >= self._keep or fairy.driver_connection.is_closed():  # type: ignore[union-attr]
+            await greenlet_spawn(fairy.close)
+        else:
+            self._idle.append(fairy)
 
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
@@ -253,7 +273,10 @@ class PostgresHotPath(HotPath):
         return int(rows[0][0]) if rows else None
 
     async def close(self) -> None:
-        pass  # the connections are the engine's
+        """Hands the kept connections back to the engine's pool (before the engine is disposed)."""
+        self._closed = True
+        while self._idle:
+            await greenlet_spawn(self._idle.pop().close)
 
 
 # --- SQLite --------------------------------------------------------------------------------------------------
