@@ -156,3 +156,20 @@ async def test_an_oversized_output_chunk_is_refused_without_breaking_other_repli
             after = await other.check("ser.")
         await moderation.close()
     assert after.blocked and after.decided_by is DecidedBy.POLICY  # the shared stream and its window survived
+
+
+async def test_a_replys_first_chunk_does_not_linger_later_chunks_do() -> None:
+    import asyncio
+
+    registry = CollectorRegistry()
+    async with running() as address:
+        # A linger far longer than any check: only a chunk that skips it can answer quickly.
+        moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_BATCH_MS="3000")
+        async with moderation.output(CONV) as session:
+            first = await asyncio.wait_for(session.check("Here is a "), timeout=2.0)
+            second = asyncio.ensure_future(session.check("long answer."))
+            done, _ = await asyncio.wait({second}, timeout=1.0)
+            assert not done  # held to share a message with other replies' chunks
+            assert (await second).action is Action.ALLOW
+        await moderation.close()
+    assert first.action is Action.ALLOW and not first.fallback

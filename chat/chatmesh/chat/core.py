@@ -35,11 +35,11 @@ from chatmesh.chat import context
 from chatmesh.chat.events import (
     Blocked, Completed, Delta, EventKind, Failed, LiveTurn, Started, Stopped, TurnEvent, Usage, resume_from,
 )
-from chatmesh.chat.ports import EnginePort, ModerationPort, OutputScreen, PeerPort, RouterPort, StorePort
+from chatmesh.chat.ports import EnginePort, ModerationPort, OutputScreen, PeerPort, RouterPort, Screening, StorePort
 from chatmesh.chat.turn import TurnMachine, TurnState
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
-from chatmesh.v1 import common_pb2, generate_pb2, store_pb2
+from chatmesh.v1 import common_pb2, generate_pb2, route_pb2, store_pb2
 
 log = logs.get("chatmesh.chat")
 
@@ -90,6 +90,33 @@ def validate_content(content: str) -> str:
     return content
 
 
+class _Early:
+    """The replica pick and the input check of a turn, started together with its claim.
+
+    Neither depends on the claim's answer, and the claim is almost always NEW, so waiting for it first would put a
+    whole hop in front of every first token. When the claim says the turn is someone else's (done, in progress,
+    conflict), `discard` drops the check and releases the lease as soon as the pick answers: the router's load is
+    back where it was before the caller goes on. Blocked input still never reaches an engine: generation waits
+    for the check.
+    """
+
+    def __init__(self, router: RouterPort, moderation: ModerationPort, conv: ConversationId,
+                 content: str | None) -> None:
+        self.router = router
+        self.screening: asyncio.Future[Screening] | None = (
+            asyncio.ensure_future(moderation.check_input(content, conv)) if content is not None else None)
+        self.pick: asyncio.Future[route_pb2.PickReplicaResponse] = asyncio.ensure_future(router.pick(conv))
+
+    async def discard(self) -> None:
+        if self.screening is not None:
+            self.screening.cancel()
+            with contextlib.suppress(BaseException):
+                await self.screening
+        with contextlib.suppress(errors.CoreError):
+            lease = (await self.pick).lease_id
+            await self.router.release(lease)
+
+
 @dataclass(frozen=True)
 class _Job:
     """What a claimed turn generates: a reply to `content`, or (regenerate) a new reply to the last user message."""
@@ -98,6 +125,7 @@ class _Job:
     content: str
     regenerates: TurnId | None
     store_lease: str
+    early: _Early
 
 
 class ChatCore:
@@ -233,13 +261,21 @@ class ChatCore:
             async for event in live.follow(0, replayed=True):
                 yield event
             return
-        claim = await self.store.begin_turn(store_pb2.BeginTurnRequest(
-            owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=fp, content=content,
-            lease_holder=self.lease_holder, lease_ttl_ms=self.opt.lease_ttl_ms,
-            regenerates_turn_id=regenerates or ""))
-        match claim.WhichOneof("outcome"):
+        early = _Early(self.router, self.moderation, conv, content if regenerates is None else None)
+        try:
+            claim = await self.store.begin_turn(store_pb2.BeginTurnRequest(
+                owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=fp, content=content,
+                lease_holder=self.lease_holder, lease_ttl_ms=self.opt.lease_ttl_ms,
+                regenerates_turn_id=regenerates or ""))
+        except BaseException:
+            await asyncio.shield(early.discard())
+            raise
+        outcome = claim.WhichOneof("outcome")
+        if outcome != "claimed":
+            await early.discard()
+        match outcome:
             case "claimed":
-                async for event in self._own(_Job(key, content, regenerates, claim.claimed.lease_id)):
+                async for event in self._own(_Job(key, content, regenerates, claim.claimed.lease_id, early)):
                     yield event
             case "done":
                 for event in _replay(claim.done.reply, claim.done.usage, 0):
@@ -356,13 +392,12 @@ class ChatCore:
         owner, conv, turn = job.key
         machine = TurnMachine()
         user_tokens = 0
-        # The input check, the history read and the replica pick do not depend on each other: run them at once
-        # (each is a hop; in sequence they were most of the time the mesh adds before the first token). A pick
-        # made for a turn that is then blocked is released at once and never reaches the engine.
-        screening_task = (asyncio.ensure_future(self.moderation.check_input(job.content, conv))
-                          if job.regenerates is None else None)
+        # The input check and the replica pick started with the claim (`_Early`); the history read runs beside
+        # them (each is a hop; in sequence they were most of the time the mesh adds before the first token). A
+        # pick made for a turn that is then blocked is released at once and never reaches the engine.
+        screening_task = job.early.screening
         view_task = asyncio.ensure_future(self.get_conversation(owner, conv))
-        pick_task = asyncio.ensure_future(self.router.pick(conv))
+        pick_task = job.early.pick
         try:
             pending = [t for t in (screening_task, view_task, pick_task) if t is not None]
             await asyncio.gather(*pending)

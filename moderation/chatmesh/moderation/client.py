@@ -22,7 +22,8 @@ within CHATMESH_MODERATION_CLIENT_TIMEOUT_MS). Client failures are counted in th
 `chatmesh_moderation_client_failures_total{direction, reason}`. An INVALID_ARGUMENT answer to an input check
 (empty or oversized text), or an output chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES, is the caller's error
 and is raised as `InvalidArgument`, not failed over. Output sessions share one CheckOutputBatch stream; chunks
-wait up to CHATMESH_MODERATION_CLIENT_BATCH_MS to share a message.
+wait up to CHATMESH_MODERATION_CLIENT_BATCH_MS to share a message, except a reply's first chunk, which goes out at
+once (with whatever is queued): it holds up the reply's first token.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class OutputSession:
         self._finished = self._finished or final
         future, self._generation = self._mux.submit(moderate_pb2.OutputChunk(
             reply_id=self._reply_id, text=chunk, final=final,
-            conversation_id=self._conversation_id if first else ""))
+            conversation_id=self._conversation_id if first else ""), urgent=first)
         try:
             verdict = await future  # the mux fails it with TimeoutError at the client timeout
         except TimeoutError:
@@ -289,26 +290,36 @@ class _OutputMux:
         self._call: grpc.aio.StreamStreamCall[moderate_pb2.CheckOutputBatchRequest,
                                               moderate_pb2.CheckOutputBatchResponse] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._timer: asyncio.Handle | None = None  # the scheduled flush of `_pending`
+        self._lingering = False  # whether that flush waits the linger time
         self.generation = 0
         self.last_error = ""
 
     def new_reply_id(self) -> str:
         return str(next(self._ids))
 
-    def submit(self, chunk: moderate_pb2.OutputChunk) -> tuple[asyncio.Future[moderate_pb2.Verdict], int]:
+    def submit(self, chunk: moderate_pb2.OutputChunk, urgent: bool = False
+               ) -> tuple[asyncio.Future[moderate_pb2.Verdict], int]:
+        """Queues a chunk for the next message. An `urgent` chunk (a reply's first: the user is waiting for their
+        first token) does not linger; it goes out at the end of this event-loop turn with whatever is queued."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[moderate_pb2.Verdict] = loop.create_future()
-        if not self._pending:
-            if self._linger_s > 0:
-                loop.call_later(self._linger_s, self._flush)
-            else:
-                loop.call_soon(self._flush)
+        if urgent or self._linger_s <= 0:
+            if self._timer is None or self._lingering:
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer, self._lingering = loop.call_soon(self._flush), False
+        elif self._timer is None:
+            self._timer, self._lingering = loop.call_later(self._linger_s, self._flush), True
         self._pending.append((chunk, future))
         if len(self._pending) >= MAX_BATCH:
             self._flush()
         return future, self.generation
 
     def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         batch, self._pending = self._pending, []
         if not batch:
             return
