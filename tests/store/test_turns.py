@@ -259,3 +259,42 @@ async def test_claim_with_context(store: ConversationStore, monkeypatch: pytest.
     with pytest.raises(NotFound):
         await store.begin_turn(OwnerId("mallory"), conv, new_turn(), content="x", lease_holder="c",
                                context_messages=5)
+
+
+async def test_concurrent_finishes_in_one_conversation_keep_indexes_dense(store: ConversationStore) -> None:
+    conv = await conversation(store)
+    turns = [new_turn() for _ in range(12)]
+    claims = [await claim(store, conv, t, f"q-{t}") for t in turns]
+    leases = [c.lease_id for c in claims if isinstance(c, Claimed)]
+    assert len(leases) == len(turns)
+    finished = await asyncio.gather(*[store.finish_turn(OWNER, conv, t, lease, reply(f"a-{t}"))
+                                      for t, lease in zip(turns, leases)])
+    assert not any(f.already_finished for f in finished)
+    history = await store.read_conversation(OWNER, conv)
+    assert history.conversation.message_count == 24
+    assert [m.index for m in history.messages] == list(range(24))
+    for user, answer in zip(history.messages[::2], history.messages[1::2]):  # each turn's pair is adjacent
+        assert (user.role, answer.role) == (Role.USER, Role.ASSISTANT) and user.turn_id == answer.turn_id
+        assert (user.content, answer.content) == (f"q-{user.turn_id}", f"a-{user.turn_id}")
+    for t, f in zip(turns, finished):
+        record = await store.read_turn(OWNER, conv, t)
+        assert record.reply is not None and record.reply.index == f.reply.index
+    [day] = await store.usage(OWNER)
+    assert day.turns == 12 and day.usage == Usage(120, 48, 24)
+
+
+async def test_a_delete_racing_finishes_leaves_no_row(store: ConversationStore, engine: AsyncEngine) -> None:
+    conv = await conversation(store)
+    turns = [new_turn() for _ in range(6)]
+    claims = [await claim(store, conv, t) for t in turns]
+    outcomes = await asyncio.gather(
+        *[store.finish_turn(OWNER, conv, t, c.lease_id, reply()) for t, c in zip(turns, claims)
+          if isinstance(c, Claimed)],
+        store.delete_conversation(OWNER, conv), return_exceptions=True)
+    assert outcomes[-1] == [conv]
+    assert all(isinstance(o, NotFound) or not isinstance(o, BaseException) for o in outcomes)
+    async with engine.connect() as conn:
+        for table in ("conversations", "messages", "turns"):
+            left = (await conn.execute(text(f"SELECT count(*) FROM {table} WHERE conversation_id = :c"),
+                                       {"c": conv})).scalar_one()
+            assert left == 0, table
