@@ -170,6 +170,30 @@ def test_lease_expires_after_ttl_so_a_crashed_caller_cannot_pin_load() -> None:
         ring.release(other.lease_id)
 
 
+def test_expiry_after_out_of_order_releases() -> None:
+    ring = Ring(replicas(3), lease_ttl_s=10.0)
+    first, second, third = (ring.pick(conv(i), now=t) for i, t in ((1, 0.0), (2, 5.0), (3, 6.0)))
+    ring.release(first.lease_id)  # the oldest goes first: the next expiry is now the second's
+    assert ring.expire(9.0) == 0 and ring.open_leases == 2
+    assert ring.expire(15.0) == 1 and ring.lease(second.lease_id) is None
+    assert ring.lease(third.lease_id) == (third.lease_id, third.replica.id, 16.0)
+    ring.release(third.lease_id)
+    assert ring.expire(100.0) == 0 and ring.open_leases == 0
+    assert sum(ring.load(r.id) for r in replicas(3)) == 0
+
+
+def test_lease_counter_wraps_and_ids_stay_uuids() -> None:
+    import uuid
+
+    from chatmesh.router import ring as ring_module
+
+    ring = Ring(replicas(2))
+    ring._lease_seq = ring_module._SEQ_END - 2  # two before the wrap
+    ids = [ring.pick(conv(i), 0.0).lease_id for i in range(3)]
+    assert [i[-8:] for i in ids] == ["ffffffff", "00000000", "00000001"]
+    assert all(str(uuid.UUID(i)) == i for i in ids) and len({i[:-8] for i in ids}) == 1
+
+
 def test_over_bound_home_spills_to_next_on_ring() -> None:
     ring = Ring(replicas(4), eps=0.0)
     key = conv(7)

@@ -42,8 +42,14 @@ Parameters and defaults:
 - `lease_ttl_s` = 120 s: longer than a normal turn (400 tokens at ~79 tokens/s is ~5 s); a longer turn's
   load is still covered by the engine's own report after its lease lapses.
 
-The core does no I/O and reads no clock: callers pass `now` (any monotonic seconds), which keeps it
-deterministic for tests and lets the simulator drive it with simulated time.
+The core does no I/O and reads no clock: callers pass `now` (any monotonic seconds, never going back),
+which keeps it deterministic for tests and lets the simulator drive it with simulated time.
+
+Cost. A pick is one blake2b of the id, one bisect over the ring's points (kept as 8-byte big-endian digests,
+whose byte order is their numeric order, so no int conversion), a cached walk for that ring index, and for
+the usual case (home serving, not excluded, under the bound) one comparison against the bound; only a spill
+walks further. A lease id is a per-ring random UUID prefix plus a counter; leases live in a plain dict in
+expiry order (one TTL for all), so expiry looks at the oldest only when its time has come.
 """
 
 from __future__ import annotations
@@ -53,10 +59,9 @@ import hashlib
 import math
 import os
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple
 
 from chatmesh.mesh.errors import InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
@@ -93,8 +98,9 @@ class Replica:
     address: str
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
+# Lease and Pick are immutable named tuples rather than frozen dataclasses: the hot path builds one of each
+# per pick, and a frozen dataclass's __init__ (object.__setattr__ per field) costs several times more.
+class Lease(NamedTuple):
     """Load handed out for one turn, counted against `replica` until released or `expires_at`."""
 
     id: LeaseId
@@ -102,8 +108,7 @@ class Lease:
     expires_at: float
 
 
-@dataclass(frozen=True, slots=True)
-class Pick:
+class Pick(NamedTuple):
     """The replica chosen for a turn, its home, and the lease to release (`lease_id`, open until
     released or `expires_at`)."""
 
@@ -112,6 +117,12 @@ class Pick:
     lease_id: LeaseId
     expires_at: float
     outcome: PickOutcome
+
+
+_new = tuple.__new__  # builds a Lease/Pick from a tuple without the generated __new__'s Python frame
+_NO_EXCLUSIONS: frozenset[ReplicaId] = frozenset()
+# Lease counters run over [2**32, 2**33): hex() of one is "0x1" and then exactly 8 hex digits.
+_SEQ_FIRST, _SEQ_END = 1 << 32, 1 << 33
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +153,12 @@ _blake2b = hashlib.blake2b
 
 def point(key: str) -> int:
     """A key's position on the 64-bit ring (blake2b, identical in every process)."""
-    return int.from_bytes(_blake2b(key.encode(), digest_size=8).digest())
+    return int.from_bytes(_point_bytes(key))
+
+
+def _point_bytes(key: str) -> bytes:
+    """`point(key)` as its 8 big-endian bytes: they sort as the numbers do, so the ring bisects them as is."""
+    return _blake2b(key.encode(), digest_size=8).digest()
 
 
 def load_bound(total_with_incoming: int, serving: int, eps: float, floor: int = 0) -> int:
@@ -171,20 +187,21 @@ class Ring:
         self._replicas: dict[ReplicaId, Replica] = {}
         self._serving: set[ReplicaId] = set()
         self._engine: dict[ReplicaId, int] = {}
-        self._leased: dict[ReplicaId, int] = {}
-        self._load: dict[ReplicaId, int] = {}   # engine + leased, kept in step for the hot path
+        self._load: dict[ReplicaId, int] = {}   # engine + open leases; a replica's leases = load - engine
         self._total = 0                          # sum of _load over serving replicas
-        self._points: list[int] = []
+        self._points: list[bytes] = []           # sorted 8-byte points (see _point_bytes)
         self._owners: list[ReplicaId] = []
-        self._walks: dict[int, tuple[ReplicaId, ...]] = {}  # ring index -> distinct replicas clockwise
-        # lease id -> (replica, expires_at); insertion order is expiry order (one TTL for all)
-        self._leases: OrderedDict[LeaseId, tuple[ReplicaId, float]] = OrderedDict()
-        self._next_expiry = math.inf
+        # ring index -> distinct replicas clockwise from it, filled on first use; one extra slot past the
+        # last point wraps to index 0, so bisect's answer indexes it directly
+        self._walks: list[tuple[ReplicaId, ...] | None] = [None]
+        # open leases by id; insertion order is expiry order (one TTL for all, `now` never goes back)
+        self._leases: dict[LeaseId, Lease] = {}
+        self._next_expiry = math.inf             # no open lease expires before this
         # Lease ids are UUID-shaped (version 4 bits set): a random per-ring prefix and a counter, far
         # cheaper than uuid4() on the hot path and unique across router processes.
         rand = os.urandom(11).hex()
         self._lease_prefix = f"{rand[:8]}-{rand[8:12]}-4{rand[12:15]}-8{rand[15:18]}-{rand[18:22]}"
-        self._lease_seq = 0
+        self._lease_seq = _SEQ_FIRST - 1
         for r in replicas:
             self.add(r)
 
@@ -197,7 +214,6 @@ class Ring:
         if not new:
             return
         self._engine[replica.id] = 0
-        self._leased[replica.id] = 0
         self._load[replica.id] = 0
         self._rebuild()
         self.set_serving(replica.id, serving)
@@ -206,9 +222,8 @@ class Ring:
         """Takes a replica off the ring; its open leases are dropped with it."""
         self._require(replica_id)
         self.set_serving(replica_id, False)
-        del self._replicas[replica_id], self._engine[replica_id], self._leased[replica_id]
-        del self._load[replica_id]
-        for lid in [lid for lid, (rid, _) in self._leases.items() if rid == replica_id]:
+        del self._replicas[replica_id], self._engine[replica_id], self._load[replica_id]
+        for lid in [lid for lid, lease in self._leases.items() if lease.replica == replica_id]:
             del self._leases[lid]
         self._rebuild()
 
@@ -228,10 +243,10 @@ class Ring:
         self._adjust(replica_id, max(0, in_flight) - self._engine[replica_id], engine=True)
 
     def _rebuild(self) -> None:
-        pairs = sorted((point(f"{rid}#{i}"), rid) for rid in self._replicas for i in range(self.vnodes))
+        pairs = sorted((_point_bytes(f"{rid}#{i}"), rid) for rid in self._replicas for i in range(self.vnodes))
         self._points = [p for p, _ in pairs]
         self._owners = [rid for _, rid in pairs]
-        self._walks.clear()
+        self._walks = [None] * (len(pairs) + 1)
 
     def _require(self, replica_id: ReplicaId) -> None:
         if replica_id not in self._replicas:
@@ -240,8 +255,6 @@ class Ring:
     def _adjust(self, replica_id: ReplicaId, delta: int, engine: bool) -> None:
         if engine:
             self._engine[replica_id] += delta
-        else:
-            self._leased[replica_id] += delta
         self._load[replica_id] += delta
         if replica_id in self._serving:
             self._total += delta
@@ -250,17 +263,15 @@ class Ring:
 
     def walk(self, conversation: ConversationId) -> tuple[ReplicaId, ...]:
         """Every configured replica in the order the walk visits them for this conversation; home first."""
-        if not self._points:
-            return ()
-        i = bisect_right(self._points, point(conversation))
-        if i == len(self._points):
-            i = 0
-        return self._walks.get(i) or self._walk_from(i)
+        i = bisect_right(self._points, _point_bytes(conversation))
+        return self._walks[i] or self._walk_from(i)
 
     def _walk_from(self, i: int) -> tuple[ReplicaId, ...]:
-        """Distinct replicas clockwise from ring index i, cached per index."""
-        seen: dict[ReplicaId, None] = {}
+        """Distinct replicas clockwise from ring index i (len(points) wraps to 0), cached per index."""
         n, want = len(self._owners), len(self._replicas)
+        if not n:
+            return ()
+        seen: dict[ReplicaId, None] = {}
         for k in range(n):
             seen.setdefault(self._owners[(i + k) % n])
             if len(seen) == want:
@@ -281,31 +292,48 @@ class Ring:
 
     def lease(self, lease_id: LeaseId) -> Lease | None:
         """An open lease, or None."""
-        entry = self._leases.get(lease_id)
-        return None if entry is None else Lease(lease_id, *entry)
+        return self._leases.get(lease_id)
 
     # ---- picks and leases -------------------------------------------------------------------------
 
     def pick(self, conversation: ConversationId, now: float,
-             exclude: frozenset[ReplicaId] = frozenset()) -> Pick:
+             exclude: frozenset[ReplicaId] = _NO_EXCLUSIONS) -> Pick:
         """Chooses the replica for one turn and opens a lease on it."""
         if now >= self._next_expiry:
             self.expire(now)
-        points = self._points
-        if points:  # walk(), inlined: this is the hot path
-            i = bisect_right(points, int.from_bytes(_blake2b(conversation.encode(), digest_size=8).digest()))
-            if i == len(points):
-                i = 0
-            order = self._walks.get(i) or self._walk_from(i)
-        else:
-            order = ()
-        if not self._serving:
+        i = bisect_right(self._points, _blake2b(conversation.encode(), digest_size=8).digest())  # walk(), inlined
+        order = self._walks[i] or self._walk_from(i)
+        serving, load = self._serving, self._load
+        if not serving:
             reason = "no replica is configured" if not order else f"none of {len(order)} replicas is serving"
             raise Unavailable(f"no healthy replica: {reason}")
+        # The bound is max(floor, ceil(limit)) with limit as in load_bound(); for an integer load,
+        # load < ceil(limit) exactly when load < limit, so the usual case needs no ceil.
+        limit = self._factor * (self._total + 1) / len(serving) - 1e-9
+        home = order[0]
+        if home in serving and home not in exclude and (
+                (h := load[home]) < limit or h < self.min_spill_load):
+            chosen, outcome = home, _HOME
+        else:
+            chosen, outcome = self._spill(order, max(self.min_spill_load, math.ceil(limit)), exclude)
+        seq = self._lease_seq + 1
+        if seq == _SEQ_END:
+            seq = _SEQ_FIRST
+        self._lease_seq = seq
+        lease_id: LeaseId = self._lease_prefix + hex(seq)[3:]  # type: ignore[assignment]  # NewType call, skipped
+        expires_at = now + self.lease_ttl_s
+        if expires_at < self._next_expiry:
+            self._next_expiry = expires_at
+        self._leases[lease_id] = _new(Lease, (lease_id, chosen, expires_at))
+        load[chosen] += 1
+        self._total += 1  # chosen is serving
+        return _new(Pick, (self._replicas[chosen], home, lease_id, expires_at, outcome))
+
+    def _spill(self, order: tuple[ReplicaId, ...], bound: int,
+               exclude: frozenset[ReplicaId]) -> tuple[ReplicaId, PickOutcome]:
+        """The walk past a home that cannot take the turn: the first serving, not excluded replica under
+        `bound`, else the least-loaded serving one that is not excluded."""
         serving, load = self._serving, self._load
-        bound = math.ceil(self._factor * (self._total + 1) / len(serving) - 1e-9)  # load_bound, inlined
-        if bound < self.min_spill_load:
-            bound = self.min_spill_load
         chosen: ReplicaId | None = None
         fallback: ReplicaId | None = None
         for rid in order:
@@ -320,57 +348,48 @@ class Ring:
             if fallback is None:
                 raise Unavailable(f"no healthy replica: all {len(serving)} serving replicas are excluded")
             chosen = fallback
-        self._lease_seq += 1
-        lease_id = cast(LeaseId, f"{self._lease_prefix}{self._lease_seq & 0xFFFFFFFF:08x}")  # cheaper than a NewType call
-        expires_at = now + self.lease_ttl_s
-        if not self._leases:
-            self._next_expiry = expires_at
-        self._leases[lease_id] = (chosen, expires_at)
-        self._leased[chosen] += 1
-        load[chosen] += 1
-        self._total += 1  # chosen is serving
         home = order[0]
         if chosen == home:
-            outcome = _HOME
-        elif home not in serving:
-            outcome = _HOME_DOWN
-        elif home in exclude:
-            outcome = _EXCLUDED
-        else:
-            outcome = _OVER_BOUND
-        return Pick(self._replicas[chosen], home, lease_id, expires_at, outcome)
+            return chosen, _HOME  # every usable replica is over the bound and home is the least loaded
+        if home not in serving:
+            return chosen, _HOME_DOWN
+        if home in exclude:
+            return chosen, _EXCLUDED
+        return chosen, _OVER_BOUND
 
     def release(self, lease_id: LeaseId) -> Lease:
         """Closes a lease; NotFound if it is unknown, already released or expired."""
-        entry = self._leases.pop(lease_id, None)
-        if entry is None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
             raise NotFound(f"unknown lease {lease_id} (released, expired, or never issued)")
-        replica_id = entry[0]
-        self._leased[replica_id] -= 1
+        replica_id = lease.replica
         self._load[replica_id] -= 1
         if replica_id in self._serving:
             self._total -= 1
-        return Lease(lease_id, replica_id, entry[1])
+        return lease
 
     def expire(self, now: float) -> int:
-        """Drops leases whose TTL has passed; returns how many."""
-        dropped = 0
+        """Drops leases whose TTL has passed; returns how many. Cheap when none is due."""
+        if now < self._next_expiry:
+            return 0
         leases = self._leases
-        while leases:
-            replica_id, expires_at = next(iter(leases.values()))
-            if expires_at > now:
-                self._next_expiry = expires_at
-                return dropped
-            leases.popitem(last=False)
-            self._adjust(replica_id, -1, engine=False)
-            dropped += 1
+        due: list[Lease] = []
         self._next_expiry = math.inf
-        return dropped
+        for lease in leases.values():
+            if lease.expires_at > now:
+                self._next_expiry = lease.expires_at
+                break
+            due.append(lease)
+        for lease in due:
+            del leases[lease.id]
+            self._adjust(lease.replica, -1, engine=False)
+        return len(due)
 
     def loads(self) -> tuple[ReplicaLoad, ...]:
         """Every configured replica's state and load, in id order."""
         return tuple(
-            ReplicaLoad(self._replicas[rid], rid in self._serving, self._engine[rid], self._leased[rid])
+            ReplicaLoad(self._replicas[rid], rid in self._serving, self._engine[rid],
+                        self._load[rid] - self._engine[rid])
             for rid in sorted(self._replicas)
         )
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from chatmesh.mesh import logs
@@ -32,6 +32,7 @@ from chatmesh.v1 import route_pb2, route_pb2_grpc
 log = logs.get("chatmesh.router.service")
 
 Context = grpc.aio.ServicerContext[Any, Any]
+_NO_EXCLUSIONS: frozenset[ReplicaId] = frozenset()
 
 
 def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
@@ -44,13 +45,28 @@ def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
             typing.assert_never(outcome)
 
 
-class _LoadCollector(Collector):
-    """Per-replica load, read from the ring at scrape time (nothing to keep in step)."""
+class _Collector(Collector):
+    """Everything the router exports, read at scrape time: the pick and release counts (plain ints the hot
+    path bumps, no lock or label lookup per call) and the per-replica load from the ring."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, metrics: Metrics) -> None:
         self._membership = membership
+        self._metrics = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        picks = CounterMetricFamily("chatmesh_router_picks", "picks by outcome (home or spill reason)",
+                                    labels=["outcome"])
+        spills = CounterMetricFamily("chatmesh_router_spills", "turns sent away from their home replica",
+                                     labels=["reason"])
+        for outcome, count in self._metrics.picks.items():
+            picks.add_metric([outcome.value], count)
+            if outcome.spilled:
+                spills.add_metric([outcome.value.removeprefix("spill_")], count)
+        releases = CounterMetricFamily("chatmesh_router_releases", "leases released by outcome",
+                                       labels=["outcome"])
+        for name, count in self._metrics.releases.items():
+            releases.add_metric([name], count)
+        yield from (picks, spills, releases)
         load = GaugeMetricFamily("chatmesh_router_replica_load",
                                  "in-flight sequences the engine reported plus open leases", labels=["replica"])
         leases = GaugeMetricFamily("chatmesh_router_open_leases", "leases handed out and not yet released",
@@ -66,22 +82,14 @@ class _LoadCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, membership: Membership) -> None:
-        self.registry = CollectorRegistry()
-        self.picks = Counter("chatmesh_router_picks", "picks by outcome (home or spill reason)", ["outcome"],
-                             registry=self.registry)
-        self.spills = Counter("chatmesh_router_spills", "turns sent away from their home replica", ["reason"],
-                              registry=self.registry)
-        self.releases = Counter("chatmesh_router_releases", "leases released by outcome", ["outcome"],
-                                registry=self.registry)
-        self.registry.register(_LoadCollector(membership))
-        self._picks = {o: self.picks.labels(o.value) for o in PickOutcome}
-        self._spills = {o: self.spills.labels(o.value.removeprefix("spill_")) for o in PickOutcome if o.spilled}
+    """Counts kept as plain ints (one event loop owns them) and exported by `_Collector` at scrape time;
+    spills by reason are the spilled outcomes' pick counts."""
 
-    def picked(self, outcome: PickOutcome) -> None:
-        self._picks[outcome].inc()
-        if outcome.spilled:
-            self._spills[outcome].inc()
+    def __init__(self, membership: Membership) -> None:
+        self.picks: dict[PickOutcome, int] = dict.fromkeys(PickOutcome, 0)
+        self.releases: dict[str, int] = {"released": 0, "unknown": 0}
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(membership, self))
 
 
 class RouteServicer(route_pb2_grpc.RouteServiceServicer):
@@ -93,9 +101,10 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
     async def PickReplica(self, request: route_pb2.PickReplicaRequest,
                           context: Context) -> route_pb2.PickReplicaResponse:
         conversation = parse_conversation_key(request.conversation_id)
-        exclude = frozenset(ReplicaId(r) for r in request.exclude_replica_ids)
+        excluded = request.exclude_replica_ids
+        exclude = frozenset(ReplicaId(r) for r in excluded) if excluded else _NO_EXCLUSIONS
         pick, expires_at_s = self._membership.pick(conversation, exclude)
-        self._metrics.picked(pick.outcome)
+        self._metrics.picks[pick.outcome] += 1
         return route_pb2.PickReplicaResponse(
             replica_id=pick.replica.id, address=pick.replica.address, lease_id=pick.lease_id,
             outcome=outcome_pb(pick.outcome), home_replica_id=pick.home,
@@ -108,9 +117,9 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         try:
             lease = self._membership.release(lease_id)
         except NotFound:
-            self._metrics.releases.labels("unknown").inc()
+            self._metrics.releases["unknown"] += 1
             raise
-        self._metrics.releases.labels("released").inc()
+        self._metrics.releases["released"] += 1
         return route_pb2.ReleaseLeaseResponse(replica_id=lease.replica)
 
     @unary_errors
