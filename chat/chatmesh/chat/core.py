@@ -44,6 +44,7 @@ from chatmesh.v1 import common_pb2, generate_pb2, route_pb2, store_pb2
 log = logs.get("chatmesh.chat")
 
 MAX_CONTENT_BYTES = 512 * 1024
+CONTEXT_MESSAGES = 1000  # messages after the summary a claim returns (the store's cap); more: a separate read
 FOLLOW_POLL_S = 0.1
 
 DEFAULT_SYSTEM_PROMPTS = {
@@ -126,6 +127,7 @@ class _Job:
     regenerates: TurnId | None
     store_lease: str
     early: _Early
+    view: store_pb2.ReadConversationResponse | None  # the prompt's context read with the claim; None: read it
 
 
 class ChatCore:
@@ -266,7 +268,7 @@ class ChatCore:
             claim = await self.store.begin_turn(store_pb2.BeginTurnRequest(
                 owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=fp, content=content,
                 lease_holder=self.lease_holder, lease_ttl_ms=self.opt.lease_ttl_ms,
-                regenerates_turn_id=regenerates or ""))
+                regenerates_turn_id=regenerates or "", context_max_messages=CONTEXT_MESSAGES))
         except BaseException:
             await asyncio.shield(early.discard())
             raise
@@ -275,7 +277,8 @@ class ChatCore:
             await early.discard()
         match outcome:
             case "claimed":
-                async for event in self._own(_Job(key, content, regenerates, claim.claimed.lease_id, early)):
+                job = _Job(key, content, regenerates, claim.claimed.lease_id, early, _whole_context(claim.claimed))
+                async for event in self._own(job):
                     yield event
             case "done":
                 for event in _replay(claim.done.reply, claim.done.usage, 0):
@@ -392,11 +395,14 @@ class ChatCore:
         owner, conv, turn = job.key
         machine = TurnMachine()
         user_tokens = 0
-        # The input check and the replica pick started with the claim (`_Early`); the history read runs beside
-        # them (each is a hop; in sequence they were most of the time the mesh adds before the first token). A
-        # pick made for a turn that is then blocked is released at once and never reaches the engine.
+        # The input check and the replica pick started with the claim (`_Early`), which brought the prompt's
+        # context with it; only when it could not (more messages since the summary than one claim returns) is the
+        # history read here, beside the other two. Each is a hop; in sequence they were most of the time the mesh
+        # adds before the first token. A pick made for a turn that is then blocked is released at once and never
+        # reaches the engine.
         screening_task = job.early.screening
-        view_task = asyncio.ensure_future(self.get_conversation(owner, conv))
+        view_task = asyncio.ensure_future(_ready(job.view) if job.view is not None
+                                          else self.get_conversation(owner, conv))
         pick_task = job.early.pick
         try:
             pending = [t for t in (screening_task, view_task, pick_task) if t is not None]
@@ -619,6 +625,21 @@ _SPEAKERS = {
     common_pb2.ROLE_USER: context.Speaker.USER,
     common_pb2.ROLE_ASSISTANT: context.Speaker.ASSISTANT,
 }
+
+
+async def _ready(view: store_pb2.ReadConversationResponse) -> store_pb2.ReadConversationResponse:
+    return view
+
+
+def _whole_context(claimed: store_pb2.TurnClaimed) -> store_pb2.ReadConversationResponse | None:
+    """The context the claim returned, if it holds every message after the summary (else None: read it)."""
+    if not claimed.HasField("context"):
+        return None
+    view = claimed.context
+    start = view.summary.covers_through_index + 1 if view.HasField("summary") and view.summary.text else 0
+    if view.messages and view.messages[0].index != start:
+        return None  # truncated at CONTEXT_MESSAGES
+    return view
 
 
 def _stored_summary(view: store_pb2.ReadConversationResponse) -> context.Summary | None:
