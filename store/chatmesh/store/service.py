@@ -84,9 +84,13 @@ def parse_usage(usage: common_pb2.Usage) -> Usage:
     return Usage(usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens)
 
 
+ROLE_PB = {role: role_pb(role) for role in Role}  # looked up per message: 20 per history read
+STATUS_PB = {status: status_pb(status) for status in MessageStatus}
+
+
 def message_pb(m: Message) -> common_pb2.Message:
-    return common_pb2.Message(index=m.index, role=role_pb(m.role), content=m.content, token_count=m.token_count,
-                              status=status_pb(m.status), turn_id=m.turn_id, created_at_ms=m.created_at_ms,
+    return common_pb2.Message(index=m.index, role=ROLE_PB[m.role], content=m.content, token_count=m.token_count,
+                              status=STATUS_PB[m.status], turn_id=m.turn_id, created_at_ms=m.created_at_ms,
                               superseded=m.superseded)
 
 
