@@ -3,9 +3,11 @@
 Both sides run in one go against one mesh (every service its own process, `sim` engine at a speed factor that
 makes its step time ~0, so what is measured is the mesh: HTTP + SSE at the gateway, chat's claim / history read /
 input check / route / output check / store writes, and the extra gRPC hops). `--conversations` clients each send
-`--turns` turns one after another; TTFT is from sending the request to the first text delta.
+`--turns` turns one after another (with `--think-ms`, each pauses a random time of that mean before its next turn,
+as a user reading the reply would); TTFT is from sending the request to the first text delta. It also reports each
+service process's CPU time per turn of the edge run (from /proc), where the mesh's capacity goes.
 
-    .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--append BENCHMARKS.md]
+    .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--think-ms 0] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import datetime
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -38,13 +41,22 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def through_edge(url: str, conversations: int, turns: int) -> list[float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def through_edge(url: str, conversations: int, turns: int, think_s: float = 0.0) -> list[float]:
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=conversations + 10, max_keepalive_connections=conversations + 10)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         async def conversation(i: int) -> None:
+            rng = random.Random(i)
             conv = (await client.post("/v1/conversations", json={})).json()["id"]
             for t in range(turns):
+                if think_s > 0:
+                    await asyncio.sleep(rng.expovariate(1 / think_s))
                 body = {"turn_id": str(uuid.uuid4()), "content": f"Conversation {i}, turn {t}: tell me more."}
                 start = time.perf_counter()
                 first = None
@@ -88,6 +100,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=50)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--think-ms", type=float, default=0.0,
+                        help="mean pause before each turn (exponential; 0: back to back)")
     parser.add_argument("--append", help="append the results to this Markdown file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +119,11 @@ def main() -> int:
             asyncio.run(through_edge(mesh.gateway_url, 4, 1))
             asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, 4, 1))
             engine = asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, args.conversations, args.turns))
-            edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns))
+            before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
+            started = time.perf_counter()
+            edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns, args.think_ms / 1000))
+            wall = time.perf_counter() - started
+            cpu = {name: (cpu_seconds(p.pid) - before[name]) / max(1, len(edge)) for name, p in mesh.procs.items()}
         finally:
             mesh.stop()
     rows = []
@@ -113,14 +131,20 @@ def main() -> int:
         rows.append((name, len(values), statistics.median(values) * 1e3, pct(values, 0.99) * 1e3))
     added_p50 = rows[1][2] - rows[0][2]
     added_p99 = rows[1][3] - rows[0][3]
+    load = os.getloadavg()[0]
     lines = [
         f"### Mesh overhead on TTFT ({datetime.date.today()}, {os.cpu_count()} cores, {platform.machine()}, "
-        f"{args.conversations} concurrent conversations x {args.turns} turns, sim at ~0 step time)",
+        f"{args.conversations} concurrent conversations x {args.turns} turns, think time {args.think_ms:.0f} ms, "
+        f"sim at ~0 step time, load average {load:.1f})",
         "",
         "| path | turns | TTFT p50 (ms) | TTFT p99 (ms) |",
         "|---|---|---|---|",
         *[f"| {n} | {c} | {p50:.1f} | {p99:.1f} |" for n, c, p50, p99 in rows],
         f"| **added by the mesh** | | **{added_p50:.1f}** | **{added_p99:.1f}** |",
+        "",
+        f"Edge run: {len(edge) / wall:.1f} turns/s; server CPU per turn (ms): "
+        + ", ".join(f"{name} {ms * 1e3:.2f}" for name, ms in sorted(cpu.items(), key=lambda kv: -kv[1]))
+        + f"; all services {sum(cpu.values()) * 1e3:.2f}",
         "",
     ]
     text = "\n".join(lines)
