@@ -298,3 +298,30 @@ async def test_a_delete_racing_finishes_leaves_no_row(store: ConversationStore, 
             left = (await conn.execute(text(f"SELECT count(*) FROM {table} WHERE conversation_id = :c"),
                                        {"c": conv})).scalar_one()
             assert left == 0, table
+
+
+async def test_a_call_cancelled_mid_statement_leaves_the_store_usable(
+        store: ConversationStore, engine: AsyncEngine, backend: Backend) -> None:
+    if backend.name != "postgres":
+        pytest.skip("a SQLite call runs to its end in its worker thread; nothing to cancel mid-statement")
+    conv = await conversation(store)
+    turn = new_turn()
+    c = await claim(store, conv, turn)
+    assert isinstance(c, Claimed)
+    async with engine.begin() as conn:  # the finish's last write waits, so the cancel lands mid-statement
+        await conn.execute(text("CREATE FUNCTION usage_waits() RETURNS trigger LANGUAGE plpgsql AS "
+                                "$$ BEGIN PERFORM pg_sleep(2); RETURN NEW; END $$"))
+        await conn.execute(text("CREATE TRIGGER usage_waits BEFORE INSERT ON usage_days "
+                                "FOR EACH ROW EXECUTE FUNCTION usage_waits()"))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(store.finish_turn(OWNER, conv, turn, c.lease_id, reply()), 0.3)
+    async with engine.begin() as conn:
+        await conn.execute(text("DROP TRIGGER usage_waits ON usage_days"))
+    finished = await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
+    assert finished.reply.index == 1  # stored once, whether or not the cancelled statement had committed
+    for _ in range(3):  # the connections the hot path keeps still work
+        t = new_turn()
+        again = await claim(store, conv, t, "next", context_messages=2)
+        assert isinstance(again, Claimed) and again.context is not None
+        await store.finish_turn(OWNER, conv, t, again.lease_id, reply())
+    assert (await store.read_conversation(OWNER, conv)).conversation.message_count == 8

@@ -227,11 +227,14 @@ class PostgresHotPath(HotPath):
                 raise Unavailable("the conversation store's database is unavailable; retry") from err
         try:
             rows: list[Any] = await fairy.driver_connection.fetch(sql, *args)  # type: ignore[union-attr]
-        except PG_UNREACHABLE as err:
+        except PG_UNREACHABLE as err:  # the connection is gone: not reused
             fairy.invalidate(err)
             await greenlet_spawn(fairy.close)
             raise Unavailable("the conversation store's database is unavailable; retry") from err
         except BaseException as err:
+            # A server error leaves the connection usable (autocommit: no transaction is left open). A
+            # cancelled call (the caller went away) too: asyncpg has asked the server to cancel the statement,
+            # and the connection's next call waits for that; closing it instead would leave the statement running.
             await self._put_back(fairy)
             if isinstance(err, PG_RETRYABLE):
                 raise Unavailable("the conversation store's database is busy; retry") from err
