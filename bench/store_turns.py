@@ -1,20 +1,22 @@
 """Turn cycles per second through the conversation store core, on PostgreSQL and SQLite, side by side.
 
 One cycle is what the chat service does per turn: BeginTurn (claim), ReadConversation of the newest 20
-messages, FinishTurn (user message + reply + usage). `--clients` asyncio tasks in total (default 32), each on
+messages, FinishTurn (user message + reply + usage); with `--context` it is two calls, BeginTurn returning the
+20 messages (`context_max_messages`) and FinishTurn. `--clients` asyncio tasks in total (default 32), each on
 its own owner and conversation seeded with 20 messages, run cycles for `--seconds` after a warm-up; p50/p99
 are per operation. PostgreSQL can be driven by several processes (`--processes`, the clients split between
 them), as several stateless store replicas would; SQLite runs in one process (one writer at a time anyway).
 `grpc` runs the same cycle against a `chatmesh serve store` process over loopback gRPC (PostgreSQL behind it),
-which is what the chat service sees; its CPU column is then that server process's.
+which is what the chat service sees; its CPU column is then that server process's. `--postgres-url` picks the
+transport (TCP loopback by default; `?host=/var/run/postgresql` for the Unix socket).
 
 The machine is shared, so besides turns/s the bench reports CPU per turn, which a busy neighbour inflates
-much less: the store core's (this process, including aiosqlite's threads) and, on PostgreSQL, the server
+much less: the store core's (this process, including the SQLite worker threads) and, on PostgreSQL, the server
 backends serving the bench's connections (/proc, found through pg_stat_activity). "Projected" is what two
 idle cores would do at that CPU cost. Issue 3's target: at least 1,000 turns/s on PostgreSQL.
 
     .venv/bin/python -m bench.store_turns [--seconds 10] [--clients 32] [--processes 1]
-        [--backends postgres,grpc,sqlite] [--append]
+        [--backends postgres,grpc,sqlite] [--context] [--postgres-url URL] [--append]
 """
 
 from __future__ import annotations
