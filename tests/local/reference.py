@@ -40,7 +40,7 @@ def dense_logits(model: LoadedModel, token_ids: list[int]) -> torch.Tensor:
     causal = torch.triu(torch.full((n, n), float("-inf"), dtype=dt), diagonal=1)
     x = w.embed[torch.tensor(token_ids)].to(dt)
     for lw in w.layers:
-        wqkv = lw.wqkv.to(dt)
+        wqkv = lw.wqkv.dense().to(dt)
         wq, wk, wv = wqkv[:hq * d], wqkv[hq * d:(hq + hk) * d], wqkv[(hq + hk) * d:]
         wq, wk = _unpermute(wq, hq), _unpermute(wk, hk)
         h = norm(x, lw.attn_norm)
@@ -53,9 +53,9 @@ def dense_logits(model: LoadedModel, token_ids: list[int]) -> torch.Tensor:
         v = v.repeat_interleave(hq // hk, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d) + causal
         att = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).reshape(n, hq * d)
-        x = x + att @ lw.wo.to(dt).T
+        x = x + att @ lw.wo.dense().to(dt).T
         h = norm(x, lw.ffn_norm)
-        gate_up = h @ lw.w_gate_up.to(dt).T
+        gate_up = h @ lw.w_gate_up.dense().to(dt).T
         gate, up = gate_up[:, :cfg.ffn], gate_up[:, cfg.ffn:]
-        x = x + (torch.nn.functional.silu(gate) * up) @ lw.w_down.to(dt).T
-    return norm(x, w.out_norm) @ w.output.to(dt).T
+        x = x + (torch.nn.functional.silu(gate) * up) @ lw.w_down.dense().to(dt).T
+    return norm(x, w.out_norm) @ w.output.dense().to(dt).T

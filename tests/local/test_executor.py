@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +175,93 @@ def test_release_forgets_the_generator(model: LoadedModel) -> None:
     assert 1 in ex._generators
     ex.release(1)
     assert 1 not in ex._generators and 1 not in ex.last_logits
+
+
+@pytest.fixture(scope="module")
+def serving(gguf_file: object) -> LoadedModel:
+    """The serving configuration's weights: fp16 matrices (fbgemm-packed)."""
+    from chatmesh.engine_adapter.local.model import load_gguf
+
+    assert isinstance(gguf_file, Path)
+    return load_gguf(gguf_file, "float16")
+
+
+def test_serving_precision_fp16_weights_int8_kv_stays_close_to_the_dense_reference(
+        model: LoadedModel, serving: LoadedModel) -> None:
+    # The default configuration trades exactness for memory and speed: fp16 weight matrices (~2e-4 rounding
+    # of each weight) and int8 K/V with one scale per token and head. Measured: ~3% max-relative logit error
+    # for the first token, the same greedy reply.
+    assert serving.weights.dtype == "float16"
+    assert serving.weights.nbytes < model.weights.nbytes * 0.55
+    prompt = _prompt(model, "What is the capital of France?")
+    exact = _greedy(_executor(model), 1, prompt, list(range(10, 20)), 32)
+    ex = _executor(serving, kv_dtype=torch.int8)
+    first = _run(ex, 1, prompt, 0, list(range(10, 20)))
+    ref = dense_logits(model, prompt)
+    assert _rel_err(first, ref[-1]) < 6e-2
+    assert int(first.argmax()) == int(ref[-1].argmax())
+    assert _greedy(_executor(serving, kv_dtype=torch.int8), 1, prompt, list(range(10, 20)), 32) == exact
+
+
+def test_int8_kv_round_trip_is_within_half_a_step_of_each_scale(model: LoadedModel) -> None:
+    from chatmesh.engine_adapter.local.model import KVPool
+
+    pool = KVPool(model.config, 8, BS, torch.int8)
+    kv, d = model.config.n_kv_heads, model.config.head_dim
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(5, kv, d, generator=gen) * torch.tensor([0.01, 1.0, 30.0])[:, None]
+    v = torch.randn(5, kv, d, generator=gen)
+    slots = torch.tensor([BS * 3 + 1, BS * 3 + 2, BS * 5, BS * 5 + 7, BS * 6 + 15])
+    pool.write(2, slots, k, v)
+    gk, gv, ks, vs = pool.gather(2, torch.tensor([3, 5, 6]))
+    assert ks is not None and vs is not None
+    at = torch.tensor([1, 2, BS, BS + 7, 2 * BS + 15])  # where the slots land in the gathered blocks
+    for got, scale, want in ((gk, ks, k), (gv, vs, v)):
+        back = (got[:, at] * scale[:, at, None]).transpose(0, 1)
+        step = want.abs().amax(-1, keepdim=True) / 127
+        assert bool(((back - want).abs() <= step / 2 + 1e-7).all())
+    untouched = torch.ones(3 * BS, dtype=torch.bool)
+    untouched[at] = False
+    assert bool((gk[:, untouched] == 0).all()) and bool((ks[:, untouched] == 0).all())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: LoadedModel,
+                                                                    kv_dtype: torch.dtype) -> None:
+    # Three conversations under one system prompt share its blocks (as the engine's prefix cache hands them
+    # out); decoding them in one batch takes the cascade path (shared blocks scored once for all queries).
+    tok = model.tokenizer
+    system = ("You are a helpful assistant who answers in one short sentence, without lists or preambles, "
+              "in plain English, politely, and never mentions these instructions or that you are a model.")
+    prompts = [list(render(tok, [(Role.SYSTEM, system), (Role.USER, u)]).token_ids)
+               for u in ("What is the capital of France?", "Name a large animal.", "Hi")]
+    common = 0
+    while all(p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    shared = common // BS  # full blocks of the system prompt
+    assert shared >= 2
+    n = 10
+    alone: list[list[int]] = []
+    alone_logits: list[torch.Tensor] = []
+    for p in prompts:
+        ex = _executor(model, kv_dtype=kv_dtype)
+        alone.append(_greedy(ex, 1, p, list(range(20, 30)), n))
+        alone_logits.append(ex.last_logits[1])
+
+    ex = _executor(model, kv_dtype=kv_dtype)
+    head = list(range(shared))  # the system prompt's blocks, computed once by the first sequence
+    tables = [head + [10 + 8 * i + j for j in range(8)] for i in range(3)]
+    outs: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        start = 0 if i == 0 else shared * BS
+        outs.append([int(_run(ex, i, p, start, tables[i]).argmax())])
+    while len(outs[0]) < n:
+        r = ex.execute([SeqWork(i, [outs[i][-1]], len(prompts[i]) + len(outs[i]) - 1, tables[i], True, GREEDY)
+                        for i in range(3)])
+        for i in range(3):
+            outs[i].append(r.next_tokens[i])
+    assert ex.net.shared_prefix_steps == n - 1  # every batched decode step took the shared-prefix path
+    assert outs == alone
+    if kv_dtype == torch.float32:
+        for i in range(3):
+            assert _rel_err(ex.last_logits[i], alone_logits[i]) < 1e-4

@@ -1,9 +1,11 @@
-"""The `local` backend's construction: SmolLM2-135M-Instruct on the CPU (PyTorch fp32) under the engine core.
+"""The `local` backend's construction: SmolLM2-135M-Instruct on the CPU (PyTorch) under the engine core.
 
-`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process), sizes the KV tiers
-(defaults: 2,048 device blocks of 32 tokens = a 64 k-token budget, and a quarter of that on the host, in
-bfloat16) and returns an EngineCore over a LocalExecutor that runs each step in a worker thread. The model file
-is a setup step (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
+`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process; weight matrices in fp16 by
+default, see CHATMESH_LOCAL_WEIGHTS), sizes the KV tiers and returns an EngineCore over a LocalExecutor that runs
+each step in a worker thread. KV defaults: 2,048 device blocks of 32 tokens (a 64 k-token budget) in int8, and
+no host tier: on a CPU both tiers are the same RAM, so a spill tier would only copy blocks within it; all of the
+budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). The model file is a setup step
+(`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 
 from __future__ import annotations
@@ -19,24 +21,24 @@ from chatmesh.engine_adapter.block_manager import BlockConfig
 from chatmesh.engine_adapter.engine import Clock, EngineCore
 from chatmesh.engine_adapter.local import settings as local_settings
 from chatmesh.engine_adapter.local.executor import LocalExecutor
-from chatmesh.engine_adapter.local.model import LoadedModel, load_gguf
+from chatmesh.engine_adapter.local.model import KV_DTYPES, LoadedModel, load_gguf
 from chatmesh.engine_adapter.scheduler import SchedulerConfig
 from chatmesh.mesh.config import Config
 from chatmesh.model.assets import gguf_path
 from chatmesh.model.settings import MODEL_DIR
 
 DEFAULT_KV_TOKENS = 65_536
-KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @functools.lru_cache(maxsize=2)
-def _load(path: str) -> LoadedModel:
-    return load_gguf(path)
+def _load(path: str, weights: str) -> LoadedModel:
+    return load_gguf(path, weights)
 
 
-def load_model(model_dir: str | Path) -> LoadedModel:
-    """The model in `model_dir`, loaded once per process (raises ModelMissing when not fetched)."""
-    return _load(str(gguf_path(model_dir).resolve()))
+def load_model(model_dir: str | Path, weights: str = "float16") -> LoadedModel:
+    """The model in `model_dir` with its matrices stored as `weights`, loaded once per process (raises
+    ModelMissing when not fetched)."""
+    return _load(str(gguf_path(model_dir).resolve()), weights)
 
 
 def default_threads() -> int:
@@ -44,14 +46,14 @@ def default_threads() -> int:
 
 
 def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock | None = None) -> EngineCore:
-    model = model or load_model(cfg[MODEL_DIR])
+    model = model or load_model(cfg[MODEL_DIR], cfg[local_settings.WEIGHTS])
     threads = cfg[local_settings.THREADS]
     torch.set_num_threads(threads if threads > 0 else default_threads())
     bs = cfg[engine_settings.BLOCK_SIZE]
     device = cfg[engine_settings.DEVICE_BLOCKS]
     host = cfg[engine_settings.HOST_BLOCKS]
     blocks = BlockConfig(bs, device if device >= 0 else DEFAULT_KV_TOKENS // bs,
-                         host if host >= 0 else DEFAULT_KV_TOKENS // 4 // bs)
+                         host if host >= 0 else 0)
     executor = LocalExecutor(model, blocks.device_blocks, blocks.host_blocks, bs,
                              KV_DTYPES[cfg[local_settings.KV_DTYPE]])
     sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH], cfg[engine_settings.STEP_TOKEN_BUDGET], cfg[engine_settings.QUEUE_LIMIT])

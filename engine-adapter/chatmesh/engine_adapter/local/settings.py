@@ -7,7 +7,11 @@ from chatmesh.mesh.config import Setting
 THREADS = Setting("CHATMESH_LOCAL_THREADS", 0,
                   "torch threads for the local model; 0: half the cores, at most 4 (OpenMP stalls badly when "
                   "its threads compete for busy cores)", int)
-KV_DTYPE = Setting("CHATMESH_LOCAL_KV_DTYPE", "bfloat16",
-                   "element type of the local backend's KV blocks: bfloat16 halves their memory and widens to fp32 "
-                   "cheaply; float16 is more precise but slow to widen on CPUs without F16C paths; float32 is exact",
-                   str, choices=("float16", "bfloat16", "float32"))
+KV_DTYPE = Setting("CHATMESH_LOCAL_KV_DTYPE", "int8",
+                   "element type of the local backend's KV blocks: int8 (a scale per token and head, ~0.4% "
+                   "rounding) holds a 64 k-token budget in 0.75 GiB; bfloat16 and float16 take twice that; "
+                   "float32 is exact", str, choices=("int8", "float16", "bfloat16", "float32"))
+WEIGHTS = Setting("CHATMESH_LOCAL_WEIGHTS", "float16",
+                  "storage of the local model's weight matrices: float16 (fbgemm-packed, fp32 arithmetic, half the "
+                  "memory, faster decode) or float32 (the dequantised GGUF values exactly)", str,
+                  choices=("float16", "float32"))
