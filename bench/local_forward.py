@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from chatmesh.engine_adapter.local.backend import load_model
+from chatmesh.engine_adapter.local.executor import keep_freed_memory
 from chatmesh.engine_adapter.local.model import KV_DTYPES, WEIGHT_DTYPES, KVPool, PagedLlama, SeqSlice
 from chatmesh.mesh.config import Config
 from chatmesh.model.settings import MODEL_DIR
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="int8", choices=sorted(KV_DTYPES))
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    keep_freed_memory()  # as the executor does
     for weights in args.weights.split(","):
         model = load_model(Config()[MODEL_DIR], weights)
         net = PagedLlama(model.config, model.weights)

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatmesh.engine_adapter.backend import Delta, Finished, GenerateParams, Started
-from chatmesh.engine_adapter.engine import EngineCore
+from chatmesh.engine_adapter.engine import EngineCore, StepReport
 from chatmesh.engine_adapter.local.backend import build_local, load_model
 from chatmesh.engine_adapter.local.executor import LocalExecutor
 from chatmesh.engine_adapter.local.model import LoadedModel
@@ -81,6 +81,28 @@ class Result:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     wall_s: float = 0.0
+    decode_steps: int = 0  # steps that ran only decode rows, and their seconds
+    decode_s: float = 0.0
+    decode_rows: int = 0
+    mixed_steps: int = 0  # steps with prefill tokens (and any decode rows riding along)
+    mixed_s: float = 0.0
+    prefill_tokens: int = 0
+
+    def on_step(self, r: StepReport) -> None:
+        if r.prefill_tokens:
+            self.mixed_steps += 1
+            self.mixed_s += r.duration_s
+            self.prefill_tokens += r.prefill_tokens
+        else:
+            self.decode_steps += 1
+            self.decode_s += r.duration_s
+            self.decode_rows += r.decode_seqs
+
+    def steps_line(self) -> str:
+        return (f"steps: {self.decode_steps} decode-only in {self.decode_s:.1f} s ({self.decode_rows} rows, "
+                f"{self.decode_rows / max(self.decode_s, 1e-9):.1f} tok/s), {self.mixed_steps} with prefill in "
+                f"{self.mixed_s:.1f} s ({self.prefill_tokens} prefill tokens, "
+                f"{self.prefill_tokens / max(self.mixed_s, 1e-9):.0f} tok/s incl. riding decodes)")
 
 
 async def conversation(engine: EngineCore, tok: Tokenizer, args: argparse.Namespace, system: str, c: int,
@@ -127,10 +149,11 @@ async def run(model: LoadedModel, args: argparse.Namespace, cache: bool, turns: 
         print(f"  KV pools of {engine.blocks.cfg.device_blocks * engine.blocks.block_size} device tokens "
               f"({sum(p.nbytes for p in executor.pools.values()) / 2**20:.0f} MiB) touched: RSS now {rss_now():.0f} "
               f"MiB, peak {peak_rss():.0f} MiB", flush=True)
+    res = Result()
+    engine.on_step = res.on_step
     await engine.start()
     tok = model.tokenizer
     system = system_prompt(tok, args.system_tokens)
-    res = Result()
     sem = asyncio.Semaphore(args.concurrency)
 
     async def one(c: int) -> None:
@@ -198,6 +221,7 @@ def main() -> None:
               f"output tok in {r.wall_s:6.1f} s = {r.output_tokens / r.wall_s:5.1f} tok/s | prompt {r.prompt_tokens}"
               f" tok, cached {r.cached_tokens} | TTFT p50 by turn: {by_turn} | peak RSS {peak_rss():.0f} MiB",
               flush=True)
+        print(f"         {r.steps_line()}", flush=True)
     if "cache" in results and "nocache" in results:
         a, b = results["cache"], results["nocache"]
         common = sorted(set(a.ttft_by_turn) & set(b.ttft_by_turn) - {0})

@@ -2,11 +2,20 @@
 
 It owns two KV pools: DEVICE (the blocks attention reads; block tables name these) and HOST (the spill tier).
 On a CPU both are ordinary memory, so offloading and onboarding a block is a tensor copy between them, timed.
-The pools are allocated lazily by the OS (torch.empty), so their resident size grows with the blocks used.
+The pools are allocated lazily by the OS (calloc'd zeros), so their resident size grows with the blocks used.
+
+Allocator: a step allocates and frees many temporaries of a few MB (gathered K/V widened to fp32, scores).
+glibc hands such blocks back to the OS on free and takes them again on the next allocation, page faults and
+zeroing included: widening 0.9 M int8 values took 0.95 ms that way against 0.09 ms into a reused buffer. So the
+executor raises glibc's mmap and trim thresholds (`mallopt`, 32 MiB / 1 GiB) once per process: temporaries stay
+in the heap and are reused; allocations above 32 MiB (the KV pools) are still mapped lazily.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import time
 from collections.abc import Sequence
 
@@ -17,6 +26,21 @@ from chatmesh.engine_adapter.local.model import KVPool, LoadedModel, PagedLlama,
 from chatmesh.engine_adapter.local.sampling import new_generator, sample
 
 
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Raises glibc's mmap threshold to 32 MiB and its trim threshold to 1 GiB (see the header); False where the
+    C library is not glibc (nothing changes)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 class LocalExecutor:
     """Executor protocol (engine_adapter/executor.py) over a real SmolLM2 forward."""
 
@@ -24,6 +48,7 @@ class LocalExecutor:
 
     def __init__(self, model: LoadedModel, device_blocks: int, host_blocks: int, block_size: int,
                  kv_dtype: torch.dtype = torch.float32):
+        keep_freed_memory()
         self.model = model
         self.net = PagedLlama(model.config, model.weights)
         self.block_size = block_size
