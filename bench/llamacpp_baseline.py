@@ -5,10 +5,9 @@ cache (LlamaRAMCache) enabled, greedy decoding.
 The workload is bench/local_multiturn.py's at the issue's full size: 16 conversations of 8 turns, each prompt the
 shared 1,500-token system prompt + the history + a 150-token user message, replies capped at 64 tokens. The
 prompts are built here with chatmesh's own tokenizer and ChatML renderer (chatmesh.model.template) and handed to
-llama.cpp as token ids, so both engines see the same tokens; the texts come from bench/local_multiturn.py
-(`text_of`, `TOPICS`); the user message formula is copied from its `conversation()` (see `user_message`: the two
-must stay equal). Each assistant reply is llama.cpp's own greedy reply, appended to the history as text, exactly
-as the chatmesh bench appends its engine's reply.
+llama.cpp as token ids, so both engines see the same tokens; the texts come from bench/local_multiturn.py's
+`system_prompt` and `user_message` (imported, not copied). Each assistant reply is llama.cpp's own greedy reply,
+appended to the history as text, exactly as the chatmesh bench appends its engine's reply.
 
 Modes (each in a fresh worker process, so the cache starts empty and peak RSS is per mode):
   rr       RAM cache on; round-robin over the conversations (turn 1 of all, then turn 2 of all, ...): how 16
@@ -244,22 +243,13 @@ def arrival_ttfts(served: list[Served]) -> dict[tuple[int, int], float]:
             for s in served}
 
 
-def user_message(tok: Any, message_tokens: int, c: int, turn: int, turns: int) -> str:
-    """bench/local_multiturn.py's user message for conversation c, turn `turn` (copied from its conversation();
-    the two must stay equal)."""
-    from bench.local_multiturn import TOPICS, text_of
-    topic = TOPICS[(c * turns + turn) % len(TOPICS)]
-    ask = f" Now write a detailed paragraph about {topic}."
-    return "Notes: " + text_of(tok, message_tokens - len(tok.encode(ask)) - 2, c + turn) + ask
-
-
 def run_mode(mode: str, threads: int, args: argparse.Namespace, model_path: str) -> ModeResult:
-    from bench.local_multiturn import text_of
+    from bench.local_multiturn import system_prompt, user_message
     from chatmesh.model.template import Message, Role, render
     from chatmesh.model.tokenizer import load as load_tokenizer
 
     tok = load_tokenizer(os.path.dirname(model_path))
-    system = "You are a helpful assistant. " + text_of(tok, args.system_tokens, 0)
+    system = system_prompt(tok, args.system_tokens)
     cache_bytes = args.cache_bytes if mode in ("rr", "conv") else 0
     llama = LlamaProcess(args.llama_python, {"model": model_path, "n_ctx": args.n_ctx, "n_batch": args.n_batch,
                                              "n_threads": threads, "flash_attn": args.flash_attn,
