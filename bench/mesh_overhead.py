@@ -73,14 +73,18 @@ async def through_edge(url: str, conversations: int, turns: int, think_s: float 
     return ttfts
 
 
-async def direct(address: str, prompt_ids: list[int], conversations: int, turns: int) -> list[float]:
+async def direct(address: str, prompt_ids: list[int], conversations: int, turns: int, think_s: float = 0.0
+                 ) -> list[float]:
     ttfts: list[float] = []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
 
         async def conversation(i: int) -> None:
+            rng = random.Random(i)
             conv = str(uuid.uuid4())
             for _ in range(turns):
+                if think_s > 0:
+                    await asyncio.sleep(rng.expovariate(1 / think_s))
                 req = generate_pb2.GenerateRequest(request_id=str(uuid.uuid4()), conversation_id=conv,
                                                    turn_id=str(uuid.uuid4()), prompt_token_ids=prompt_ids,
                                                    cache_salt=f"owner-{i}".encode(), max_tokens=48)
@@ -118,7 +122,8 @@ def main() -> int:
             # Warm both paths (connections, caches), then measure.
             asyncio.run(through_edge(mesh.gateway_url, 4, 1))
             asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, 4, 1))
-            engine = asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, args.conversations, args.turns))
+            engine = asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, args.conversations, args.turns,
+                                        args.think_ms / 1000))
             before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
             started = time.perf_counter()
             edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns, args.think_ms / 1000))
