@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from chatmesh.engine_adapter.backend import Delta, Finished, GenerateParams, Started
 from chatmesh.engine_adapter.engine import EngineCore, StepReport
 from chatmesh.engine_adapter.local.backend import build_local, load_model
+from chatmesh.engine_adapter.local import model as local_model
 from chatmesh.engine_adapter.local.executor import LocalExecutor
 from chatmesh.engine_adapter.local.model import LoadedModel
 from chatmesh.mesh.config import Config
@@ -198,7 +199,11 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="int8", choices=("int8", "bfloat16", "float16", "float32"))
     ap.add_argument("--device-blocks", type=int, default=-1, help="KV blocks (-1: the backend's 64 k tokens)")
     ap.add_argument("--touch-kv", action="store_true", help="write every page of the KV pools first")
+    ap.add_argument("--decode-chunk", type=int, default=0,
+                    help="decoding sequences attended per gather (tuning; 0: the model's default)")
     args = ap.parse_args()
+    if args.decode_chunk > 0:
+        local_model._DECODE_CHUNK = args.decode_chunk
 
     t0 = time.perf_counter()
     model = load_model(Config()[MODEL_DIR], args.weights)
@@ -207,7 +212,7 @@ def main() -> None:
           f"{rss_now():.0f} MiB, peak {peak_rss():.0f} MiB; workload: {args.conversations} conversations x "
           f"{args.turns} turns, {args.concurrency} at once, system {args.system_tokens} + message "
           f"{args.message_tokens} tokens, replies <= {args.reply_tokens}, {args.threads} torch thread(s), step "
-          f"budget {args.step_tokens}, {args.kv_dtype} KV", flush=True)
+          f"budget {args.step_tokens}, {args.kv_dtype} KV, decode chunk {local_model._DECODE_CHUNK}", flush=True)
     results = {}
     for mode in args.modes.split(","):
         cache = mode == "cache"

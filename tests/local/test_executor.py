@@ -225,11 +225,17 @@ def test_int8_kv_round_trip_is_within_half_a_step_of_each_scale(model: LoadedMod
     assert bool((gk[:, untouched] == 0).all()) and bool((ks[:, untouched] == 0).all())
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
-def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: LoadedModel,
-                                                                    kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("kv_dtype", "chunk"), [(torch.float32, 0), (torch.float32, 2), (torch.int8, 2)])
+def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: LoadedModel, kv_dtype: torch.dtype,
+                                                                    chunk: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Three conversations under one system prompt share its blocks (as the engine's prefix cache hands them
-    # out); decoding them in one batch takes the cascade path (shared blocks scored once for all queries).
+    # out); decoding them in one batch takes the cascade path (shared blocks scored once for all queries, each
+    # sequence's own blocks in chunks of `chunk` sequences, merged by log-sum-exp).
+    from chatmesh.engine_adapter.local import model as model_module
+
+    if chunk:
+        monkeypatch.setattr(model_module, "_DECODE_CHUNK", chunk)
     tok = model.tokenizer
     system = ("You are a helpful assistant who answers in one short sentence, without lists or preambles, "
               "in plain English, politely, and never mentions these instructions or that you are a model.")

@@ -378,7 +378,7 @@ class PagedLlama:
 
 
 _NEG_INF = float("-inf")
-_DECODE_CHUNK = 4  # decoding sequences whose own blocks are gathered and attended at once
+_DECODE_CHUNK = 8  # decoding sequences whose own blocks are gathered and attended at once
 
 
 class _AttentionPlan:
