@@ -13,7 +13,7 @@ PickReplica (and ReleaseLease in the cycle mode). Rate = picks / the server proc
 Baselines, so the router's own cost can be told from grpc's: grpc.health.v1 Check on the same router server,
 and a bare grpc.aio server (this file with --bare-server, same CPU, same server options as the bootstrap)
 answering a no-op unary method (bytes in, bytes out, no protobuf) and a PickReplica that returns one constant
-response (protobuf, no router work).
+response (protobuf, no router work); and grpc's threaded server (a pool of 4) with the same no-op method.
 
 Every path runs `--rounds` times, interleaved; the table shows the median round. Issue 4's targets: core
 >= 200,000 picks/s, service >= 5,000 picks/s (15x the reference fleet's 333 turns/s), one core each.
@@ -52,6 +52,7 @@ CONVERSATIONS = [ConversationId(str(uuid.uuid4())) for _ in range(100_000)]
 SERVER_CPU, CLIENT_CPU = 1, 0
 NOOP_METHOD = "/chatmesh.bench.Bare/Noop"
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]  # as chatmesh.mesh.server.serve
+SYNC_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,21 @@ class ConstantRoute(route_pb2_grpc.RouteServiceServicer):
         raise AssertionError("abort raises")
 
 
+def sync_bare_server(address: str, threads: int) -> None:
+    """grpc's threaded (non-asyncio) server with a pool of `threads`, the same no-op method."""
+    from concurrent import futures
+
+    def noop(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(threads), options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "chatmesh.bench.Bare", {"Noop": grpc.unary_unary_rpc_method_handler(noop)}),))
+    server.add_insecure_port(address)
+    server.start()
+    server.wait_for_termination()
+
+
 async def bare_server(address: str) -> None:
     async def noop(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         return b""
@@ -224,20 +240,25 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--in-flight", type=int, default=300)
     ap.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
+    ap.add_argument("--sync-bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
         asyncio.run(bare_server(args.bare_server))
         return 0
+    if args.sync_bare_server:
+        sync_bare_server(args.sync_bare_server, SYNC_THREADS)
+        return 0
 
     load_start = os.getloadavg()
-    router_address, bare_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    router_address, bare_address, sync_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
     env = {**os.environ, "CHATMESH_REPLICAS": ",".join(f"engine-{i}=127.0.0.1:{50054 + 10 * i}"
                                                         for i in range(REPLICAS)),
            "CHATMESH_ROUTER_HEALTH": "false", "CHATMESH_LOG_LEVEL": "warning"}
     router, pinned = start_server([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "router", "--listen",
                                    router_address], env)
     bare, _ = start_server([sys.executable, "-m", "bench.router_picks", "--bare-server", bare_address], env)
-    for address in (router_address, bare_address):  # both up before anything is timed on their CPU
+    sync, _ = start_server([sys.executable, "-m", "bench.router_picks", "--sync-bare-server", sync_address], env)
+    for address in (router_address, bare_address, sync_address):  # both up before anything is timed on their CPU
         asyncio.run(ready(address))
     s, c = args.seconds, args.clients
     paths: list[tuple[str, int | None, Callable[[], Rate]]] = [
@@ -253,6 +274,8 @@ def main() -> int:
          lambda: asyncio.run(drive(bare_address, bare.pid, s, c, pick_call(release=False)))),
         ("baseline: bare grpc.aio server, no-op unary (bytes, no protobuf)", None,
          lambda: asyncio.run(drive(bare_address, bare.pid, s, c, noop_call))),
+        (f"baseline: bare threaded grpc.server ({SYNC_THREADS} threads), no-op unary", None,
+         lambda: asyncio.run(drive(sync_address, sync.pid, s, c, noop_call))),
     ]
     results: dict[str, list[Rate]] = {name: [] for name, _, _ in paths}
     try:
@@ -261,7 +284,7 @@ def main() -> int:
                 pin(SERVER_CPU if name.startswith("core") else CLIENT_CPU)
                 results[name].append(run())
     finally:
-        for server in (router, bare):
+        for server in (router, bare, sync):
             server.terminate()
             server.wait(timeout=30)
     load_end = os.getloadavg()
