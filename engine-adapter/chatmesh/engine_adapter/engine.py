@@ -13,7 +13,10 @@ rate, and detokenisation runs once per send, not once per token.
 
 The `local` backend constructs this with its executor: `EngineCore(executor, BlockConfig(...),
 SchedulerConfig(...), codec, offload=True)` (offload runs each step in a worker thread so the event loop
-keeps serving RPCs while the model computes).
+keeps serving RPCs while the model computes). That worker is one dedicated thread for the engine's life, not
+the event loop's shared pool: with a pool, steps land on different threads, and each calling thread gets its own
+OpenMP team (whose idle threads spin for a while after their last step, taking CPU from the next one) and its own
+malloc arena (each keeping freed temporaries).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -125,6 +129,7 @@ class EngineCore:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._worker: ThreadPoolExecutor | None = None  # the one thread offloaded steps run on (while started)
 
     @property
     def name(self) -> str:
@@ -135,6 +140,8 @@ class EngineCore:
     async def start(self) -> None:
         if self._task is None:
             self._closed = False
+            if self.offload and self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.replica_id}")
             self._task = asyncio.create_task(self._loop(), name=f"engine-{self.replica_id}")
 
     async def close(self) -> None:
@@ -145,6 +152,9 @@ class EngineCore:
             await asyncio.gather(task, return_exceptions=True)
         for seq in self.scheduler.abort_all():
             self._finished(seq)
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=False)
 
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -225,8 +235,9 @@ class EngineCore:
                     await self._wake.wait()
                 continue
             try:
-                if self.offload:
-                    copy_s, result = await asyncio.to_thread(self._run, step.copies, step.work)
+                if self._worker is not None:
+                    copy_s, result = await asyncio.get_running_loop().run_in_executor(
+                        self._worker, self._run, step.copies, step.work)
                 else:
                     copy_s, result = self._run(step.copies, step.work)
             except Exception as exc:  # the executor failed: these sequences end with an error, the engine goes on
