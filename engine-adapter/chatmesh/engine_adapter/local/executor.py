@@ -7,7 +7,7 @@ The pools are allocated lazily by the OS (calloc'd zeros), so their resident siz
 Allocator: a step allocates and frees many temporaries of a few MB (gathered K/V widened to fp32, scores).
 glibc hands such blocks back to the OS on free and takes them again on the next allocation, page faults and
 zeroing included: widening 0.9 M int8 values took 0.95 ms that way against 0.09 ms into a reused buffer. So the
-executor raises glibc's mmap and trim thresholds (`mallopt`, 32 MiB / 1 GiB) once per process: temporaries stay
+executor raises glibc's mmap and trim thresholds (`mallopt`, 32 MiB / 256 MiB) once per process: temporaries stay
 in the heap and are reused; allocations above 32 MiB (the KV pools) are still mapped lazily.
 """
 
@@ -28,7 +28,7 @@ from chatmesh.engine_adapter.local.sampling import new_generator, sample
 
 @functools.cache
 def keep_freed_memory() -> bool:
-    """Raises glibc's mmap threshold to 32 MiB and its trim threshold to 1 GiB (see the header); False where the
+    """Raises glibc's mmap threshold to 32 MiB and its trim threshold to 256 MiB (see the header); False where the
     C library is not glibc (nothing changes)."""
     name = ctypes.util.find_library("c")
     if name is None:
@@ -38,7 +38,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 1 << 30))
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
 
 
 class LocalExecutor:
