@@ -111,6 +111,7 @@ class Service:
     register: Callable[[grpc.aio.Server], Sequence[str]]
     start: Callable[[], Awaitable[None]] | None = None
     close: Callable[[], Awaitable[None]] | None = None
+    stopping: Callable[[], None] | None = None  # shutdown began (before the grace period): end long-lived streams
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -143,6 +144,8 @@ async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Ev
     await stop.wait()
     log.info("stopping", grace_s=grace_s)
     await health_servicer.enter_graceful_shutdown()
+    if service.stopping is not None:
+        service.stopping()
     await server.stop(grace_s)
     for task in service.background:
         task.cancel()

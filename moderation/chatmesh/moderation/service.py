@@ -18,6 +18,7 @@ check latency.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections import Counter as Counter_
@@ -46,6 +47,7 @@ log = logs.get("chatmesh.moderation.service")
 SERVICE_NAME = moderate_pb2.DESCRIPTOR.services_by_name["ModerateService"].full_name
 Context = grpc.aio.ServicerContext[Any, Any]
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 MAX_REPLY_ID_BYTES = 128
 MAX_OPEN_REPLIES = 4096
 
@@ -141,6 +143,35 @@ class ModerateServicer:
         self._batcher = batcher
         self._limits = limits
         self._metrics = metrics
+        self._stopping = asyncio.Event()
+
+    def end_streams(self) -> None:
+        """Shutdown has begun: shared CheckOutputBatch streams end (status OK) instead of outliving the server.
+
+        Such a stream lives as long as the chat process that opened it, so it would still be open when this
+        process exits and be cancelled there, which grpc reports as an unhandled error. Ended here, its client
+        sees the stream close and answers any chunk still waiting with its failure policy, as it would for a
+        moderation service that went away."""
+        self._stopping.set()
+
+    async def _until_stopping(self, requests: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`requests` until the client ends them or shutdown begins."""
+        it = aiter(requests)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            while True:
+                received = asyncio.ensure_future(anext(it))
+                await asyncio.wait({received, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not received.done():
+                    received.cancel()
+                    return
+                try:
+                    item = received.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            stopping.cancel()
 
     async def _run(self, direction: Direction, check: Callable[[], Verdict],
                    late: Callable[[], object] = lambda: None) -> Verdict:
@@ -220,7 +251,7 @@ class ModerateServicer:
                                context: Context) -> AsyncIterator[moderate_pb2.CheckOutputBatchResponse]:
         replies: dict[str, _Reply] = {}
         try:
-            async for raw in requests:
+            async for raw in self._until_stopping(requests):
                 request = _decoded(raw)
                 batch: list[tuple[str, _Reply, str, bool]] = []
                 for chunk in request.chunks:
@@ -312,5 +343,5 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
             guard.close()
 
     return Service(name="moderation", register=lambda server: _register(server, servicer), start=start,
-                   close=close)
+                   close=close, stopping=servicer.end_streams)
 
