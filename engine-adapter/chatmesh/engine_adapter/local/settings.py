@@ -11,7 +11,8 @@ KV_DTYPE = Setting("CHATMESH_LOCAL_KV_DTYPE", "int8",
                    "element type of the local backend's KV blocks: int8 (a scale per token and head, ~0.4% "
                    "rounding) holds a 64 k-token budget in 0.75 GiB; bfloat16 and float16 take twice that; "
                    "float32 is exact", str, choices=("int8", "float16", "bfloat16", "float32"))
-WEIGHTS = Setting("CHATMESH_LOCAL_WEIGHTS", "float16",
-                  "storage of the local model's weight matrices: float16 (fbgemm-packed, fp32 arithmetic, half the "
-                  "memory, faster decode) or float32 (the dequantised GGUF values exactly)", str,
+WEIGHTS = Setting("CHATMESH_LOCAL_WEIGHTS", "float32",
+                  "storage of the local model's weight matrices: float32 (the dequantised GGUF values exactly) or "
+                  "float16 (fbgemm-packed, fp32 arithmetic, 230 MiB less; with int8 KV its rounding flips greedy "
+                  "answers, e.g. no 'Paris' for the capital of France)", str,
                   choices=("float16", "float32"))
