@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default="cache,nocache")
     ap.add_argument("--nocache-turns", type=int, default=0, help="turns of the cache-disabled half (0: --turns)")
-    ap.add_argument("--weights", default="float16", choices=("float16", "float32"), help="weight storage")
+    ap.add_argument("--weights", default="float32", choices=("float16", "float32"), help="weight storage")
     ap.add_argument("--kv-dtype", default="int8", choices=("int8", "bfloat16", "float16", "float32"))
     ap.add_argument("--device-blocks", type=int, default=-1, help="KV blocks (-1: the backend's 64 k tokens)")
     ap.add_argument("--touch-kv", action="store_true", help="write every page of the KV pools first")
