@@ -113,8 +113,11 @@ class _Early:
             self.screening.cancel()
             with contextlib.suppress(BaseException):
                 await self.screening
-        with contextlib.suppress(errors.CoreError):
+        try:
             lease = (await self.pick).lease_id
+        except Exception:  # the pick failed: no lease to release (its error is reported where it is awaited)
+            return
+        with contextlib.suppress(errors.CoreError):
             await self.router.release(lease)
 
 
@@ -401,19 +404,14 @@ class ChatCore:
         # adds before the first token. A pick made for a turn that is then blocked is released at once and never
         # reaches the engine.
         screening_task = job.early.screening
-        view_task = asyncio.ensure_future(_ready(job.view) if job.view is not None
-                                          else self.get_conversation(owner, conv))
+        read_task = asyncio.ensure_future(self.get_conversation(owner, conv)) if job.view is None else None
         pick_task = job.early.pick
         try:
-            pending = [t for t in (screening_task, view_task, pick_task) if t is not None]
-            await asyncio.gather(*pending)
+            await asyncio.gather(*(t for t in (screening_task, read_task, pick_task) if t is not None))
         except BaseException:
-            for t in (screening_task, view_task, pick_task):
-                if t is not None:
-                    t.cancel()
-            if pick_task.done() and not pick_task.cancelled() and pick_task.exception() is None:
-                with contextlib.suppress(errors.CoreError):
-                    await self.router.release(pick_task.result().lease_id)
+            if read_task is not None:
+                read_task.cancel()
+            await asyncio.shield(job.early.discard())
             raise
         pick = pick_task.result()
         try:
@@ -425,7 +423,10 @@ class ChatCore:
                     await self._finish(job, user_tokens, "", 0, common_pb2.MESSAGE_STATUS_BLOCKED, Usage())
                     log.info("input_blocked", conversation_id=conv, turn_id=turn, category=screening.category)
                     return Blocked(stage="input", category=screening.category, reason=screening.reason)
-            view = view_task.result()
+            view = job.view
+            if view is None:
+                assert read_task is not None  # started above exactly when the claim brought no whole context
+                view = read_task.result()
             summary = await self._summary_for(owner, conv, view)
             rendered = self.render(view, summary, job.content if job.regenerates is None else None,
                                    job.regenerates)
@@ -627,16 +628,13 @@ _SPEAKERS = {
 }
 
 
-async def _ready(view: store_pb2.ReadConversationResponse) -> store_pb2.ReadConversationResponse:
-    return view
-
-
 def _whole_context(claimed: store_pb2.TurnClaimed) -> store_pb2.ReadConversationResponse | None:
     """The context the claim returned, if it holds every message after the summary (else None: read it)."""
     if not claimed.HasField("context"):
         return None
     view = claimed.context
-    start = view.summary.covers_through_index + 1 if view.HasField("summary") and view.summary.text else 0
+    summary = _stored_summary(view)
+    start = summary.covers_until if summary is not None else 0
     if view.messages and view.messages[0].index != start:
         return None  # truncated at CONTEXT_MESSAGES
     return view

@@ -290,8 +290,7 @@ class _OutputMux:
         self._call: grpc.aio.StreamStreamCall[moderate_pb2.CheckOutputBatchRequest,
                                               moderate_pb2.CheckOutputBatchResponse] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._timer: asyncio.Handle | None = None  # the scheduled flush of `_pending`
-        self._lingering = False  # whether that flush waits the linger time
+        self._timer: asyncio.Handle | None = None  # the scheduled flush of `_pending` (a TimerHandle if it lingers)
         self.generation = 0
         self.last_error = ""
 
@@ -305,12 +304,12 @@ class _OutputMux:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[moderate_pb2.Verdict] = loop.create_future()
         if urgent or self._linger_s <= 0:
-            if self._timer is None or self._lingering:
+            if self._timer is None or isinstance(self._timer, asyncio.TimerHandle):  # none, or one that lingers
                 if self._timer is not None:
                     self._timer.cancel()
-                self._timer, self._lingering = loop.call_soon(self._flush), False
+                self._timer = loop.call_soon(self._flush)
         elif self._timer is None:
-            self._timer, self._lingering = loop.call_later(self._linger_s, self._flush), True
+            self._timer = loop.call_later(self._linger_s, self._flush)
         self._pending.append((chunk, future))
         if len(self._pending) >= MAX_BATCH:
             self._flush()
