@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
 
-from chatmesh.store.hot import HotPath, PostgresHotPath, SqliteHotPath
+from chatmesh.store.hot import HotPath, PostgresHotPath, SqliteHotPath, apply_pragmas
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_MAX_POOL = 4  # writers serialize on one lock; past a few connections they only wait on each other
@@ -62,8 +62,7 @@ def _sqlite_events(engine: AsyncEngine) -> None:
     def _connect(dbapi_conn: Any, _record: ConnectionPoolEntry) -> None:
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cursor = dbapi_conn.cursor()
-        for pragma in SQLITE_PRAGMAS:
-            cursor.execute(f"PRAGMA {pragma}")
+        apply_pragmas(cursor.execute, SQLITE_PRAGMAS)
         cursor.close()
 
     @event.listens_for(engine.sync_engine, "begin")

@@ -31,6 +31,7 @@ import abc
 import asyncio
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -315,6 +316,23 @@ SQ_ADD_USAGE = (
 SQLITE_UNREACHABLE = (sqlite3.OperationalError, sqlite3.InterfaceError)  # locked past the busy timeout, I/O
 
 
+def apply_pragmas(execute: Callable[[str], object], pragmas: Sequence[str]) -> None:
+    """Runs each `PRAGMA` on a new SQLite connection (the SQLAlchemy pool's and the hot path's alike).
+
+    Switching a new file to WAL takes an exclusive lock, and when several connections open the file at the same
+    moment (store replicas starting together) SQLite can answer "database is locked" at once instead of waiting
+    out busy_timeout; such a pragma is retried for up to ~5 s."""
+    for pragma in pragmas:
+        for attempt in range(100):
+            try:
+                execute(f"PRAGMA {pragma}")
+                break
+            except Exception as err:  # sqlite3's, or SQLAlchemy's adapted OperationalError
+                if "locked" not in str(err) or attempt == 99:
+                    raise
+                time.sleep(0.05)
+
+
 class SqliteHotPath(HotPath):
     """`connections` worker threads, each with its own sqlite3 connection; a call runs all its statements in
     one worker and comes back to the event loop once."""
@@ -331,8 +349,7 @@ class SqliteHotPath(HotPath):
         conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if conn is None:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-            for pragma in self._pragmas:
-                conn.execute(f"PRAGMA {pragma}")
+            apply_pragmas(conn.execute, self._pragmas)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
