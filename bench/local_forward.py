@@ -2,9 +2,10 @@
 issue 6's multi-turn workload: prefill tokens/s (a 512-token chunk from an empty cache; a later turn's ~180 new
 tokens over 2,300 cached) and decode tokens/s for 16 sequences that share a 1,504-token system prompt (their first
 47 blocks) with 2,500 and 3,300 tokens of context, and a batch of one. Per torch thread count, weight storage
-and KV element type.
+and KV element type, with decode attention in the native kernel (int8 KV; built on first use) and/or PyTorch.
 
     .venv/bin/python -m bench.local_forward [--threads 1,2] [--weights float16] [--kv-dtype int8]
+        [--attention native,torch]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from chatmesh.engine_adapter.local import native_attention
 from chatmesh.engine_adapter.local.backend import load_model
 from chatmesh.engine_adapter.local.executor import keep_freed_memory
 from chatmesh.engine_adapter.local.model import KV_DTYPES, WEIGHT_DTYPES, KVPool, PagedLlama, SeqSlice
@@ -36,14 +38,17 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--weights", default="float16", help=f"comma-separated, of {WEIGHT_DTYPES}")
+    ap.add_argument("--weights", default="float32", help=f"comma-separated, of {WEIGHT_DTYPES}")
     ap.add_argument("--kv-dtype", default="int8", choices=sorted(KV_DTYPES))
+    ap.add_argument("--attention", default="native", help="comma-separated, of native, torch (decode attention)")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
+    kernel = native_attention.load() if "native" in args.attention.split(",") else None
     keep_freed_memory()  # as the executor does
     for weights in args.weights.split(","):
         model = load_model(Config()[MODEL_DIR], weights)
-        net = PagedLlama(model.config, model.weights)
+        nets = {"native": PagedLlama(model.config, model.weights, kernel),
+                "torch": PagedLlama(model.config, model.weights)}
         own = 3400 // BS - SHARED + 1
         pool = KVPool(model.config, SHARED + 16 * own + 8, BS, KV_DTYPES[args.kv_dtype])
         pool.touch()
@@ -59,9 +64,11 @@ def main() -> None:
         shared = list(range(SHARED))
         tables = [shared + list(range(SHARED + i * own, SHARED + (i + 1) * own)) for i in range(16)]
         prompt = list(range(1000, 1512))
-        for threads in (int(x) for x in args.threads.split(",")):
+        for threads, attention in ((int(x), a) for x in args.threads.split(",") for a in args.attention.split(",")):
             torch.set_num_threads(threads)
-            row = [f"{weights} weights, {args.kv_dtype} KV, {threads} thread(s):"]
+            net = nets[attention]
+            path = "native" if net.decode_kernel is not None and pool.quantized else "torch"
+            row = [f"{weights} weights, {args.kv_dtype} KV, {threads} thread(s), {path} decode attention:"]
             s = timed(lambda: net.forward([SeqSlice(prompt, 0, tables[0])], pool, [511]), args.reps)
             row.append(f"prefill 512 @0 {512 / s:5.0f} tok/s")
             s = timed(lambda: net.forward([SeqSlice(prompt[:180], 2300, tables[0])], pool, [179]), args.reps)

@@ -26,8 +26,8 @@ def model(loaded: object) -> LoadedModel:
 
 
 def _executor(model: LoadedModel, device_blocks: int = 64, host_blocks: int = 16,
-              kv_dtype: torch.dtype = torch.float32) -> LocalExecutor:
-    ex = LocalExecutor(model, device_blocks, host_blocks, BS, kv_dtype)
+              kv_dtype: torch.dtype = torch.float32, native: bool = True) -> LocalExecutor:
+    ex = LocalExecutor(model, device_blocks, host_blocks, BS, kv_dtype, native)
     ex.keep_logits = True
     return ex
 
@@ -226,13 +226,16 @@ def test_int8_kv_round_trip_is_within_half_a_step_of_each_scale(model: LoadedMod
     assert bool((gk[:, untouched] == 0).all()) and bool((ks[:, untouched] == 0).all())
 
 
-@pytest.mark.parametrize(("kv_dtype", "chunk"), [(torch.float32, 0), (torch.float32, 2), (torch.int8, 2)])
+@pytest.mark.parametrize(("kv_dtype", "chunk", "native"),
+                         [(torch.float32, 0, False), (torch.float32, 2, False), (torch.int8, 2, False),
+                          (torch.int8, 0, True)])
 def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: LoadedModel, kv_dtype: torch.dtype,
-                                                                    chunk: int,
+                                                                    chunk: int, native: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Three conversations under one system prompt share its blocks (as the engine's prefix cache hands them
     # out); decoding them in one batch takes the cascade path (shared blocks scored once for all queries, each
-    # sequence's own blocks in chunks of `chunk` sequences, merged by log-sum-exp).
+    # sequence's own blocks in chunks of `chunk` sequences, merged by log-sum-exp), or with int8 KV the native
+    # kernel, which walks each sequence's whole table (shared blocks included).
     from chatmesh.engine_adapter.local import model as model_module
 
     if chunk:
@@ -251,11 +254,11 @@ def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: Loade
     alone: list[list[int]] = []
     alone_logits: list[torch.Tensor] = []
     for p in prompts:
-        ex = _executor(model, kv_dtype=kv_dtype)
+        ex = _executor(model, kv_dtype=kv_dtype, native=native)
         alone.append(_greedy(ex, 1, p, list(range(20, 30)), n))
         alone_logits.append(ex.last_logits[1])
 
-    ex = _executor(model, kv_dtype=kv_dtype)
+    ex = _executor(model, kv_dtype=kv_dtype, native=native)
     head = list(range(shared))  # the system prompt's blocks, computed once by the first sequence
     tables = [head + [10 + 8 * i + j for j in range(8)] for i in range(3)]
     outs: list[list[int]] = []
@@ -267,7 +270,8 @@ def test_batched_decode_over_a_shared_prefix_matches_decoding_alone(model: Loade
                         for i in range(3)])
         for i in range(3):
             outs[i].append(r.next_tokens[i])
-    assert ex.net.shared_prefix_steps == n - 1  # every batched decode step took the shared-prefix path
+    assert ex.net.shared_prefix_steps == n - 1  # every batched decode step shared a head of blocks
+    assert ex.net.native_decode_steps == (n - 1 if native else 0)
     assert outs == alone
     if kv_dtype == torch.float32:
         for i in range(3):

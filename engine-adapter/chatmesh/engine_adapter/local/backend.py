@@ -1,10 +1,11 @@
 """The `local` backend's construction: SmolLM2-135M-Instruct on the CPU (PyTorch) under the engine core.
 
-`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process; weight matrices in fp16 by
+`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process; weight matrices in fp32 by
 default, see CHATMESH_LOCAL_WEIGHTS), sizes the KV tiers and returns an EngineCore over a LocalExecutor that runs
 each step in a worker thread. KV defaults: 2,048 device blocks of 32 tokens (a 64 k-token budget) in int8, and
 no host tier: on a CPU both tiers are the same RAM, so a spill tier would only copy blocks within it; all of the
-budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). The model file is a setup step
+budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). Decode attention over int8 KV
+runs in a native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). The model file is a setup step
 (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 
@@ -35,7 +36,7 @@ def _load(path: str, weights: str) -> LoadedModel:
     return load_gguf(path, weights)
 
 
-def load_model(model_dir: str | Path, weights: str = "float16") -> LoadedModel:
+def load_model(model_dir: str | Path, weights: str = "float32") -> LoadedModel:
     """The model in `model_dir` with its matrices stored as `weights`, loaded once per process (raises
     ModelMissing when not fetched)."""
     return _load(str(gguf_path(model_dir).resolve()), weights)
@@ -55,7 +56,7 @@ def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock |
     blocks = BlockConfig(bs, device if device >= 0 else DEFAULT_KV_TOKENS // bs,
                          host if host >= 0 else 0)
     executor = LocalExecutor(model, blocks.device_blocks, blocks.host_blocks, bs,
-                             KV_DTYPES[cfg[local_settings.KV_DTYPE]])
+                             KV_DTYPES[cfg[local_settings.KV_DTYPE]], cfg[local_settings.NATIVE_ATTENTION])
     sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH], cfg[engine_settings.STEP_TOKEN_BUDGET], cfg[engine_settings.QUEUE_LIMIT])
     return EngineCore(executor, blocks, sched, model.tokenizer, replica_id=cfg[engine_settings.REPLICA_ID],
                       flush_interval_s=cfg[engine_settings.FLUSH_INTERVAL_MS] / 1000, clock=clock, offload=True)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, StepResult, Tier
+from chatmesh.engine_adapter.local import native_attention
 from chatmesh.engine_adapter.local.model import KVPool, LoadedModel, PagedLlama, SeqSlice
 from chatmesh.engine_adapter.local.sampling import new_generator, sample
 
@@ -47,10 +48,13 @@ class LocalExecutor:
     name = "local"
 
     def __init__(self, model: LoadedModel, device_blocks: int, host_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, native: bool = True):
+        """`native`: decode attention over int8 KV in the native kernel (built on first use, see
+        native_attention.py); other KV element types, or a failed build, keep the PyTorch path."""
         keep_freed_memory()
         self.model = model
-        self.net = PagedLlama(model.config, model.weights)
+        kernel = native_attention.load() if native and kv_dtype == torch.int8 else None
+        self.net = PagedLlama(model.config, model.weights, kernel)
         self.block_size = block_size
         self.pools = {Tier.DEVICE: KVPool(model.config, device_blocks, block_size, kv_dtype),
                       Tier.HOST: KVPool(model.config, host_blocks, block_size, kv_dtype)}

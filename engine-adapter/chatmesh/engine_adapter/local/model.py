@@ -1,9 +1,11 @@
 """SmolLM2 (a Llama) on the CPU in PyTorch, its attention reading K/V from a paged block pool.
 
 Weights: the GGUF's tensors are dequantised with gguf-py (Q4_1, Q8_0 and F32 here) into fp32, then kept either
-as fp32 (`weights="float32"`, exact: the correctness tests' configuration) or as fp16 packed for fbgemm's
-`linear_dynamic_fp16` (`"float16"`, the serving default): half the memory, the same fp32 arithmetic, about 2e-4
-relative rounding of each weight, and faster on this CPU at decode (the LM head reads 57 MB a step, not 113).
+as fp32 (`weights="float32"`, exact: the serving default, CHATMESH_LOCAL_WEIGHTS, and the correctness tests'
+configuration) or as fp16 packed for fbgemm's `linear_dynamic_fp16` (`"float16"`, an option): half the memory,
+the same fp32 arithmetic, about 2e-4 relative rounding of each weight, and faster on this CPU at decode (the LM
+head reads 57 MB a step, not 113); with int8 KV its rounding flipped a greedy answer behind the mesh's system
+prompt (no "Paris"), which is why it is not the default.
 The shape comes from the GGUF metadata (`llama.*`: layers, hidden size, heads, KV heads, RoPE base, norm eps);
 the output projection is tied to the token embedding when the file has no `output.weight`.
 
@@ -26,11 +28,14 @@ probability.
 A step (`PagedLlama.forward`) runs every sequence's new tokens as rows of one matrix through the dense layers
 (a prefill chunk contributes many rows, a decode one). Attention is spelled out as batched matmuls with grouped
 queries (the 3 query heads of a KV head share one matrix: K and V are never repeated). A sequence with several
-new tokens attends on its own with a causal mask offset by its start position. All single-token (decode) rows
-attend together in two parts (cascade attention): the blocks at the head of EVERY decoding sequence's table
-(the shared system prompt) are gathered once and scored against all the batch's queries in one matmul, each
-sequence's remaining blocks are gathered padded and masked, and one softmax runs over both parts. Logits are
-computed only for the rows the caller asks for (the last token of each sequence that samples).
+new tokens attends on its own with a causal mask offset by its start position. Single-token (decode) rows over
+an int8 pool go to the native kernel when one was built (native_attention.py, decode_attention.cpp): for each
+(sequence, KV head) it walks the block table and reads the int8 K/V and their scales in place, with the same
+arithmetic as below. Otherwise (other KV element types, or no compiler) all decode rows attend together in
+PyTorch in two parts (cascade attention): the blocks at the head of EVERY decoding sequence's table (the shared
+system prompt) are gathered once and scored against all the batch's queries in one matmul, each sequence's
+remaining blocks are gathered padded and masked, and one softmax runs over both parts. Logits are computed only
+for the rows the caller asks for (the last token of each sequence that samples).
 """
 
 from __future__ import annotations
@@ -39,13 +44,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from chatmesh.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from chatmesh.engine_adapter.local.native_attention import DecodeKernel
 
 
 @dataclass(frozen=True)
@@ -320,17 +328,23 @@ class SeqSlice:
 
 
 class PagedLlama:
-    """The forward pass over a KVPool (see the header)."""
+    """The forward pass over a KVPool (see the header). `decode_kernel`: the native decode attention for int8
+    pools (native_attention.load()); None keeps every step on the PyTorch path."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights):
+    def __init__(self, cfg: ModelConfig, weights: Weights, decode_kernel: DecodeKernel | None = None):
         self.cfg = cfg
         self.w = weights
+        group = cfg.n_heads // cfg.n_kv_heads
+        if decode_kernel is not None and not decode_kernel.supports(cfg.n_kv_heads, group, cfg.head_dim):
+            decode_kernel = None
+        self.decode_kernel = decode_kernel
         half = cfg.head_dim // 2
         inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim))
         angles = torch.outer(torch.arange(cfg.context_length, dtype=torch.float64), inv_freq)
         self._rot = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # [context, head_dim / 2]
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
         self.shared_prefix_steps = 0  # forwards whose decode rows shared a head of blocks (cascade attention)
+        self.native_decode_steps = 0  # forwards whose decode rows ran in the native kernel
 
     @torch.inference_mode()
     def forward(self, seqs: Sequence[SeqSlice], pool: KVPool, logit_rows: Sequence[int]) -> torch.Tensor:
@@ -354,9 +368,12 @@ class PagedLlama:
         t = len(ids)
         slot = torch.tensor(slots, dtype=torch.long)
         rot = self._rot[torch.tensor(positions, dtype=torch.long)].unsqueeze(1)  # [T, 1, d/2]
-        plan = _AttentionPlan(seqs, bs, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
-        if plan.prefix_blocks is not None:
+        kernel = self.decode_kernel if pool.quantized else None
+        plan = _AttentionPlan(seqs, bs, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, kernel)
+        if plan.shared_blocks:
             self.shared_prefix_steps += 1
+        if plan.kernel is not None:
+            self.native_decode_steps += 1
         n_q, n_kv, d, eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.norm_eps
         hidden, ffn = (cfg.hidden,), cfg.ffn
         x = self.w.embed[torch.tensor(ids, dtype=torch.long)].float()
@@ -383,10 +400,12 @@ _DECODE_CHUNK = 8  # decoding sequences whose own blocks are gathered and attend
 
 class _AttentionPlan:
     """Which rows attend how in one step (built once per forward, used by every layer): multi-token sequences
-    alone (causal, offset), single-token rows together over a shared head of blocks plus their own blocks."""
+    alone (causal, offset), single-token rows together: in the native kernel over their block tables, or in
+    PyTorch over a shared head of blocks plus their own blocks."""
 
-    def __init__(self, seqs: Sequence[SeqSlice], block_size: int, kv_heads: int, group: int, head_dim: int):
-        self.kv, self.group, self.d = kv_heads, group, head_dim
+    def __init__(self, seqs: Sequence[SeqSlice], block_size: int, kv_heads: int, group: int, head_dim: int,
+                 kernel: DecodeKernel | None = None):
+        self.kv, self.group, self.d, self.block_size = kv_heads, group, head_dim, block_size
         self.prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []  # row0, n, ctx, blocks, masked
         dec_rows: list[int] = []
         dec_tables: list[Sequence[int]] = []
@@ -412,6 +431,8 @@ class _AttentionPlan:
         self.dec_rows = torch.tensor(dec_rows, dtype=torch.long)
         self.prefix_blocks: torch.Tensor | None = None
         self.prefix_len = 0
+        self.shared_blocks = 0
+        self.kernel = kernel if self.n_dec else None
         if self.n_dec == 0:
             return
         shared = 0
@@ -420,6 +441,12 @@ class _AttentionPlan:
             first = dec_tables[0]
             while shared < limit and all(t[shared] == first[shared] for t in dec_tables):
                 shared += 1
+        self.shared_blocks = shared
+        if self.kernel is not None:  # tables padded to one width (the kernel never reads past a length)
+            width = max(len(t) for t in dec_tables)
+            self.dec_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in dec_tables], dtype=torch.int32)
+            self.dec_lens = torch.tensor(dec_lens, dtype=torch.int32)
+            return
         if shared:
             self.prefix_blocks = torch.tensor(list(dec_tables[0][:shared]), dtype=torch.long)
             self.prefix_len = shared * block_size
@@ -462,6 +489,11 @@ class _AttentionPlan:
 
     def _decode(self, q: torch.Tensor, pool: KVPool, layer: int, scale: float) -> torch.Tensor:
         b, heads, d = q.shape
+        if self.kernel is not None and pool.k_scale is not None and pool.v_scale is not None:
+            out = self.kernel(q.reshape(b, self.kv, self.group, d), pool.k[layer], pool.k_scale[layer],
+                              pool.v[layer], pool.v_scale[layer], self.dec_tables, self.dec_lens,
+                              self.block_size, scale)
+            return out.view(b, heads, d)
         kv, g, ls, lp = self.kv, self.group, self.suffix_len, self.prefix_len
         qh = (q.reshape(b, kv, g, d).transpose(0, 1) * scale).contiguous()  # [kv, B, g, d]
         out = torch.empty(kv, b, g, d)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from chatmesh.mesh.config import Setting
+import os
+
+from chatmesh.mesh.config import Setting, parse_bool
 
 THREADS = Setting("CHATMESH_LOCAL_THREADS", 0,
                   "torch threads for the local model; 0: half the cores, at most 4 (OpenMP stalls badly when "
@@ -16,3 +18,10 @@ WEIGHTS = Setting("CHATMESH_LOCAL_WEIGHTS", "float32",
                   "float16 (fbgemm-packed, fp32 arithmetic, 230 MiB less; with int8 KV its rounding flips greedy "
                   "answers, e.g. no 'Paris' for the capital of France)", str,
                   choices=("float16", "float32"))
+NATIVE_ATTENTION = Setting("CHATMESH_LOCAL_NATIVE_ATTENTION", True,
+                           "decode attention over int8 KV in a native kernel compiled once per machine with the "
+                           "system C++ compiler (native_attention.py); false, or when it cannot be built: the "
+                           "PyTorch path (same results, slower)", parse_bool)
+KERNEL_DIR = Setting("CHATMESH_LOCAL_KERNEL_DIR", "~/.cache/chatmesh/kernels",
+                     "folder for the local backend's compiled native kernels (keyed by source, compiler, torch "
+                     "version and CPU)", os.path.expanduser)

@@ -1,0 +1,246 @@
+// Decode attention over an int8 paged KV pool, read in place (see native_attention.py for how it is built).
+//
+// For every decoding sequence b and KV head h (one work unit): the G query heads that share h are scored against
+// each key of the sequence's context, walking its block table (slot = table[p / bs] * bs + p % bs):
+//   s[j][p] = ((q[j] * scale) . K_int8[h][slot]) * k_scale[h][slot]      (scale: 1/sqrt(d))
+// then a two-pass softmax (maximum, then exp and sum), then
+//   out[j] = sum_p exp(s[j][p] - max_j) * v_scale[h][slot] * V_int8[h][slot] / sum_p exp(s[j][p] - max_j).
+// The same arithmetic as the PyTorch path in model.py (scales multiply the score and the probability), except
+// that no K/V is gathered or widened to fp32 in memory: each 64-byte row of int8 is widened in registers.
+// Work units run on torch's own thread pool (at::parallel_for, one task per thread) and are handed out
+// dynamically from an atomic counter, longest first, so ragged contexts balance across threads.
+//
+// Vectors are GCC vector extensions of 16 floats: AVX-512 where the compiler targets it (-march=native),
+// two AVX2 halves otherwise. exp is a Cephes-style polynomial (about 1 ulp on [-87, 0]).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int D = 64;  // head dimension this kernel is written for (SmolLM2's)
+constexpr int W = 16;  // floats per vector
+constexpr int C = D / W;  // vectors per head row
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+// 16 int8 -> 16 floats; GCC lowers __builtin_convertvector of int8 to byte-by-byte scalar code, hence intrinsics
+inline f32x16 load_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const f32x8 lo = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const f32x8 hi = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), f32x16);
+#endif
+}
+inline f32x16 loadu(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
+inline void storeu(float* p, f32x16 v) { *reinterpret_cast<f32x16u*>(p) = v; }
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+inline float hsum(f32x16 v) {
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline f32x16 vexp(f32x16 x) {  // Cephes expf
+  x = x < splat(-87.3f) ? splat(-87.3f) : x;
+  f32x16 fx = x * 1.44269504088896341f + 0.5f;
+  f32x16 fl = __builtin_convertvector(__builtin_convertvector(fx, i32x16), f32x16);
+  fl = fl > fx ? fl - 1.0f : fl;  // floor (the conversion truncates toward zero)
+  x = x - fl * 0.693359375f + fl * 2.12194440e-4f;
+  f32x16 y = splat(1.9875691500E-4f);
+  y = y * x + 1.3981999507E-3f;
+  y = y * x + 8.3334519073E-3f;
+  y = y * x + 4.1665795894E-2f;
+  y = y * x + 1.6666665459E-1f;
+  y = y * x + 5.0000001201E-1f;
+  y = y * (x * x) + x + 1.0f;
+  i32x16 e = (__builtin_convertvector(fl, i32x16) + 127) << 23;
+  return y * reinterpret_cast<f32x16&>(e);
+}
+
+struct Pool {
+  const int8_t* k;
+  const int8_t* v;
+  const float* ks;
+  const float* vs;
+  int64_t slots;  // per head
+  int64_t bs;
+};
+
+// One (sequence, KV head): q [G][D] (times `scale` here), out [G][D]; scores is scratch of at least G * (ctx + W) floats.
+template <int G>
+void attend_one(const Pool& pool, int64_t h, const int32_t* table, int64_t ctx, const float* q, float scale,
+                float* out, float* scores) {
+  const int64_t stride = ctx + W;  // room for a vector's tail
+  const int8_t* kh = pool.k + h * pool.slots * D;
+  const int8_t* vh = pool.v + h * pool.slots * D;
+  const float* ksh = pool.ks + h * pool.slots;
+  const float* vsh = pool.vs + h * pool.slots;
+  f32x16 qv[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) qv[j][c] = loadu(q + j * D + c * W) * scale;
+  float mx[G];
+  for (int j = 0; j < G; ++j) mx[j] = -INFINITY;
+  // pass 1: scores, walking the block table
+  for (int64_t p0 = 0, bi = 0; p0 < ctx; p0 += pool.bs, ++bi) {
+    const int64_t slot0 = static_cast<int64_t>(table[bi]) * pool.bs;
+    const int64_t n = std::min(pool.bs, ctx - p0);
+    const int8_t* kr = kh + slot0 * D;
+    const float* ks = ksh + slot0;
+    for (int64_t t = 0; t < n; ++t, kr += D) {
+      f32x16 kf[C];
+      for (int c = 0; c < C; ++c) kf[c] = load_i8(kr + c * W);
+      for (int j = 0; j < G; ++j) {
+        f32x16 acc = qv[j][0] * kf[0];
+        for (int c = 1; c < C; ++c) acc += qv[j][c] * kf[c];
+        const float s = hsum(acc) * ks[t];
+        scores[j * stride + p0 + t] = s;
+        mx[j] = std::max(mx[j], s);
+      }
+    }
+  }
+  // pass 2: probabilities (unnormalised) and their sums
+  float sum[G];
+  for (int j = 0; j < G; ++j) {
+    float* s = scores + j * stride;
+    const f32x16 m = splat(mx[j]);
+    f32x16 acc{};
+    int64_t p = 0;
+    for (; p + W <= ctx; p += W) {
+      const f32x16 e = vexp(loadu(s + p) - m);
+      storeu(s + p, e);
+      acc += e;
+    }
+    float total = hsum(acc);
+    for (; p < ctx; ++p) {
+      s[p] = std::exp(s[p] - mx[j]);
+      total += s[p];
+    }
+    sum[j] = total;
+  }
+  // pass 3: probability- and scale-weighted values
+  f32x16 acc[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = f32x16{};
+  for (int64_t p0 = 0, bi = 0; p0 < ctx; p0 += pool.bs, ++bi) {
+    const int64_t slot0 = static_cast<int64_t>(table[bi]) * pool.bs;
+    const int64_t n = std::min(pool.bs, ctx - p0);
+    const int8_t* vr = vh + slot0 * D;
+    const float* vs = vsh + slot0;
+    for (int64_t t = 0; t < n; ++t, vr += D) {
+      f32x16 vf[C];
+      for (int c = 0; c < C; ++c) vf[c] = load_i8(vr + c * W);
+      for (int j = 0; j < G; ++j) {
+        const f32x16 w = splat(scores[j * stride + p0 + t] * vs[t]);
+        for (int c = 0; c < C; ++c) acc[j][c] += w * vf[c];
+      }
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    const float inv = 1.0f / sum[j];
+    for (int c = 0; c < C; ++c) storeu(out + j * D + c * W, acc[j][c] * inv);
+  }
+}
+
+using AttendFn = void (*)(const Pool&, int64_t, const int32_t*, int64_t, const float*, float, float*, float*);
+
+AttendFn pick(int64_t g) {
+  switch (g) {
+    case 1: return attend_one<1>;
+    case 2: return attend_one<2>;
+    case 3: return attend_one<3>;
+    case 4: return attend_one<4>;
+    default: return nullptr;
+  }
+}
+
+// q [B, kv, g, D] fp32; k, v [kv, slots, D] int8; k_scale, v_scale [kv, slots] fp32; tables [B, width] int32
+// (physical blocks); lens [B] int32 (context lengths, each <= width * block_size). Returns [B, kv, g, D].
+at::Tensor decode_int8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale, const at::Tensor& v,
+                       const at::Tensor& v_scale, const at::Tensor& tables, const at::Tensor& lens,
+                       int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == D && q.scalar_type() == at::kFloat, "q must be float32 [B, kv, g, 64]");
+  TORCH_CHECK(k.dim() == 3 && k.size(2) == D && k.scalar_type() == at::kChar && k.is_contiguous(),
+              "k must be contiguous int8 [kv, slots, 64]");
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == at::kChar && v.is_contiguous(), "v must match k");
+  TORCH_CHECK(k_scale.dim() == 2 && k_scale.size(0) == k.size(0) && k_scale.size(1) == k.size(1) &&
+              k_scale.scalar_type() == at::kFloat && k_scale.is_contiguous(), "k_scale must be float32 [kv, slots]");
+  TORCH_CHECK(v_scale.sizes() == k_scale.sizes() && v_scale.scalar_type() == at::kFloat && v_scale.is_contiguous(),
+              "v_scale must match k_scale");
+  const int64_t b = q.size(0), kv = q.size(1), g = q.size(2);
+  TORCH_CHECK(kv == k.size(0), "q and k disagree on KV heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == b && tables.scalar_type() == at::kInt && tables.is_contiguous(),
+              "tables must be contiguous int32 [B, width]");
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == b && lens.scalar_type() == at::kInt, "lens must be int32 [B]");
+  AttendFn fn = pick(g);
+  TORCH_CHECK(fn != nullptr, "query heads per KV head must be 1..4");
+  const at::Tensor qs = q.contiguous();
+  const at::Tensor ln = lens.contiguous();
+  at::Tensor out = at::empty({b, kv, g, D}, q.options());
+  const int64_t width = tables.size(1), slots = k.size(1);
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int32_t* lp = ln.data_ptr<int32_t>();
+  int64_t longest = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(lp[i] > 0 && lp[i] <= width * block_size, "a context length does not fit its block table");
+    for (int64_t blk = 0; blk < (lp[i] + block_size - 1) / block_size; ++blk)
+      TORCH_CHECK(tb[i * width + blk] >= 0 && (tb[i * width + blk] + 1) * block_size <= slots,
+                  "a block id is outside the pool");
+    longest = std::max<int64_t>(longest, lp[i]);
+  }
+  const Pool pool{k.data_ptr<int8_t>(), v.data_ptr<int8_t>(), k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
+                  slots, block_size};
+  // units (sequence, head), longest contexts first
+  std::vector<int64_t> order(b);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return lp[x] > lp[y]; });
+  const int64_t units = b * kv;
+  std::atomic<int64_t> next{0};
+  const float* qp = qs.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t tasks = std::min<int64_t>(units, at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(static_cast<size_t>(g * (longest + W)));
+    for (int64_t u = next++; u < units; u = next++) {
+      const int64_t i = order[u / kv], h = u % kv;
+      const int64_t row = (i * kv + h) * g * D;
+      fn(pool, h, tb + i * width, lp[i], qp + row, static_cast<float>(scale), op + row, scratch.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chatmesh_local, m) {
+  m.def("decode_int8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, Tensor tables, Tensor lens, "
+        "int block_size, float scale) -> Tensor");
+  m.impl("decode_int8", c10::DispatchKey::CPU, TORCH_FN(decode_int8));
+}
