@@ -140,10 +140,13 @@ async def conversation(engine: EngineCore, tok: Tokenizer, args: argparse.Namesp
 async def run(model: LoadedModel, args: argparse.Namespace, cache: bool, turns: int) -> Result:
     env = {"CHATMESH_LOCAL_THREADS": str(args.threads), "CHATMESH_MAX_BATCH": str(args.concurrency),
            "CHATMESH_STEP_TOKEN_BUDGET": str(args.step_tokens), "CHATMESH_FLUSH_INTERVAL_MS": "5",
-           "CHATMESH_LOCAL_KV_DTYPE": args.kv_dtype, "CHATMESH_DEVICE_BLOCKS": str(args.device_blocks)}
+           "CHATMESH_LOCAL_KV_DTYPE": args.kv_dtype, "CHATMESH_DEVICE_BLOCKS": str(args.device_blocks),
+           "CHATMESH_LOCAL_NATIVE_ATTENTION": str(args.attention == "native")}
     engine = build_local(Config(env=env), model=model)
     executor = engine.executor
     assert isinstance(executor, LocalExecutor)
+    print(f"  decode attention: {'native kernel' if executor.net.decode_kernel is not None else 'PyTorch'}",
+          flush=True)
     if args.touch_kv:
         for pool in executor.pools.values():
             pool.touch()
@@ -199,6 +202,8 @@ def main() -> None:
     ap.add_argument("--kv-dtype", default="int8", choices=("int8", "bfloat16", "float16", "float32"))
     ap.add_argument("--device-blocks", type=int, default=-1, help="KV blocks (-1: the backend's 64 k tokens)")
     ap.add_argument("--touch-kv", action="store_true", help="write every page of the KV pools first")
+    ap.add_argument("--attention", default="native", choices=("native", "torch"),
+                    help="decode attention over int8 KV: the native kernel (the backend's default) or PyTorch")
     ap.add_argument("--decode-chunk", type=int, default=0,
                     help="decoding sequences attended per gather (tuning; 0: the model's default)")
     args = ap.parse_args()
@@ -212,7 +217,8 @@ def main() -> None:
           f"{rss_now():.0f} MiB, peak {peak_rss():.0f} MiB; workload: {args.conversations} conversations x "
           f"{args.turns} turns, {args.concurrency} at once, system {args.system_tokens} + message "
           f"{args.message_tokens} tokens, replies <= {args.reply_tokens}, {args.threads} torch thread(s), step "
-          f"budget {args.step_tokens}, {args.kv_dtype} KV, decode chunk {local_model._DECODE_CHUNK}", flush=True)
+          f"budget {args.step_tokens}, {args.kv_dtype} KV, {args.attention} decode attention, decode chunk "
+          f"{local_model._DECODE_CHUNK}", flush=True)
     results = {}
     for mode in args.modes.split(","):
         cache = mode == "cache"

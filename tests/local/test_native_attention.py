@@ -110,6 +110,12 @@ def test_kernel_refuses_a_block_outside_the_pool(kernel: DecodeKernel) -> None:
                torch.tensor([33], dtype=torch.int32), 16, SCALE)
 
 
+def test_a_second_kernel_folder_reuses_the_op_already_registered(kernel: DecodeKernel, tmp_path: Path) -> None:
+    # torch.ops refuses a second library registering the same namespace; the same build is not loaded again
+    assert native_attention.load(tmp_path / "elsewhere") is kernel
+    assert not (tmp_path / "elsewhere").exists()
+
+
 GREEDY = SamplingParams()
 
 

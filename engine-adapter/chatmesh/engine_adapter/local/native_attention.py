@@ -68,16 +68,26 @@ def load(cache_dir: str | Path | None = None) -> DecodeKernel | None:
     return _load(folder.resolve(), os.environ.get("CXX", "g++"))
 
 
+_LOADED: dict[str, DecodeKernel] = {}  # by build key: a process registers the op once, whichever folder it came from
+
+
 @functools.cache
 def _load(folder: Path, compiler: str) -> DecodeKernel | None:
     try:
-        path = _build(folder, compiler)
+        cxx = shutil.which(compiler)
+        if cxx is None:
+            raise _BuildError(f"no C++ compiler {compiler!r} on PATH")
+        key = _build_key(cxx)
+        if key in _LOADED:
+            return _LOADED[key]
+        path = _build(folder, cxx, key)
         torch.ops.load_library(str(path))  # type: ignore[no-untyped-call]
     except (OSError, subprocess.SubprocessError, RuntimeError, _BuildError) as err:
         log.warning("native decode attention unavailable; decode attention runs on the slower PyTorch path",
                     reason=str(err)[-2000:], compiler=compiler)
         return None
-    return DecodeKernel(path)
+    kernel = _LOADED[key] = DecodeKernel(path)
+    return kernel
 
 
 class _BuildError(Exception):
@@ -100,15 +110,16 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(folder: Path, compiler: str) -> Path:
-    cxx = shutil.which(compiler)
-    if cxx is None:
-        raise _BuildError(f"no C++ compiler {compiler!r} on PATH")
+def _build_key(cxx: str) -> str:
+    """What the library depends on: source, flags, compiler (path and version), torch, CPU."""
     torch_dir = Path(torch.__file__).parent
-    flags = _flags(torch_dir)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, str(torch_dir), cxx, version,
-                                    *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    return hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, str(torch_dir), cxx, version,
+                                     *_flags(torch_dir), platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+
+
+def _build(folder: Path, cxx: str, key: str) -> Path:
+    flags = _flags(Path(torch.__file__).parent)
     target = folder / f"decode_attention-{key}.so"
     if target.is_file():
         log.info("native decode attention: cached build", path=str(target))
