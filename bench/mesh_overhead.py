@@ -7,6 +7,10 @@ input check / route / output check / store writes, and the extra gRPC hops). `--
 as a user reading the reply would); TTFT is from sending the request to the first text delta. It also reports each
 service process's CPU time per turn of the edge run (from /proc), where the mesh's capacity goes.
 
+In the same run, after the real mesh, it drives a no-op mesh of the same shape (bench/mesh_floor.py: the same
+processes, transports and call shapes, every handler answering at once): its added TTFT is what the hops alone
+cost on this machine, so "mesh minus floor" is what chatmesh's own work adds.
+
     .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--think-ms 0] [--append BENCHMARKS.md]
 """
 
@@ -27,6 +31,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from bench.mesh_floor import FloorMesh
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from chatmesh.model import template
@@ -47,20 +52,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def through_edge(url: str, conversations: int, turns: int, think_s: float = 0.0) -> list[float]:
+async def through_edge(url: str, conversations: int, turns: int, think_s: float = 0.0, floor: bool = False
+                       ) -> list[float]:
+    """TTFT of turns sent through an edge: chatmesh's gateway, or (`floor`) the no-op mesh's (bench/mesh_floor.py)."""
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=conversations + 10, max_keepalive_connections=conversations + 10)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         async def conversation(i: int) -> None:
             rng = random.Random(i)
-            conv = (await client.post("/v1/conversations", json={})).json()["id"]
+            conv = "" if floor else (await client.post("/v1/conversations", json={})).json()["id"]
+            path = "/turn" if floor else f"/v1/conversations/{conv}/turns"
             for t in range(turns):
                 if think_s > 0:
                     await asyncio.sleep(rng.expovariate(1 / think_s))
                 body = {"turn_id": str(uuid.uuid4()), "content": f"Conversation {i}, turn {t}: tell me more."}
                 start = time.perf_counter()
                 first = None
-                async with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as resp:
+                async with client.stream("POST", path, json=body) as resp:
                     if resp.status_code != 200:
                         raise RuntimeError(f"turn refused: {resp.status_code} {(await resp.aread())[:200]!r}")
                     async for line in resp.aiter_lines():
@@ -100,6 +108,30 @@ async def direct(address: str, prompt_ids: list[int], conversations: int, turns:
     return ttfts
 
 
+async def floor_direct(address: str, conversations: int, turns: int, think_s: float = 0.0) -> list[float]:
+    """TTFT of the no-op engine called directly (the floor's counterpart of `direct`)."""
+    ttfts: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        generate = channel.unary_stream("/floor.Floor/Generate", request_serializer=bytes,
+                                        response_deserializer=bytes)
+
+        async def conversation(i: int) -> None:
+            rng = random.Random(i)
+            for t in range(turns):
+                if think_s > 0:
+                    await asyncio.sleep(rng.expovariate(1 / think_s))
+                start = time.perf_counter()
+                first = None
+                async for resp in generate(f"conversation {i} turn {t}".encode()):
+                    if first is None and resp.startswith(b"delta:"):
+                        first = time.perf_counter() - start
+                if first is not None:
+                    ttfts.append(first)
+
+        await asyncio.gather(*[conversation(i) for i in range(conversations)])
+    return ttfts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=50)
@@ -131,11 +163,26 @@ def main() -> int:
             cpu = {name: (cpu_seconds(p.pid) - before[name]) / max(1, len(edge)) for name, p in mesh.procs.items()}
         finally:
             mesh.stop()
+    floor = FloorMesh()
+    floor.start()
+    try:
+        asyncio.run(through_edge(floor.gateway_url, 4, 1, floor=True))
+        asyncio.run(floor_direct(floor.engine_address, 4, 1))
+        floor_engine = asyncio.run(floor_direct(floor.engine_address, args.conversations, args.turns,
+                                                args.think_ms / 1000))
+        floor_edge = asyncio.run(through_edge(floor.gateway_url, args.conversations, args.turns,
+                                              args.think_ms / 1000, floor=True))
+    finally:
+        floor.stop()
     rows = []
-    for name, values in (("GenerateService directly", engine), ("edge + chat (full mesh)", edge)):
+    for name, values in (("GenerateService directly", engine), ("edge + chat (full mesh)", edge),
+                         ("no-op engine directly (floor)", floor_engine),
+                         ("no-op edge + chat (floor: hops only)", floor_edge)):
         rows.append((name, len(values), statistics.median(values) * 1e3, pct(values, 0.99) * 1e3))
     added_p50 = rows[1][2] - rows[0][2]
     added_p99 = rows[1][3] - rows[0][3]
+    floor_p50 = rows[3][2] - rows[2][2]
+    floor_p99 = rows[3][3] - rows[2][3]
     load = os.getloadavg()[0]
     lines = [
         f"### Mesh overhead on TTFT ({datetime.date.today()}, {os.cpu_count()} cores, {platform.machine()}, "
@@ -146,6 +193,9 @@ def main() -> int:
         "|---|---|---|---|",
         *[f"| {n} | {c} | {p50:.1f} | {p99:.1f} |" for n, c, p50, p99 in rows],
         f"| **added by the mesh** | | **{added_p50:.1f}** | **{added_p99:.1f}** |",
+        f"| added by the no-op mesh's hops alone (floor) | | {floor_p50:.1f} | {floor_p99:.1f} |",
+        f"| added by chatmesh's own work (mesh minus floor) | | {added_p50 - floor_p50:.1f} | "
+        f"{added_p99 - floor_p99:.1f} |",
         "",
         f"Edge run: {len(edge) / wall:.1f} turns/s; server CPU per turn (ms): "
         + ", ".join(f"{name} {ms * 1e3:.2f}" for name, ms in sorted(cpu.items(), key=lambda kv: -kv[1]))
