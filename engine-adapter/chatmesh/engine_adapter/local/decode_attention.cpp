@@ -10,15 +10,16 @@
 // Work units run on torch's own thread pool (at::parallel_for, one task per thread) and are handed out
 // dynamically from an atomic counter, longest first, so ragged contexts balance across threads.
 //
-// Vectors are GCC vector extensions of 16 floats: AVX-512 where the compiler targets it (-march=native),
-// two AVX2 halves otherwise. exp is a Cephes-style polynomial (about 1 ulp on [-87, 0]).
+// Vectors are GCC vector extensions as wide as the target's registers (-march=native: 16 floats with AVX-512,
+// 8 with AVX2), with intrinsics for the int8 widening and horizontal sums. exp is a Cephes-style polynomial
+// (about 1 ulp on [-87, 0]).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
@@ -33,56 +34,69 @@
 namespace {
 
 constexpr int D = 64;  // head dimension this kernel is written for (SmolLM2's)
-constexpr int W = 16;  // floats per vector
+
+// One vector register of floats: 16 with AVX-512, 8 with AVX2, 4 otherwise (generic code; wider-than-hardware
+// GCC vectors are lowered badly: 16-float vectors on AVX2 ran as slowly as the PyTorch path).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX2__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
 constexpr int C = D / W;  // vectors per head row
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16), aligned(1)));
-typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef float fvec __attribute__((vector_size(4 * W)));
+typedef int32_t ivec __attribute__((vector_size(4 * W)));
+typedef float fvec_u __attribute__((vector_size(4 * W), aligned(4)));
 
-typedef float f32x8 __attribute__((vector_size(32)));
-
-// 16 int8 -> 16 floats; GCC lowers __builtin_convertvector of int8 to byte-by-byte scalar code, hence intrinsics
-inline f32x16 load_i8(const int8_t* p) {
+// W int8 -> W floats (GCC lowers __builtin_convertvector from int8 to byte-by-byte scalar code, hence intrinsics)
+inline fvec load_i8(const int8_t* p) {
 #if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return (fvec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const f32x8 lo = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const f32x8 hi = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return (fvec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
-  return __builtin_convertvector(*reinterpret_cast<const i8x16*>(p), f32x16);
+  fvec r;
+  for (int i = 0; i < W; ++i) r[i] = p[i];
+  return r;
 #endif
 }
-inline f32x16 loadu(const float* p) { return *reinterpret_cast<const f32x16u*>(p); }
-inline void storeu(float* p, f32x16 v) { *reinterpret_cast<f32x16u*>(p) = v; }
-inline f32x16 splat(float x) { return f32x16{} + x; }
+inline fvec loadu(const float* p) { return *reinterpret_cast<const fvec_u*>(p); }
+inline void storeu(float* p, fvec v) { *reinterpret_cast<fvec_u*>(p) = v; }
+inline fvec splat(float x) { return fvec{} + x; }
 
-inline float hsum(f32x16 v) {
-  typedef float f32x4 __attribute__((vector_size(16)));
-  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+inline float hsum(fvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__)
+  const __m256 x = (__m256)v;
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
 }
 
-inline f32x16 vexp(f32x16 x) {  // Cephes expf
+inline fvec vexp(fvec x) {  // Cephes expf
   x = x < splat(-87.3f) ? splat(-87.3f) : x;
-  f32x16 fx = x * 1.44269504088896341f + 0.5f;
-  f32x16 fl = __builtin_convertvector(__builtin_convertvector(fx, i32x16), f32x16);
+  const fvec fx = x * 1.44269504088896341f + 0.5f;
+  fvec fl = __builtin_convertvector(__builtin_convertvector(fx, ivec), fvec);
   fl = fl > fx ? fl - 1.0f : fl;  // floor (the conversion truncates toward zero)
   x = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-  f32x16 y = splat(1.9875691500E-4f);
+  fvec y = splat(1.9875691500E-4f);
   y = y * x + 1.3981999507E-3f;
   y = y * x + 8.3334519073E-3f;
   y = y * x + 4.1665795894E-2f;
   y = y * x + 1.6666665459E-1f;
   y = y * x + 5.0000001201E-1f;
   y = y * (x * x) + x + 1.0f;
-  i32x16 e = (__builtin_convertvector(fl, i32x16) + 127) << 23;
-  return y * reinterpret_cast<f32x16&>(e);
+  const ivec e = (__builtin_convertvector(fl, ivec) + 127) << 23;
+  fvec scale;
+  std::memcpy(&scale, &e, sizeof e);
+  return y * scale;
 }
 
 struct Pool {
@@ -103,7 +117,7 @@ void attend_one(const Pool& pool, int64_t h, const int32_t* table, int64_t ctx, 
   const int8_t* vh = pool.v + h * pool.slots * D;
   const float* ksh = pool.ks + h * pool.slots;
   const float* vsh = pool.vs + h * pool.slots;
-  f32x16 qv[G][C];
+  fvec qv[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) qv[j][c] = loadu(q + j * D + c * W) * scale;
   float mx[G];
@@ -115,10 +129,10 @@ void attend_one(const Pool& pool, int64_t h, const int32_t* table, int64_t ctx, 
     const int8_t* kr = kh + slot0 * D;
     const float* ks = ksh + slot0;
     for (int64_t t = 0; t < n; ++t, kr += D) {
-      f32x16 kf[C];
+      fvec kf[C];
       for (int c = 0; c < C; ++c) kf[c] = load_i8(kr + c * W);
       for (int j = 0; j < G; ++j) {
-        f32x16 acc = qv[j][0] * kf[0];
+        fvec acc = qv[j][0] * kf[0];
         for (int c = 1; c < C; ++c) acc += qv[j][c] * kf[c];
         const float s = hsum(acc) * ks[t];
         scores[j * stride + p0 + t] = s;
@@ -130,11 +144,11 @@ void attend_one(const Pool& pool, int64_t h, const int32_t* table, int64_t ctx, 
   float sum[G];
   for (int j = 0; j < G; ++j) {
     float* s = scores + j * stride;
-    const f32x16 m = splat(mx[j]);
-    f32x16 acc{};
+    const fvec m = splat(mx[j]);
+    fvec acc{};
     int64_t p = 0;
     for (; p + W <= ctx; p += W) {
-      const f32x16 e = vexp(loadu(s + p) - m);
+      const fvec e = vexp(loadu(s + p) - m);
       storeu(s + p, e);
       acc += e;
     }
@@ -146,19 +160,19 @@ void attend_one(const Pool& pool, int64_t h, const int32_t* table, int64_t ctx, 
     sum[j] = total;
   }
   // pass 3: probability- and scale-weighted values
-  f32x16 acc[G][C];
+  fvec acc[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = f32x16{};
+    for (int c = 0; c < C; ++c) acc[j][c] = fvec{};
   for (int64_t p0 = 0, bi = 0; p0 < ctx; p0 += pool.bs, ++bi) {
     const int64_t slot0 = static_cast<int64_t>(table[bi]) * pool.bs;
     const int64_t n = std::min(pool.bs, ctx - p0);
     const int8_t* vr = vh + slot0 * D;
     const float* vs = vsh + slot0;
     for (int64_t t = 0; t < n; ++t, vr += D) {
-      f32x16 vf[C];
+      fvec vf[C];
       for (int c = 0; c < C; ++c) vf[c] = load_i8(vr + c * W);
       for (int j = 0; j < G; ++j) {
-        const f32x16 w = splat(scores[j * stride + p0 + t] * vs[t]);
+        const fvec w = splat(scores[j * stride + p0 + t] * vs[t]);
         for (int c = 0; c < C; ++c) acc[j][c] += w * vf[c];
       }
     }
