@@ -190,10 +190,11 @@ def test_serving_precision_fp16_weights_int8_kv_stays_close_to_the_dense_referen
         model: LoadedModel, serving: LoadedModel) -> None:
     # The low-memory option trades exactness for memory: fp16 weight matrices (~2e-4 rounding of each weight)
     # with int8 K/V (one scale per token and head). Measured: ~3% max-relative logit error for the first token,
-    # the same greedy reply for this bare prompt (behind the mesh's system prompt it flipped the answer, which is
-    # why float32 weights are the default: tests/e2e/test_local_model.py).
+    # the same greedy reply for this bare prompt. The embedding table stays fp32 (fp16 lookups as well flipped
+    # the answer behind the mesh's system prompt: tests/e2e/test_local_model.py), so 365 of 621 MiB.
     assert serving.weights.dtype == "float16"
-    assert serving.weights.nbytes < model.weights.nbytes * 0.55
+    assert serving.weights.embed.dtype == torch.float32
+    assert serving.weights.nbytes < model.weights.nbytes * 0.6
     prompt = _prompt(model, "What is the capital of France?")
     exact = _greedy(_executor(model), 1, prompt, list(range(10, 20)), 32)
     ex = _executor(serving, kv_dtype=torch.int8)

@@ -2,10 +2,13 @@
 
 Weights: the GGUF's tensors are dequantised with gguf-py (Q4_1, Q8_0 and F32 here) into fp32, then kept either
 as fp32 (`weights="float32"`, exact: the serving default, CHATMESH_LOCAL_WEIGHTS, and the correctness tests'
-configuration) or as fp16 packed for fbgemm's `linear_dynamic_fp16` (`"float16"`, an option): half the memory,
-the same fp32 arithmetic, about 2e-4 relative rounding of each weight, and faster on this CPU at decode (the LM
-head reads 57 MB a step, not 113); with int8 KV its rounding flipped a greedy answer behind the mesh's system
-prompt (no "Paris"), which is why it is not the default.
+configuration) or as fp16 packed for fbgemm's `linear_dynamic_fp16` (`"float16"`, an option): 59% of the
+memory, the same fp32 arithmetic, about 2e-4 relative rounding of each weight, and 1.6-3.9x faster decode on
+this CPU (a step reads the matrices once; the LM head 57 MB, not 113). The token embedding stays fp32 either way
+(looked up, never multiplied: 57 MB more than fp16): rounding every input vector to fp16 as well, with int8 KV,
+flipped the greedy answer behind the mesh's system prompt ("La femme de France" instead of Paris: the model's
+first-token logits "The" / "La" are 0.06 apart even in exact fp32; fp16 lookups put "La" 0.012 ahead, fp32
+lookups keep "The" 0.08 ahead).
 The shape comes from the GGUF metadata (`llama.*`: layers, hidden size, heads, KV heads, RoPE base, norm eps);
 the output projection is tied to the token embedding when the file has no `output.weight`.
 
@@ -131,7 +134,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class Weights:
-    embed: torch.Tensor  # [vocab, hidden], fp32 or fp16: looked up by token id
+    embed: torch.Tensor  # [vocab, hidden], fp32 (see the header): looked up by token id
     layers: tuple[LayerWeights, ...]
     out_norm: torch.Tensor  # [hidden]
     output: Linear  # [vocab, hidden]; the embedding itself when tied
@@ -197,7 +200,7 @@ def read_weights(reader: Any, cfg: ModelConfig, dtype: str = "float32") -> Weigh
     if tuple(embed32.shape) != (cfg.vocab, cfg.hidden):
         raise ValueError(f"token embedding {tuple(embed32.shape)} does not match the metadata {cfg}")
     output = Linear(get("output.weight") if "output.weight" in tensors else embed32, dtype)
-    embed = embed32 if dtype == "float32" else embed32.half()
+    embed = embed32  # looked up in fp32 whatever the matrices are stored as (see the header)
     del embed32
     layers = []
     for i in range(cfg.n_layers):
