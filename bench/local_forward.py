@@ -2,7 +2,7 @@
 issue 6's multi-turn workload: prefill tokens/s (a 512-token chunk from an empty cache; a later turn's ~180 new
 tokens over 2,300 cached) and decode tokens/s for 16 sequences that share a 1,504-token system prompt (their first
 47 blocks) with 2,500 and 3,300 tokens of context, and a batch of one. Per torch thread count, weight storage
-and KV element type, with decode attention in the native kernel (int8 KV; built on first use) and/or PyTorch.
+and KV element type, with decode attention in the native kernel (built on first use) and/or PyTorch.
 
     .venv/bin/python -m bench.local_forward [--threads 1,2] [--weights float16] [--kv-dtype int8]
         [--attention native,torch]
@@ -67,7 +67,7 @@ def main() -> None:
         for threads, attention in ((int(x), a) for x in args.threads.split(",") for a in args.attention.split(",")):
             torch.set_num_threads(threads)
             net = nets[attention]
-            path = "native" if net.decode_kernel is not None and pool.quantized else "torch"
+            path = "native" if net.decode_kernel is not None else "torch"
             row = [f"{weights} weights, {args.kv_dtype} KV, {threads} thread(s), {path} decode attention:"]
             s = timed(lambda: net.forward([SeqSlice(prompt, 0, tables[0])], pool, [511]), args.reps)
             row.append(f"prefill 512 @0 {512 / s:5.0f} tok/s")

@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--device-blocks", type=int, default=-1, help="KV blocks (-1: the backend's 64 k tokens)")
     ap.add_argument("--touch-kv", action="store_true", help="write every page of the KV pools first")
     ap.add_argument("--attention", default="native", choices=("native", "torch"),
-                    help="decode attention over int8 KV: the native kernel (the backend's default) or PyTorch")
+                    help="decode attention: the native kernel (the backend's default) or PyTorch")
     ap.add_argument("--decode-chunk", type=int, default=0,
                     help="decoding sequences attended per gather (tuning; 0: the model's default)")
     args = ap.parse_args()

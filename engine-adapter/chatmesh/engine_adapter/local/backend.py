@@ -4,8 +4,8 @@
 default, see CHATMESH_LOCAL_WEIGHTS), sizes the KV tiers and returns an EngineCore over a LocalExecutor that runs
 each step in a worker thread. KV defaults: 2,048 device blocks of 32 tokens (a 64 k-token budget) in int8, and
 no host tier: on a CPU both tiers are the same RAM, so a spill tier would only copy blocks within it; all of the
-budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). Decode attention over int8 KV
-runs in a native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). The model file is a setup step
+budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). Decode attention runs in a
+native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). The model file is a setup step
 (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 

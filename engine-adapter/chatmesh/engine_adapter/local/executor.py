@@ -49,11 +49,11 @@ class LocalExecutor:
 
     def __init__(self, model: LoadedModel, device_blocks: int, host_blocks: int, block_size: int,
                  kv_dtype: torch.dtype = torch.float32, native: bool = True):
-        """`native`: decode attention over int8 KV in the native kernel (built on first use, see
-        native_attention.py); other KV element types, or a failed build, keep the PyTorch path."""
+        """`native`: decode attention in the native kernel (built on first use, see native_attention.py); False,
+        or a failed build, keeps the PyTorch path."""
         keep_freed_memory()
         self.model = model
-        kernel = native_attention.load() if native and kv_dtype == torch.int8 else None
+        kernel = native_attention.load() if native else None
         self.net = PagedLlama(model.config, model.weights, kernel)
         self.block_size = block_size
         self.pools = {Tier.DEVICE: KVPool(model.config, device_blocks, block_size, kv_dtype),

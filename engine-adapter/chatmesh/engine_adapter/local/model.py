@@ -31,11 +31,11 @@ probability.
 A step (`PagedLlama.forward`) runs every sequence's new tokens as rows of one matrix through the dense layers
 (a prefill chunk contributes many rows, a decode one). Attention is spelled out as batched matmuls with grouped
 queries (the 3 query heads of a KV head share one matrix: K and V are never repeated). A sequence with several
-new tokens attends on its own with a causal mask offset by its start position. Single-token (decode) rows over
-an int8 pool go to the native kernel when one was built (native_attention.py, decode_attention.cpp): for each
-(sequence, KV head) it walks the block table and reads the int8 K/V and their scales in place, with the same
-arithmetic as below. Otherwise (other KV element types, or no compiler) all decode rows attend together in
-PyTorch in two parts (cascade attention): the blocks at the head of EVERY decoding sequence's table (the shared
+new tokens attends on its own with a causal mask offset by its start position. Single-token (decode) rows go
+to the native kernel when one was built (native_attention.py, decode_attention.cpp): for each (sequence, KV head)
+it walks the block table and reads the K/V (and int8 scales) in place, with the same arithmetic as below.
+Otherwise (no compiler, or CHATMESH_LOCAL_NATIVE_ATTENTION=false) all decode rows attend together in PyTorch in
+two parts (cascade attention): the blocks at the head of EVERY decoding sequence's table (the shared
 system prompt) are gathered once and scored against all the batch's queries in one matmul, each sequence's
 remaining blocks are gathered padded and masked, and one softmax runs over both parts. Logits are computed only
 for the rows the caller asks for (the last token of each sequence that samples).
@@ -331,8 +331,8 @@ class SeqSlice:
 
 
 class PagedLlama:
-    """The forward pass over a KVPool (see the header). `decode_kernel`: the native decode attention for int8
-    pools (native_attention.load()); None keeps every step on the PyTorch path."""
+    """The forward pass over a KVPool (see the header). `decode_kernel`: the native decode attention
+    (native_attention.load()); None keeps every step on the PyTorch path."""
 
     def __init__(self, cfg: ModelConfig, weights: Weights, decode_kernel: DecodeKernel | None = None):
         self.cfg = cfg
@@ -371,8 +371,8 @@ class PagedLlama:
         t = len(ids)
         slot = torch.tensor(slots, dtype=torch.long)
         rot = self._rot[torch.tensor(positions, dtype=torch.long)].unsqueeze(1)  # [T, 1, d/2]
-        kernel = self.decode_kernel if pool.quantized else None
-        plan = _AttentionPlan(seqs, bs, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, kernel)
+        plan = _AttentionPlan(seqs, bs, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim,
+                              self.decode_kernel)
         if plan.shared_blocks:
             self.shared_prefix_steps += 1
         if plan.kernel is not None:
@@ -492,10 +492,12 @@ class _AttentionPlan:
 
     def _decode(self, q: torch.Tensor, pool: KVPool, layer: int, scale: float) -> torch.Tensor:
         b, heads, d = q.shape
-        if self.kernel is not None and pool.k_scale is not None and pool.v_scale is not None:
-            out = self.kernel(q.reshape(b, self.kv, self.group, d), pool.k[layer], pool.k_scale[layer],
-                              pool.v[layer], pool.v_scale[layer], self.dec_tables, self.dec_lens,
-                              self.block_size, scale)
+        if self.kernel is not None:
+            ks = vs = None
+            if pool.k_scale is not None and pool.v_scale is not None:
+                ks, vs = pool.k_scale[layer], pool.v_scale[layer]
+            out = self.kernel(q.reshape(b, self.kv, self.group, d), pool.k[layer], ks, pool.v[layer], vs,
+                              self.dec_tables, self.dec_lens, self.block_size, scale)
             return out.view(b, heads, d)
         kv, g, ls, lp = self.kv, self.group, self.suffix_len, self.prefix_len
         qh = (q.reshape(b, kv, g, d).transpose(0, 1) * scale).contiguous()  # [kv, B, g, d]

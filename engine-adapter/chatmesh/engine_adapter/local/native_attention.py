@@ -1,9 +1,10 @@
 """The native decode-attention kernel (decode_attention.cpp): built once per machine, loaded into torch.ops.
 
-What: for int8 KV pools, decode attention reads each sequence's K/V blocks in place, walking its block table,
-and widens int8 to fp32 in registers, one (sequence, KV head) per task on torch's thread pool. The PyTorch path
-(model.py) gathers every decoding sequence's blocks and widens them to fp32 in memory (4x the bytes) before small
-matmuls; at batch 16 over ~3,000 tokens of context that was more than half of a decode step.
+What: decode attention reads each sequence's K/V blocks in place, walking its block table, and widens them
+(int8 with their scales, bfloat16, float16; float32 as is) to fp32 in registers, one (sequence, KV head) per task
+on torch's thread pool. The PyTorch path (model.py) gathers every decoding sequence's blocks and widens them to
+fp32 in memory (4x the bytes for int8) before small matmuls; at batch 16 over ~3,000 tokens of context that was
+more than half of a decode step.
 
 Build: the first `load()` on a machine compiles the source with the system C++ compiler ($CXX, else g++) against
 the installed torch's headers and libraries (about 10-15 s on two cores; `-march=native`, so the library is keyed
@@ -42,7 +43,7 @@ COMPILE_TIMEOUT_S = 300
 
 
 class DecodeKernel:
-    """torch.ops.chatmesh_local.decode_int8, typed: decode attention over an int8 KVPool layer in place."""
+    """torch.ops.chatmesh_local.decode, typed: decode attention over one layer of a KVPool, in place."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -51,13 +52,14 @@ class DecodeKernel:
     def supports(kv_heads: int, group: int, head_dim: int) -> bool:
         return head_dim == HEAD_DIM and 1 <= group <= MAX_GROUP and kv_heads >= 1
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-                 v_scale: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor | None, v: torch.Tensor,
+                 v_scale: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, block_size: int,
                  scale: float) -> torch.Tensor:
-        """q [B, kv, g, 64] fp32; k, v [kv, slots, 64] int8 and k_scale, v_scale [kv, slots] fp32 (one layer of a
-        KVPool); tables [B, width] int32 block ids; lens [B] int32 context lengths. Returns [B, kv, g, 64]."""
-        out: torch.Tensor = torch.ops.chatmesh_local.decode_int8(q, k, k_scale, v, v_scale, tables, lens,
-                                                                 block_size, scale)
+        """q [B, kv, g, 64] fp32; k, v [kv, slots, 64] (one layer of a KVPool: int8, bfloat16, float16 or
+        float32), with k_scale, v_scale [kv, slots] fp32 for int8 (else None); tables [B, width] int32 block ids;
+        lens [B] int32 context lengths. Returns [B, kv, g, 64]."""
+        out: torch.Tensor = torch.ops.chatmesh_local.decode(q, k, k_scale, v, v_scale, tables, lens,
+                                                            block_size, scale)
         return out
 
 

@@ -19,9 +19,9 @@ WEIGHTS = Setting("CHATMESH_LOCAL_WEIGHTS", "float32",
                   "of each weight can flip near-tied greedy choices)", str,
                   choices=("float16", "float32"))
 NATIVE_ATTENTION = Setting("CHATMESH_LOCAL_NATIVE_ATTENTION", True,
-                           "decode attention over int8 KV in a native kernel compiled once per machine with the "
-                           "system C++ compiler (native_attention.py); false, or when it cannot be built: the "
-                           "PyTorch path (same results, slower)", parse_bool)
+                           "decode attention in a native kernel that reads the KV blocks in place, compiled once "
+                           "per machine with the system C++ compiler (native_attention.py); false, or when it "
+                           "cannot be built: the PyTorch path (same results, slower)", parse_bool)
 KERNEL_DIR = Setting("CHATMESH_LOCAL_KERNEL_DIR", "~/.cache/chatmesh/kernels",
                      "folder for the local backend's compiled native kernels (keyed by source, compiler, torch "
                      "version and CPU)", os.path.expanduser)
