@@ -6,13 +6,14 @@ on torch's thread pool. The PyTorch path (model.py) gathers every decoding seque
 fp32 in memory (4x the bytes for int8) before small matmuls; at batch 16 over ~3,000 tokens of context that was
 more than half of a decode step.
 
-Build: the first `load()` on a machine compiles the source with the system C++ compiler ($CXX, else g++) against
-the installed torch's headers and libraries (about 10-15 s on two cores; `-march=native`, so the library is keyed
-by the CPU's feature flags too) into `CHATMESH_LOCAL_KERNEL_DIR` (default ~/.cache/chatmesh/kernels), under a name
-hashing the source, the flags, the compiler and torch versions; later loads reuse it. Concurrent first loads (a
-mesh starting several replicas) take a file lock, so one compiles and the others wait and load its result. No
-ninja or setuptools is involved. When no compiler is found or compilation fails, `load()` logs a warning and
-returns None, and decode attention stays on the PyTorch path (same results, slower).
+Build: `./dev setup` runs this module (else the first `load()` on a machine does): it compiles the source with
+the system C++ compiler ($CXX, else g++) against the installed torch's headers and libraries (7-15 s on two
+cores; `-march=native`, so the library is keyed by the CPU's feature flags too) into CHATMESH_LOCAL_KERNEL_DIR
+(default ~/.cache/chatmesh/kernels), under a name hashing the source, the flags, the compiler and torch versions;
+later loads reuse it. Concurrent first loads (a mesh starting several replicas) take a file lock, so one compiles
+and the others wait and load its result. No ninja or setuptools is involved. When no compiler is found or
+compilation fails, `load()` logs a warning and returns None, and decode attention stays on the PyTorch path (same
+results, slower).
 """
 
 from __future__ import annotations
@@ -146,3 +147,8 @@ def _build(folder: Path, cxx: str, key: str) -> Path:
                 os.unlink(tmp)
         log.info("native decode attention: compiled", seconds=round(time.perf_counter() - t0, 1))
     return target
+
+
+if __name__ == "__main__":  # `./dev setup` builds the kernel here, so the first `chatmesh up` need not
+    logs.configure("setup", json=False)
+    load()
