@@ -346,7 +346,7 @@ class PagedLlama:
         angles = torch.outer(torch.arange(cfg.context_length, dtype=torch.float64), inv_freq)
         self._rot = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # [context, head_dim / 2]
         self._scale = 1.0 / math.sqrt(cfg.head_dim)
-        self.shared_prefix_steps = 0  # forwards whose decode rows shared a head of blocks (cascade attention)
+        self.shared_prefix_steps = 0  # forwards whose decode rows shared a head of blocks (PyTorch path: cascade)
         self.native_decode_steps = 0  # forwards whose decode rows ran in the native kernel
 
     @torch.inference_mode()
