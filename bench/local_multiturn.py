@@ -78,6 +78,10 @@ class Result:
     ttft_first: list[float] = field(default_factory=list)  # turn 1
     ttft_later: list[float] = field(default_factory=list)  # turns 2..N
     ttft_by_turn: dict[int, list[float]] = field(default_factory=dict)
+    # turns 2..N from the step that starts the turn's prefill (the engine's Started event: it comes at admission,
+    # which is the step that runs the prompt's first chunk) to the first token: like a one-at-a-time server's
+    # TTFT "from service start", without the wait behind other conversations' prefills
+    ttft_service_later: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -119,10 +123,12 @@ async def conversation(engine: EngineCore, tok: Tokenizer, args: argparse.Namesp
             platform_prefix_tokens=prompt.platform_prefix_len if cache else 0)
         t0 = time.perf_counter()
         first: float | None = None
+        served: float | None = None
         reply: list[str] = []
         async for event in engine.generate(params):
             match event:
                 case Started():
+                    served = time.perf_counter() - t0
                     res.cached_tokens += event.cached_tokens
                 case Delta():
                     if first is None and event.token_ids:
@@ -131,8 +137,10 @@ async def conversation(engine: EngineCore, tok: Tokenizer, args: argparse.Namesp
                 case Finished():
                     res.output_tokens += event.usage.output_tokens
                     res.prompt_tokens += event.usage.prompt_tokens
-        assert first is not None
+        assert first is not None and served is not None
         (res.ttft_first if turn == 0 else res.ttft_later).append(first)
+        if turn > 0:
+            res.ttft_service_later.append(first - served)
         res.ttft_by_turn.setdefault(turn, []).append(first)
         history.append(Message(Role.ASSISTANT, "".join(reply)))
 
@@ -194,7 +202,8 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--message-tokens", type=int, default=150)
     ap.add_argument("--reply-tokens", type=int, default=32)
-    ap.add_argument("--step-tokens", type=int, default=512, help="engine step token budget (prefill chunk)")
+    ap.add_argument("--step-tokens", type=int, default=-1,
+                    help="engine step token budget (prefill chunk); -1: the local backend's default")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default="cache,nocache")
     ap.add_argument("--nocache-turns", type=int, default=0, help="turns of the cache-disabled half (0: --turns)")
@@ -217,7 +226,7 @@ def main() -> None:
           f"{rss_now():.0f} MiB, peak {peak_rss():.0f} MiB; workload: {args.conversations} conversations x "
           f"{args.turns} turns, {args.concurrency} at once, system {args.system_tokens} + message "
           f"{args.message_tokens} tokens, replies <= {args.reply_tokens}, {args.threads} torch thread(s), step "
-          f"budget {args.step_tokens}, {args.kv_dtype} KV, {args.attention} decode attention, decode chunk "
+          f"budget {args.step_tokens if args.step_tokens > 0 else 'backend default'}, {args.kv_dtype} KV, {args.attention} decode attention, decode chunk "
           f"{local_model._DECODE_CHUNK}", flush=True)
     results = {}
     for mode in args.modes.split(","):
@@ -232,6 +241,10 @@ def main() -> None:
               f"output tok in {r.wall_s:6.1f} s = {r.output_tokens / r.wall_s:5.1f} tok/s | prompt {r.prompt_tokens}"
               f" tok, cached {r.cached_tokens} | TTFT p50 by turn: {by_turn} | peak RSS {peak_rss():.0f} MiB",
               flush=True)
+        if r.ttft_service_later:
+            print(f"         TTFT turns 2..{turns} from the step that starts the turn's prefill (service start): p50 "
+                  f"{statistics.median(r.ttft_service_later):.2f} s p95 {pct(r.ttft_service_later, 0.95):.2f} s",
+                  flush=True)
         print(f"         {r.steps_line()}", flush=True)
     if "cache" in results and "nocache" in results:
         a, b = results["cache"], results["nocache"]

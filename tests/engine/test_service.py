@@ -11,6 +11,9 @@ import pytest
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 
 from chatmesh.engine_adapter import service as engine_service
+from chatmesh.engine_adapter import settings as engine_settings
+from chatmesh.engine_adapter import sim
+from chatmesh.engine_adapter.local import backend as local_backend
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.server import serve
 from tests.conftest import free_port
@@ -121,3 +124,13 @@ async def test_cancel_frees_the_sequence(stub: generate_pb2_grpc.GenerateService
             break
         await asyncio.sleep(0.01)
     assert stats.running_sequences == 0
+
+
+def test_step_token_budget_is_the_backends_unless_set() -> None:
+    unset = Config(env={})
+    assert engine_settings.step_token_budget(unset, sim.DEFAULT_STEP_TOKENS) == 512
+    assert engine_settings.step_token_budget(unset, local_backend.DEFAULT_STEP_TOKENS) == 256
+    assert engine_settings.step_token_budget(Config(env={"CHATMESH_STEP_TOKEN_BUDGET": "1024"}), 256) == 1024
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match="at least 1"):
+            engine_settings.step_token_budget(Config(env={"CHATMESH_STEP_TOKEN_BUDGET": bad}), 256)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chatmesh.mesh.config import Setting
+from chatmesh.mesh.config import Config, Setting
 
 ENGINE = Setting("CHATMESH_ENGINE", "local", "engine backend: local (SmolLM2 on the CPU, the embedded default), sim "
                  "(roofline-timed simulator), triton (Triton Inference Server)", str, choices=("sim", "local", "triton"))
@@ -13,8 +13,20 @@ DEVICE_BLOCKS = Setting("CHATMESH_DEVICE_BLOCKS", -1,
 HOST_BLOCKS = Setting("CHATMESH_HOST_BLOCKS", -1,
                       "KV blocks in the host (spill) tier; 0 disables it; -1: the backend's default", int)
 MAX_BATCH = Setting("CHATMESH_MAX_BATCH", 256, "most sequences running (prefill or decode) at once", int)
-STEP_TOKEN_BUDGET = Setting("CHATMESH_STEP_TOKEN_BUDGET", 512,
-                            "most tokens per engine step, decode plus prefill chunks (Sarathi-Serve chunk size)", int)
+STEP_TOKEN_BUDGET = Setting("CHATMESH_STEP_TOKEN_BUDGET", -1,
+                            "most tokens per engine step, decode plus prefill chunks (Sarathi-Serve chunk size); -1: "
+                            "the backend's default (sim: 512, the reference's chunk; local: 256, a step of about a "
+                            "second on two CPU cores)", int)
+
+
+def step_token_budget(cfg: Config, backend_default: int) -> int:
+    """CHATMESH_STEP_TOKEN_BUDGET, or `backend_default` when it is -1; anything else below 1 is refused."""
+    budget = cfg[STEP_TOKEN_BUDGET]
+    if budget == -1:
+        return backend_default
+    if budget < 1:
+        raise ValueError(f"CHATMESH_STEP_TOKEN_BUDGET must be at least 1 (or -1 for the backend's default), got {budget}")
+    return budget
 QUEUE_LIMIT = Setting("CHATMESH_QUEUE_LIMIT", 1024,
                       "most requests waiting for admission; beyond it Generate answers RESOURCE_EXHAUSTED", int)
 FLUSH_INTERVAL_MS = Setting("CHATMESH_FLUSH_INTERVAL_MS", 25.0,

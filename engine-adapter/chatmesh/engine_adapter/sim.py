@@ -24,6 +24,8 @@ from chatmesh.mesh.config import Config
 
 log = logs.get("chatmesh.engine.sim")
 
+DEFAULT_STEP_TOKENS = 512  # the reference's prefill chunk (Sarathi-Serve), which its step-time figures assume
+
 
 class SimExecutor:
     """An Executor that samples from a script and reports roofline step times (or a fixed step time)."""
@@ -85,7 +87,8 @@ def build_sim(cfg: Config, *, codec: TextCodec | None = None, clock: Clock | Non
     host = cfg[settings.HOST_BLOCKS]
     blocks = BlockConfig(bs, device if device >= 0 else int(node.kv_tokens // bs),
                          host if host >= 0 else int(node.host_kv_tokens // bs))
-    sched = SchedulerConfig(cfg[settings.MAX_BATCH], cfg[settings.STEP_TOKEN_BUDGET], cfg[settings.QUEUE_LIMIT])
+    sched = SchedulerConfig(cfg[settings.MAX_BATCH], settings.step_token_budget(cfg, DEFAULT_STEP_TOKENS),
+                            cfg[settings.QUEUE_LIMIT])
     codec = codec or codec_for(cfg)
     executor = SimExecutor(node, codec.encode(PASSAGE), bs, cfg[settings.SIM_STEP_MS] / 1000)
     return EngineCore(executor, blocks, sched, codec, replica_id=cfg[settings.REPLICA_ID],

@@ -5,7 +5,10 @@ default, see CHATMESH_LOCAL_WEIGHTS), sizes the KV tiers and returns an EngineCo
 each step in a worker thread. KV defaults: 2,048 device blocks of 32 tokens (a 64 k-token budget) in int8, and
 no host tier: on a CPU both tiers are the same RAM, so a spill tier would only copy blocks within it; all of the
 budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one). Decode attention runs in a
-native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). The model file is a setup step
+native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). Steps take at
+most 256 tokens unless CHATMESH_STEP_TOKEN_BUDGET says otherwise: on two cores a 512-token step of prefill runs
+~2 s, and every turn whose prefill shares it (and every stream decoding beside it) waits that long; at 256 the
+benchmark's later-turn TTFT p95 fell from 3.6 to 2.3 s at the same output rate (BENCHMARKS.md). The model file is a setup step
 (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 
@@ -29,6 +32,7 @@ from chatmesh.model.assets import gguf_path
 from chatmesh.model.settings import MODEL_DIR
 
 DEFAULT_KV_TOKENS = 65_536
+DEFAULT_STEP_TOKENS = 256  # see the header
 
 
 @functools.lru_cache(maxsize=2)
@@ -57,7 +61,9 @@ def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock |
                          host if host >= 0 else 0)
     executor = LocalExecutor(model, blocks.device_blocks, blocks.host_blocks, bs,
                              KV_DTYPES[cfg[local_settings.KV_DTYPE]], cfg[local_settings.NATIVE_ATTENTION])
-    sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH], cfg[engine_settings.STEP_TOKEN_BUDGET], cfg[engine_settings.QUEUE_LIMIT])
+    sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH],
+                            engine_settings.step_token_budget(cfg, DEFAULT_STEP_TOKENS),
+                            cfg[engine_settings.QUEUE_LIMIT])
     return EngineCore(executor, blocks, sched, model.tokenizer, replica_id=cfg[engine_settings.REPLICA_ID],
                       flush_interval_s=cfg[engine_settings.FLUSH_INTERVAL_MS] / 1000, clock=clock, offload=True)
 
