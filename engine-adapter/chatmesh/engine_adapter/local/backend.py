@@ -8,7 +8,8 @@ budget goes to the tier attention reads (CHATMESH_HOST_BLOCKS > 0 still adds one
 native kernel compiled on the first start (CHATMESH_LOCAL_NATIVE_ATTENTION, native_attention.py). Steps take at
 most 256 tokens unless CHATMESH_STEP_TOKEN_BUDGET says otherwise: on two cores a 512-token step of prefill runs
 ~2 s, and every turn whose prefill shares it (and every stream decoding beside it) waits that long; at 256 the
-benchmark's later-turn TTFT p95 fell from 3.6 to 2.3 s at the same output rate (BENCHMARKS.md). The model file is a setup step
+benchmark's later-turn TTFT p95 fell from 3.6 to 2.0-2.3 s at the same output rate; cold prompts prefill ~25%
+slower in smaller steps (BENCHMARKS.md). The model file is a setup step
 (`chatmesh model fetch`); without it this raises ModelMissing naming that command.
 """
 
