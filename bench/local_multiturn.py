@@ -226,8 +226,8 @@ def main() -> None:
           f"{rss_now():.0f} MiB, peak {peak_rss():.0f} MiB; workload: {args.conversations} conversations x "
           f"{args.turns} turns, {args.concurrency} at once, system {args.system_tokens} + message "
           f"{args.message_tokens} tokens, replies <= {args.reply_tokens}, {args.threads} torch thread(s), step "
-          f"budget {args.step_tokens if args.step_tokens > 0 else 'backend default'}, {args.kv_dtype} KV, {args.attention} decode attention, decode chunk "
-          f"{local_model._DECODE_CHUNK}", flush=True)
+          f"budget {args.step_tokens if args.step_tokens > 0 else 'backend default'}, {args.kv_dtype} KV, "
+          f"{args.attention} decode attention, decode chunk {local_model._DECODE_CHUNK}", flush=True)
     results = {}
     for mode in args.modes.split(","):
         cache = mode == "cache"

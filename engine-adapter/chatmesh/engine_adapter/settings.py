@@ -17,16 +17,6 @@ STEP_TOKEN_BUDGET = Setting("CHATMESH_STEP_TOKEN_BUDGET", -1,
                             "most tokens per engine step, decode plus prefill chunks (Sarathi-Serve chunk size); -1: "
                             "the backend's default (sim: 512, the reference's chunk; local: 256, a step of about a "
                             "second on two CPU cores)", int)
-
-
-def step_token_budget(cfg: Config, backend_default: int) -> int:
-    """CHATMESH_STEP_TOKEN_BUDGET, or `backend_default` when it is -1; anything else below 1 is refused."""
-    budget = cfg[STEP_TOKEN_BUDGET]
-    if budget == -1:
-        return backend_default
-    if budget < 1:
-        raise ValueError(f"CHATMESH_STEP_TOKEN_BUDGET must be at least 1 (or -1 for the backend's default), got {budget}")
-    return budget
 QUEUE_LIMIT = Setting("CHATMESH_QUEUE_LIMIT", 1024,
                       "most requests waiting for admission; beyond it Generate answers RESOURCE_EXHAUSTED", int)
 FLUSH_INTERVAL_MS = Setting("CHATMESH_FLUSH_INTERVAL_MS", 25.0,
@@ -40,3 +30,14 @@ SIM_STEP_MS = Setting("CHATMESH_SIM_STEP_MS", 0.0,
 SIM_TEXT = Setting("CHATMESH_SIM_TEXT", "auto",
                    "sim token ids: tokenizer (SmolLM2's, needs the model file), words (a built-in word vocabulary), "
                    "auto (tokenizer when the model file is present)", str, choices=("auto", "tokenizer", "words"))
+
+
+def step_token_budget(cfg: Config, backend_default: int) -> int:
+    """CHATMESH_STEP_TOKEN_BUDGET, or `backend_default` when it is -1; anything else below 1 is refused."""
+    budget = cfg[STEP_TOKEN_BUDGET]
+    if budget == -1:
+        return backend_default
+    if budget < 1:
+        raise ValueError(f"CHATMESH_STEP_TOKEN_BUDGET must be at least 1 (or -1 for the backend's default), "
+                         f"got {budget}")
+    return budget

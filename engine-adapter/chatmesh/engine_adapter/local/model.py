@@ -195,13 +195,11 @@ def read_weights(reader: Any, cfg: ModelConfig, dtype: str = "float32") -> Weigh
             array = np.array(array, dtype=np.float32, order="C")  # F32 tensors are read-only views of the file
         return torch.from_numpy(array)
 
-    # the embedding first: its fp32 transient (113 MB) is the largest, so it should come while little else is held
-    embed32 = get("token_embd.weight")
-    if tuple(embed32.shape) != (cfg.vocab, cfg.hidden):
-        raise ValueError(f"token embedding {tuple(embed32.shape)} does not match the metadata {cfg}")
-    output = Linear(get("output.weight") if "output.weight" in tensors else embed32, dtype)
-    embed = embed32  # looked up in fp32 whatever the matrices are stored as (see the header)
-    del embed32
+    # the embedding first: the largest tensor (113 MB in fp32), read while little else is held
+    embed = get("token_embd.weight")  # kept fp32 whatever the matrices are stored as (see the header)
+    if tuple(embed.shape) != (cfg.vocab, cfg.hidden):
+        raise ValueError(f"token embedding {tuple(embed.shape)} does not match the metadata {cfg}")
+    output = Linear(get("output.weight") if "output.weight" in tensors else embed, dtype)
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
