@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -108,7 +109,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.error("unexpected_error", path=request.url.path, error=type(exc).__name__, exc_info=exc)
+    route = request.scope.get("route")
+    log.error("unexpected_error", method=request.method, route=getattr(route, "path", None), exc_info=exc)
     return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, 500)
 
 
@@ -229,6 +231,7 @@ async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
     grace = cfg[mesh_settings.SHUTDOWN_GRACE_S]
     hc.graceful_timeout = grace + 2
     hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")  # through chatmesh.mesh.logs, not hypercorn's own handler
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
