@@ -18,7 +18,7 @@ import pytest
 from chatmesh.gateway.accounts import Accounts
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.errors import ApiError
-from chatmesh.gateway.limits import Budget, Limits, MemoryLimits
+from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.mesh import ids
 from chatmesh.mesh.config import Config

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from chatmesh.store.core import ConversationStore, Limits
+from chatmesh.store.core import ConversationStore, FieldLimits
 from chatmesh.store.db import make_engine
 from chatmesh.store.migrate import upgrade
 from tests.conftest import POSTGRES_URL, need, port_open
@@ -79,7 +79,7 @@ async def make_store(engine: AsyncEngine, clock: FakeClock) -> AsyncIterator[Cal
     made: list[ConversationStore] = []
 
     def make(**limits: int) -> ConversationStore:
-        made.append(ConversationStore(engine, Limits(**limits), clock))
+        made.append(ConversationStore(engine, FieldLimits(**limits), clock))
         return made[-1]
 
     yield make

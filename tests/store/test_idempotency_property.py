@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from chatmesh.mesh.errors import FailedPrecondition
 from chatmesh.mesh.ids import LeaseId, OwnerId, TurnId
 from chatmesh.store.core import ConversationStore
-from chatmesh.store.values import Claimed, MessageStatus, Reply, Role, TurnState, Usage
+from chatmesh.store.values import Claimed, MessageStatus, Reply, Role, TurnRecordState, Usage
 from tests.store.conftest import FakeClock
 
 TTL = 1000
@@ -69,7 +69,7 @@ async def test_turns_are_stored_at_most_once(store: ConversationStore, clock: Fa
     assert [m.index for m in history.messages] == list(range(len(history.messages)))
     states = {i: (await store.read_turn(owner, conv, t)).state for i, t in enumerate(turns)
               if leases[i] or stored_by[i]}
-    stored = {turns[i] for i, s in states.items() if s in (TurnState.STORED, TurnState.STOPPED)}
+    stored = {turns[i] for i, s in states.items() if s in (TurnRecordState.STORED, TurnRecordState.STOPPED)}
     assert stored == {turns[i] for i in stored_by}
     by_turn = Counter((m.turn_id, m.role) for m in history.messages)
     assert by_turn == Counter({(t, r): 1 for t in stored for r in (Role.USER, Role.ASSISTANT)})

@@ -15,7 +15,7 @@ from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.core import ConversationStore
 from chatmesh.store.values import (
-    Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, TurnState, Usage,
+    Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, TurnRecordState, Usage,
 )
 from tests.store.conftest import Backend, FakeClock
 
@@ -101,7 +101,7 @@ async def test_fail_releases_for_retry(store: ConversationStore) -> None:
     assert isinstance(c, Claimed)
     assert await store.fail_turn(OWNER, conv, turn, c.lease_id, "engine lost")
     assert not await store.fail_turn(OWNER, conv, turn, c.lease_id, "again")
-    assert (await store.read_turn(OWNER, conv, turn)).state is TurnState.FAILED
+    assert (await store.read_turn(OWNER, conv, turn)).state is TurnRecordState.FAILED
     assert (await store.read_conversation(OWNER, conv)).messages == []
     retry = await claim(store, conv, turn)
     assert isinstance(retry, Claimed) and retry.lease_id != c.lease_id
@@ -120,11 +120,11 @@ async def test_progress_and_read_turn(store: ConversationStore, clock: FakeClock
     clock.advance(500)  # past the first expiry, within the renewed one
     assert isinstance(await claim(store, conv, turn), InProgress)
     record = await store.read_turn(OWNER, conv, turn)
-    assert (record.state, record.partial_text, record.event_sequence) == (TurnState.RUNNING, "hel", 2)
+    assert (record.state, record.partial_text, record.event_sequence) == (TurnRecordState.RUNNING, "hel", 2)
     assert not (await store.update_turn_progress(OWNER, conv, turn, LeaseId(str(uuid.uuid4())), "x", 3)).held
     await store.finish_turn(OWNER, conv, turn, c.lease_id, reply("hello", MessageStatus.STOPPED))
     record = await store.read_turn(OWNER, conv, turn)
-    assert record.state is TurnState.STOPPED and record.reply is not None
+    assert record.state is TurnRecordState.STOPPED and record.reply is not None
     assert record.reply.status is MessageStatus.STOPPED and record.partial_text == ""
 
 
@@ -199,7 +199,7 @@ async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationSto
         await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
     history = await store.read_conversation(OWNER, conv)
     assert history.messages == [] and history.conversation.message_count == 0
-    assert (await store.read_turn(OWNER, conv, turn)).state is TurnState.RECEIVED
+    assert (await store.read_turn(OWNER, conv, turn)).state is TurnRecordState.RECEIVED
     assert await store.usage(OWNER) == []
     async with engine.begin() as conn:
         await conn.execute(text("DROP TRIGGER usage_fails" + ("" if backend.name == "sqlite" else " ON usage_days")))

@@ -177,7 +177,7 @@ def test_started_and_the_first_delta_travel_as_one_response() -> None:
     started, delta = Started(cached_tokens=32, host_cached_tokens=0), Delta((9, 10), "a b")
     stats = EngineStats("r", "sim", 0, 1, 16, TierStats(10, 4, 6), TierStats(0, 0, 0))
     get = wire.getter(wire.first_tensors(started, delta, wire.Snapshot("e", 1, stats)))
-    assert wire.kind_of(get) is wire.EventKind.FIRST
+    assert wire.kind_of(get) is wire.WireEvent.FIRST
     assert wire.events_of(get) == [started, delta]
     assert wire.stats_of(get) == wire.Snapshot("e", 1, stats)
     assert wire.events_of(wire.getter(wire.event_tensors(delta))) == [delta]

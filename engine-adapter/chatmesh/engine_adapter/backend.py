@@ -19,6 +19,7 @@ from typing import Protocol
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, TurnId
+from chatmesh.mesh.turn import Usage as Usage  # a generation's token counts: the value chat bills, the store sums
 
 
 @dataclass(frozen=True)
@@ -58,15 +59,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # sampled a stop token (not streamed)
     CANCELLED = "cancelled"  # the caller went away or the engine shut down
     ERROR = "error"  # the engine failed
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of one generation. output_tokens counts every sampled token, a final stop token included."""
-
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    output_tokens: int
 
 
 @dataclass(frozen=True)

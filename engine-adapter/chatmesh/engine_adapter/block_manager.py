@@ -255,11 +255,6 @@ class BlockManager:
             host_total=self.cfg.host_blocks, host_free=len(self._host_free),
             device_evictions=self.device_evictions, host_evictions=self.host_evictions)
 
-    def cached_tier(self, h: BlockHash) -> Tier | None:
-        """Where a cached block lives now (tests and stats)."""
-        where = self._where.get(h)
-        return None if where is None else where[0]
-
     # ---- internals -----------------------------------------------------------------------------------------
 
     def _allocate(self) -> int | None:

@@ -39,7 +39,7 @@ from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
-from chatmesh.gateway.limits import Budget, Limits, MemoryLimits
+from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
 from chatmesh.mesh import ids, logs
@@ -66,7 +66,7 @@ def budget_of(cfg: Config) -> Budget:
     return Budget(cfg[settings.TURNS_PER_MINUTE], cfg[settings.OPEN_STREAMS], cfg[settings.PROMPT_TOKENS_PER_HOUR])
 
 
-def _limits(cfg: Config) -> Limits:
+def _limits(cfg: Config) -> LimitBackend:
     if cfg[settings.REDIS_URL]:
         return RedisLimits(cfg[settings.REDIS_URL], budget_of(cfg))
     return MemoryLimits(budget_of(cfg))

@@ -1,5 +1,5 @@
 """HTTP errors of the edge: one JSON shape, `{"error": {"code": ..., "message": ...}}`, and the one mapping
-from gRPC status codes (what ChatService answers) and core errors (what the edge's own checks raise) to HTTP.
+from gRPC status codes (what ChatService answers) to HTTP.
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from dataclasses import dataclass
 
 import grpc
 from starlette.responses import JSONResponse
-
-from chatmesh.mesh import errors
 
 
 @dataclass(frozen=True)
@@ -60,24 +58,6 @@ class ApiError(Exception):
             return cls(mapped.status, mapped.code, "the chat service is unavailable; retry later"
                        if mapped.status == 503 else "internal error")
         return cls(mapped.status, mapped.code, err.details() or err.code().name.lower())
-
-    @classmethod
-    def from_core(cls, err: errors.CoreError) -> ApiError:
-        match err:
-            case errors.InvalidArgument():
-                return cls(400, "invalid_argument", str(err))
-            case errors.NotFound():
-                return cls(404, "not_found", str(err))
-            case errors.Conflict():
-                return cls(409, "conflict", str(err))
-            case errors.FailedPrecondition():
-                return cls(409, "failed_precondition", str(err))
-            case errors.ResourceExhausted():
-                return cls(429, "rate_limited", str(err))
-            case errors.Unavailable():
-                return cls(503, "unavailable", str(err))
-            case _:
-                return cls(500, "internal", type(err).__name__)
 
     def response(self) -> JSONResponse:
         headers = {}

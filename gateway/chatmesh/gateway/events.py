@@ -16,7 +16,7 @@ from typing import Any, assert_never
 from chatmesh.v1 import chat_pb2, common_pb2
 
 
-class EventKind(enum.Enum):
+class SseEvent(enum.Enum):
     """The TurnEvent oneof `kind`, as a closed set the type checker can match exhaustively."""
 
     STARTED = "started"
@@ -33,19 +33,19 @@ class EventKind(enum.Enum):
     @property
     def is_final(self) -> bool:
         match self:
-            case EventKind.STARTED | EventKind.DELTA:
+            case SseEvent.STARTED | SseEvent.DELTA:
                 return False
-            case EventKind.COMPLETED | EventKind.STOPPED | EventKind.FAILED | EventKind.BLOCKED:
+            case SseEvent.COMPLETED | SseEvent.STOPPED | SseEvent.FAILED | SseEvent.BLOCKED:
                 return True
             case _:
                 assert_never(self)
 
 
-def kind_of(event: chat_pb2.TurnEvent) -> EventKind:
+def kind_of(event: chat_pb2.TurnEvent) -> SseEvent:
     which = event.WhichOneof("kind")
     if which is None:
         raise ValueError(f"TurnEvent {event.sequence} has no kind")
-    return EventKind(which)
+    return SseEvent(which)
 
 
 def usage_json(usage: common_pb2.Usage) -> dict[str, int]:
@@ -56,25 +56,25 @@ def usage_json(usage: common_pb2.Usage) -> dict[str, int]:
     }
 
 
-def data_of(event: chat_pb2.TurnEvent, kind: EventKind) -> dict[str, Any]:
+def data_of(event: chat_pb2.TurnEvent, kind: SseEvent) -> dict[str, Any]:
     match kind:
-        case EventKind.STARTED:
+        case SseEvent.STARTED:
             return {"turn_id": event.started.turn_id, "replayed": event.started.replayed}
-        case EventKind.DELTA:
+        case SseEvent.DELTA:
             return {"text": event.delta.text}
-        case EventKind.COMPLETED:
+        case SseEvent.COMPLETED:
             return {"usage": usage_json(event.completed.usage), "replica_id": event.completed.replica_id}
-        case EventKind.STOPPED:
+        case SseEvent.STOPPED:
             return {"usage": usage_json(event.stopped.usage)}
-        case EventKind.FAILED:
+        case SseEvent.FAILED:
             return {"message": event.failed.message, "retryable": event.failed.retryable}
-        case EventKind.BLOCKED:
+        case SseEvent.BLOCKED:
             return {"stage": event.blocked.stage, "category": event.blocked.category, "reason": event.blocked.reason}
         case _:
             assert_never(kind)
 
 
-def frame(sequence: int, kind: EventKind, data: dict[str, Any]) -> bytes:
+def frame(sequence: int, kind: SseEvent, data: dict[str, Any]) -> bytes:
     body = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
     return f"id: {sequence}\nevent: {kind.sse_name}\ndata: {body}\n\n".encode()
 
@@ -85,14 +85,14 @@ def delta_frame(sequence: int, text: str) -> bytes:
 
 
 def failed_frame(sequence: int, message: str, retryable: bool) -> bytes:
-    return frame(sequence, EventKind.FAILED, {"message": message, "retryable": retryable})
+    return frame(sequence, SseEvent.FAILED, {"message": message, "retryable": retryable})
 
 
 @dataclass(frozen=True)
 class Outcome:
     """How a relayed stream ended, for metering: prompt tokens to charge (completed or stopped turns)."""
 
-    kind: EventKind | None
+    kind: SseEvent | None
     prompt_tokens: int
 
 

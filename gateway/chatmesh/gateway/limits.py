@@ -37,7 +37,7 @@ class StreamLease(Protocol):
     async def release(self) -> None: ...
 
 
-class Limits(Protocol):
+class LimitBackend(Protocol):
     async def admit_turn(self, owner: ids.OwnerId) -> None:
         """Takes one turn from the owner's budget or raises a 429 ApiError with Retry-After."""
 

@@ -16,7 +16,7 @@ from chatmesh.gateway import bodies, events
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.gateway.identity import Principal
-from chatmesh.gateway.limits import Limits, StreamLease
+from chatmesh.gateway.limits import LimitBackend, StreamLease
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import Relays, TurnCall, TurnRelay, open_relay
 from chatmesh.mesh import ids, logs
@@ -36,7 +36,7 @@ class Edge:
 
     chat: chat_pb2_grpc.ChatServiceAsyncStub
     auth: Authenticator
-    limits: Limits
+    limits: LimitBackend
     relays: Relays
     allowlist: tuple[str, ...]
     heartbeat_s: float

@@ -131,7 +131,7 @@ class TurnRelay(Response):
         try:
             while True:
                 kind = events.kind_of(event)
-                if kind is events.EventKind.DELTA:
+                if kind is events.SseEvent.DELTA:
                     text = self._sanitiser.feed(event.delta.text)
                     if text:
                         await self._write(send, events.delta_frame(event.sequence, text))
@@ -180,11 +180,11 @@ class TurnRelay(Response):
                 return
 
 
-def _outcome_of(event: chat_pb2.TurnEvent, kind: events.EventKind) -> events.Outcome:
+def _outcome_of(event: chat_pb2.TurnEvent, kind: events.SseEvent) -> events.Outcome:
     match kind:
-        case events.EventKind.COMPLETED:
+        case events.SseEvent.COMPLETED:
             return events.Outcome(kind, event.completed.usage.prompt_tokens)
-        case events.EventKind.STOPPED:
+        case events.SseEvent.STOPPED:
             return events.Outcome(kind, event.stopped.usage.prompt_tokens)
         case _:
             return events.Outcome(kind, 0)

@@ -15,7 +15,6 @@ COMMAND_MODULES = (
     "chatmesh.router.cli",
     "chatmesh.engine_adapter.cli",
     "chatmesh.engine_adapter.triton.cli",
-    "chatmesh.chat.cli",
     "chatmesh.moderation.cli",
     "chatmesh.gateway.cli",
 )
@@ -34,13 +33,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     modules = [KNOWN[command]] if command in KNOWN else COMMAND_MODULES
     for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name is None or not name.startswith(err.name):
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

@@ -81,11 +81,7 @@ class Setting(Generic[T]):
 
 def all_settings() -> list[Setting[Any]]:
     for module in SETTING_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name is None or not module.startswith(err.name):
-                raise
+        importlib.import_module(module)
     return sorted(_REGISTRY.values(), key=lambda s: s.env)
 
 

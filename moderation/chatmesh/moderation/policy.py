@@ -117,11 +117,6 @@ class Rule:
     validator: Validator = Validator.NONE
     gate: tuple[str, ...] = ()
 
-    def may_match(self, present: frozenset[str]) -> bool:
-        """A cheap pre-check: the regex runs only when one of the gate literals is present in the text
-        (`present`: the policy's gate literals found in the lower-cased text, see `Policy.gates_in`)."""
-        return not self.gate or not present.isdisjoint(self.gate)
-
 
 @dataclass(frozen=True)
 class Thresholds:

@@ -113,7 +113,7 @@ class Metrics:
 
 
 @dataclass(frozen=True)
-class Limits:
+class CheckLimits:
     max_bytes: int
     deadline_s: float
     on_input_failure: FailureMode
@@ -137,7 +137,7 @@ def _log_failure(direction: Direction, exc: Exception) -> None:
 
 
 class ModerateServicer:
-    def __init__(self, moderator: Moderator, batcher: CheckBatcher, limits: Limits,
+    def __init__(self, moderator: Moderator, batcher: CheckBatcher, limits: CheckLimits,
                  metrics: Metrics) -> None:
         self._moderator = moderator
         self._batcher = batcher
@@ -322,7 +322,7 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
                                 timeout_s=cfg[settings.CHECK_DEADLINE_MS] / 1000)
         moderator = Moderator(load(cfg[settings.POLICY_FILE]), profanity_model(), guard)
     policy = moderator.policy
-    limits = Limits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
+    limits = CheckLimits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
                     on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
                     on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
     metrics = Metrics()

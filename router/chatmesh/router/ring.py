@@ -401,9 +401,5 @@ class Ring:
         return self._load[replica_id]
 
     @property
-    def serving_count(self) -> int:
-        return len(self._serving)
-
-    @property
     def open_leases(self) -> int:
         return len(self._leases)

@@ -12,7 +12,7 @@ from chatmesh.mesh import config, logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.store import migrate, settings
-from chatmesh.store.core import ConversationStore, Limits
+from chatmesh.store.core import ConversationStore, FieldLimits
 from chatmesh.store.db import database_url, make_engine
 
 
@@ -52,7 +52,7 @@ async def _run(cfg: Config, action: str, revision: str | None) -> int:
         elif action == "current":
             print(await migrate.current(engine) or "base")
         else:
-            store = ConversationStore(engine, Limits(retention_days=cfg[settings.RETENTION_DAYS]))
+            store = ConversationStore(engine, FieldLimits(retention_days=cfg[settings.RETENTION_DAYS]))
             try:
                 purged = await store.purge_expired()
             finally:

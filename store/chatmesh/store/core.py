@@ -1,13 +1,8 @@
 """The conversation store core: conversations, messages, summaries, turn records, usage. No gRPC here.
 
-The turn record is the idempotency key of invariant I2 and a small state machine, one row per
-(owner, conversation, turn id):
-
-    (none) --claim--> RECEIVED --progress--> RUNNING --finish--> STORED | STOPPED   (final)
-                          |                      |
-                          +------fail------------+--> FAILED --claim--> RECEIVED
-    RECEIVED/RUNNING with an expired lease --claim--> RECEIVED   (the holder crashed: the reference's
-                                                                  Failed -> Queued path)
+The turn record is the idempotency key of invariant I2, one row per (owner, conversation, turn id), and the
+durable projection of the turn state machine (`chatmesh.mesh.turn`: its header shows the record's moves beside
+chat's states; `require_record_move` guards them here).
 
 BeginTurn answers exactly one of Claimed / InProgress / Done / Conflicted, atomically on both backends:
 an `INSERT .. SELECT .. ON CONFLICT DO NOTHING RETURNING` creates the record only if the conversation
@@ -42,12 +37,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId, new_conversation_id, new_lease_id
+from chatmesh.mesh.turn import RECORD_ACTIVE, RECORD_FINAL, require_record_move
 from chatmesh.store.db import autocommit, hot_path, is_sqlite
 from chatmesh.store.hot import FinishValues, NewTurn
 from chatmesh.store.schema import Base, ConversationRow, MessageRow, TurnRow, UsageRow
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Purged, Reply, Role, Summary, TurnRecord, TurnState, Usage,
+    MessageStatus, Progress, Purged, Reply, Role, Summary, TurnRecord, TurnRecordState, Usage,
 )
 
 log = logs.get("chatmesh.store")
@@ -120,8 +116,6 @@ def _usage_statement(upsert: Any) -> Any:
 
 Clock = Callable[[], int]
 DAY_MS = 86_400_000
-ACTIVE = (TurnState.RECEIVED, TurnState.RUNNING)
-FINAL = (TurnState.STORED, TurnState.STOPPED)
 CLAIM_ATTEMPTS = 5
 PURGE_BATCH = 500
 MAX_LEASE_TTL_MS = 86_400_000
@@ -129,23 +123,6 @@ MAX_CONTEXT_MESSAGES = 1000  # BeginTurn's context_max_messages is capped at thi
 # Errors that mean "the database cannot be reached or is shedding load": answered UNAVAILABLE (retryable).
 # asyncpg's refused or dropped connections surface as OSError / TimeoutError, not as SQLAlchemy errors.
 UNREACHABLE = (OperationalError, InterfaceError, OSError, TimeoutError)
-
-# The state machine's legal moves; `require_move` refuses the rest.
-TRANSITIONS: dict[TurnState, frozenset[TurnState]] = {
-    TurnState.RECEIVED: frozenset({TurnState.RUNNING, TurnState.STORED, TurnState.STOPPED, TurnState.FAILED,
-                                   TurnState.RECEIVED}),
-    TurnState.RUNNING: frozenset({TurnState.RUNNING, TurnState.STORED, TurnState.STOPPED, TurnState.FAILED,
-                                  TurnState.RECEIVED}),
-    TurnState.FAILED: frozenset({TurnState.RECEIVED}),
-    TurnState.STORED: frozenset(),
-    TurnState.STOPPED: frozenset(),
-}
-
-
-def require_move(turn: TurnId, current: TurnState, target: TurnState) -> None:
-    if target not in TRANSITIONS[current]:
-        raise FailedPrecondition(f"turn {turn} is {current.value}; it cannot become {target.value}")
-
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
@@ -165,7 +142,7 @@ def default_fingerprint(content: str, regenerates: TurnId | None) -> str:
 
 
 @dataclass(frozen=True)
-class Limits:
+class FieldLimits:
     max_content_bytes: int = 512 * 1024
     lease_ttl_ms: int = 30_000
     retention_days: int = 30
@@ -178,7 +155,7 @@ class Limits:
 class ConversationStore:
     """Async store core over one SQLAlchemy engine (SQLite or PostgreSQL; same statements)."""
 
-    def __init__(self, engine: AsyncEngine, limits: Limits = Limits(), clock: Clock = wall_clock_ms):
+    def __init__(self, engine: AsyncEngine, limits: FieldLimits = FieldLimits(), clock: Clock = wall_clock_ms):
         self.engine = engine
         self.limits = limits
         self._clock = clock
@@ -353,7 +330,7 @@ class ConversationStore:
             if regenerates is not None:
                 user_index = await self._regenerated_user_index(conn, owner, conversation, regenerates)
             values: dict[str, Any] = dict(
-                turn_id=turn, fingerprint=fingerprint, state=TurnState.RECEIVED.value, content=content,
+                turn_id=turn, fingerprint=fingerprint, state=TurnRecordState.RECEIVED.value, content=content,
                 lease_id=lease, lease_holder=lease_holder, lease_expires_at_ms=expires,
                 regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
                 prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
@@ -366,17 +343,17 @@ class ConversationStore:
                 raise NotFound(f"conversation {conversation} not found")
             if row.fingerprint != fingerprint:
                 return Conflicted(row.fingerprint)
-            state = TurnState(row.state)
-            if state in FINAL:
+            state = TurnRecordState(row.state)
+            if state in RECORD_FINAL:
                 return Done(await self._message(conn, owner, conversation, row.reply_index), _usage(row))
-            if state in ACTIVE and row.lease_expires_at_ms > now:
+            if state in RECORD_ACTIVE and row.lease_expires_at_ms > now:
                 return InProgress(row.lease_holder, row.lease_expires_at_ms)
-            require_move(turn, state, TurnState.RECEIVED)
+            require_record_move(turn, state, TurnRecordState.RECEIVED)
             seen_lease = TURN.c.lease_id.is_(None) if row.lease_id is None else TURN.c.lease_id == row.lease_id
             taken = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
                                 TURN.c.state == row.state, seen_lease)
-                .values(state=TurnState.RECEIVED.value, content=content, lease_id=lease, lease_holder=lease_holder,
+                .values(state=TurnRecordState.RECEIVED.value, content=content, lease_id=lease, lease_holder=lease_holder,
                         lease_expires_at_ms=expires, partial_text="", event_sequence=0, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
             if taken is not None:
@@ -402,7 +379,7 @@ class ConversationStore:
             TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == regenerates))).first()
         if row is None:
             raise NotFound(f"turn {regenerates} (regenerates_turn_id) not found")
-        if TurnState(row.state) not in FINAL or row.user_index is None:
+        if TurnRecordState(row.state) not in RECORD_FINAL or row.user_index is None:
             raise FailedPrecondition(f"turn {regenerates} (regenerates_turn_id) has no stored reply to regenerate")
         index: int = row.user_index
         await self._require_last_exchange(conn, owner, conversation, index)
@@ -427,7 +404,7 @@ class ConversationStore:
                              ("usage.output_tokens", reply.usage.output_tokens)):
             self._check_count(field, value)
         now = self._clock()
-        target = TurnState.STOPPED if reply.status is MessageStatus.STOPPED else TurnState.STORED
+        target = TurnRecordState.STOPPED if reply.status is MessageStatus.STOPPED else TurnRecordState.STORED
         usage = reply.usage
         user_index = await self.hot.finish(owner, conversation, turn, lease, FinishValues(
             target.value, reply.user_token_count, reply.user_status.value, reply.text, reply.token_count,
@@ -446,13 +423,13 @@ class ConversationStore:
             row = (await conn.execute(TURN_FOR_FINISH, key | {"turn": turn})).first()
             if row is None:
                 raise NotFound(f"turn {turn} not found")
-            state = TurnState(row.state)
-            if state in FINAL:
+            state = TurnRecordState(row.state)
+            if state in RECORD_FINAL:
                 return Finished(True, await self._message(conn, owner, conversation, row.reply_index))
             if row.lease_id != lease:
                 raise FailedPrecondition(f"turn {turn}: lease {lease} is not held (it failed, or expired and "
                                          f"was claimed again)")
-            require_move(turn, state, target)
+            require_record_move(turn, state, target)
             if row.regenerates_turn_id is not None:
                 await self._require_last_exchange(conn, owner, conversation, row.user_index)
             added = 1 if row.regenerates_turn_id is not None else 2
@@ -491,8 +468,8 @@ class ConversationStore:
         async with self._single() as conn:
             released = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
-                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in ACTIVE]))
-                .values(state=TurnState.FAILED.value, content=None, partial_text="", lease_id=None,
+                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in RECORD_ACTIVE]))
+                .values(state=TurnRecordState.FAILED.value, content=None, partial_text="", lease_id=None,
                         lease_expires_at_ms=0, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
             if released is None:
@@ -512,8 +489,8 @@ class ConversationStore:
         async with self._single() as conn:
             held = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
-                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in ACTIVE]))
-                .values(state=TurnState.RUNNING.value, partial_text=partial_text, event_sequence=event_sequence,
+                                TURN.c.lease_id == lease, TURN.c.state.in_([s.value for s in RECORD_ACTIVE]))
+                .values(state=TurnRecordState.RUNNING.value, partial_text=partial_text, event_sequence=event_sequence,
                         lease_expires_at_ms=expires, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
             if held is None:
@@ -524,9 +501,9 @@ class ConversationStore:
     async def read_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> TurnRecord:
         async with self._single() as conn:
             row = await self._turn_row(conn, owner, conversation, turn)
-            state = TurnState(row.state)
+            state = TurnRecordState(row.state)
             reply = None
-            if state in FINAL:
+            if state in RECORD_FINAL:
                 reply = await self._message(conn, owner, conversation, row.reply_index)
         return TurnRecord(turn, state, row.fingerprint, row.lease_holder, row.lease_expires_at_ms,
                           row.partial_text, row.event_sequence,
@@ -653,7 +630,7 @@ class ConversationStore:
             if len(batch) < PURGE_BATCH:
                 break
         abandoned = 0
-        unfinished = [s.value for s in (*ACTIVE, TurnState.FAILED)]
+        unfinished = [s.value for s in (*RECORD_ACTIVE, TurnRecordState.FAILED)]
         while True:
             async with self._single() as conn:
                 turns = (await conn.execute(select(TURN.c.owner_id, TURN.c.conversation_id, TURN.c.turn_id).where(

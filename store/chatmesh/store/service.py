@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,113 +20,21 @@ import grpc
 from chatmesh.mesh import logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import parse_conversation_id, parse_lease_id, parse_owner_id, parse_turn_id
 from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.store import settings
-from chatmesh.store.core import ConversationStore, Limits
+from chatmesh.store.core import ConversationStore, FieldLimits
 from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
-from chatmesh.store.values import (
-    Claimed, Conflicted, Conversation, Done, History, InProgress, Message, MessageStatus, Reply, Role, Summary,
-    TurnState, Usage,
+from chatmesh.store.values import MessageStatus, Reply
+from chatmesh.store.wire import (
+    claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, summary_pb, turn_record_pb, usage_pb,
 )
-from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
+from chatmesh.v1 import store_pb2, store_pb2_grpc
 
 log = logs.get("chatmesh.store.service")
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def role_pb(role: Role) -> common_pb2.Role:
-    match role:
-        case Role.SYSTEM:
-            return common_pb2.ROLE_SYSTEM
-        case Role.USER:
-            return common_pb2.ROLE_USER
-        case Role.ASSISTANT:
-            return common_pb2.ROLE_ASSISTANT
-        case _:
-            typing.assert_never(role)
-
-
-def status_pb(status: MessageStatus) -> common_pb2.MessageStatus:
-    match status:
-        case MessageStatus.COMPLETE:
-            return common_pb2.MESSAGE_STATUS_COMPLETE
-        case MessageStatus.STOPPED:
-            return common_pb2.MESSAGE_STATUS_STOPPED
-        case MessageStatus.BLOCKED:
-            return common_pb2.MESSAGE_STATUS_BLOCKED
-        case _:
-            typing.assert_never(status)
-
-
-def parse_status(value: common_pb2.MessageStatus, field: str, default: MessageStatus | None = None) -> MessageStatus:
-    if value == common_pb2.MESSAGE_STATUS_COMPLETE:
-        return MessageStatus.COMPLETE
-    if value == common_pb2.MESSAGE_STATUS_STOPPED:
-        return MessageStatus.STOPPED
-    if value == common_pb2.MESSAGE_STATUS_BLOCKED:
-        return MessageStatus.BLOCKED
-    if value == common_pb2.MESSAGE_STATUS_UNSPECIFIED and default is not None:
-        return default
-    raise InvalidArgument(f"{field} must be complete, stopped or blocked")
-
-
-def usage_pb(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
-                            output_tokens=usage.output_tokens)
-
-
-def parse_usage(usage: common_pb2.Usage) -> Usage:
-    return Usage(usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens)
-
-
-ROLE_PB = {role: role_pb(role) for role in Role}  # looked up per message: 20 per history read
-STATUS_PB = {status: status_pb(status) for status in MessageStatus}
-
-
-def message_pb(m: Message) -> common_pb2.Message:
-    return common_pb2.Message(index=m.index, role=ROLE_PB[m.role], content=m.content, token_count=m.token_count,
-                              status=STATUS_PB[m.status], turn_id=m.turn_id, created_at_ms=m.created_at_ms,
-                              superseded=m.superseded)
-
-
-def summary_pb(summary: Summary) -> store_pb2.ConversationSummary:
-    return store_pb2.ConversationSummary(text=summary.text, covers_through_index=summary.covers_through_index,
-                                         token_count=summary.token_count, created_at_ms=summary.created_at_ms)
-
-
-def turn_state_pb(state: TurnState) -> store_pb2.TurnState:
-    match state:
-        case TurnState.RECEIVED:
-            return store_pb2.TURN_STATE_RECEIVED
-        case TurnState.RUNNING:
-            return store_pb2.TURN_STATE_RUNNING
-        case TurnState.STORED:
-            return store_pb2.TURN_STATE_STORED
-        case TurnState.STOPPED:
-            return store_pb2.TURN_STATE_STOPPED
-        case TurnState.FAILED:
-            return store_pb2.TURN_STATE_FAILED
-        case _:
-            typing.assert_never(state)
-
-
-def conversation_pb(c: Conversation) -> common_pb2.Conversation:
-    return common_pb2.Conversation(conversation_id=c.conversation_id, owner_id=c.owner_id, title=c.title,
-                                   system_prompt_version=c.system_prompt_version, created_at_ms=c.created_at_ms,
-                                   updated_at_ms=c.updated_at_ms)
-
-
-def history_pb(history: History) -> store_pb2.ReadConversationResponse:
-    response = store_pb2.ReadConversationResponse(conversation=conversation_pb(history.conversation),
-                                                  messages=[message_pb(m) for m in history.messages],
-                                                  message_count=history.conversation.message_count)
-    if history.summary is not None:
-        response.summary.CopyFrom(summary_pb(history.summary))
-    return response
 
 
 class StoreServicer(store_pb2_grpc.StoreServiceServicer):
@@ -156,22 +63,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
             if request.regenerates_turn_id else None, context_messages=request.context_max_messages)
-        match outcome:
-            case Claimed(lease_id, expires, prompt_context):
-                claimed = store_pb2.TurnClaimed(lease_id=lease_id, lease_expires_at_ms=expires)
-                if prompt_context is not None:
-                    claimed.context.CopyFrom(history_pb(prompt_context))
-                return store_pb2.BeginTurnResponse(claimed=claimed)
-            case InProgress(holder, expires):
-                return store_pb2.BeginTurnResponse(in_progress=store_pb2.TurnInProgress(
-                    lease_holder=holder, lease_expires_at_ms=expires))
-            case Done(reply, usage):
-                return store_pb2.BeginTurnResponse(done=store_pb2.TurnDone(reply=message_pb(reply),
-                                                                           usage=usage_pb(usage)))
-            case Conflicted(stored):
-                return store_pb2.BeginTurnResponse(conflict=store_pb2.TurnConflict(stored_fingerprint=stored))
-            case _:
-                typing.assert_never(outcome)
+        return claim_pb(outcome)
 
     @unary_errors
     async def FinishTurn(self, request: store_pb2.FinishTurnRequest,
@@ -209,14 +101,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         turn = await self.store.read_turn(parse_owner_id(request.owner_id),
                                           parse_conversation_id(request.conversation_id),
                                           parse_turn_id(request.turn_id))
-        response = store_pb2.ReadTurnResponse(
-            state=turn_state_pb(turn.state), fingerprint=turn.fingerprint, lease_holder=turn.lease_holder,
-            lease_expires_at_ms=turn.lease_expires_at_ms, partial_text=turn.partial_text,
-            event_sequence=turn.event_sequence, regenerates_turn_id=turn.regenerates_turn_id or "")
-        if turn.reply is not None:
-            response.reply.CopyFrom(message_pb(turn.reply))
-            response.usage.CopyFrom(usage_pb(turn.usage))
-        return response
+        return turn_record_pb(turn)
 
     @unary_errors
     async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
@@ -281,7 +166,7 @@ def build(cfg: Config) -> Service:
     url = database_url(cfg[settings.DATABASE_URL], cfg[mesh_settings.DATA_DIR])
     engine = make_engine(url, pool_size=cfg[settings.DATABASE_POOL_SIZE],
                          search_path=cfg[settings.DATABASE_SCHEMA] or None)
-    store = ConversationStore(engine, Limits(
+    store = ConversationStore(engine, FieldLimits(
         max_content_bytes=cfg[settings.MAX_CONTENT_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
         retention_days=cfg[settings.RETENTION_DAYS]))
     servicer = StoreServicer(store)

@@ -6,6 +6,11 @@ import enum
 from dataclasses import dataclass
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
+from chatmesh.mesh.turn import TurnRecordState, Usage
+
+__all__ = ["Role", "MessageStatus", "TurnRecordState", "Usage", "Conversation", "Message", "Summary", "History",
+           "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Finished", "Progress", "TurnRecord",
+           "DailyUsage", "Purged"]
 
 
 class Role(enum.Enum):
@@ -22,25 +27,6 @@ class MessageStatus(enum.Enum):
     COMPLETE = "complete"
     STOPPED = "stopped"
     BLOCKED = "blocked"
-
-
-class TurnState(enum.Enum):
-    """The turn record's state (see `chatmesh.store.turns` for the machine)."""
-
-    RECEIVED = "received"
-    RUNNING = "running"
-    STORED = "stored"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token counts of a turn or a sum of turns; never text."""
-
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    output_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,7 +140,7 @@ class TurnRecord:
     """A turn as ReadTurn returns it, for attaching from another chat process."""
 
     turn_id: TurnId
-    state: TurnState
+    state: TurnRecordState
     fingerprint: str
     lease_holder: str
     lease_expires_at_ms: int

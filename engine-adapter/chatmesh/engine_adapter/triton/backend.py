@@ -203,7 +203,7 @@ class TritonBackend:
 
     def _events(self, get: wire.Getter, prompt_tokens: int) -> list[GenerateEvent]:
         """The events one response carries; the model's typed refusals are raised."""
-        if wire.kind_of(get) is wire.EventKind.ERROR:
+        if wire.kind_of(get) is wire.WireEvent.ERROR:
             error = wire.error_of(get)
             if error is not None:
                 raise error
@@ -228,7 +228,7 @@ class TritonBackend:
                 if error is not None:
                     raise _StreamFailed(str(error))
                 kind = wire.kind_of(result.as_numpy)
-                complete = kind not in (wire.EventKind.STARTED, wire.EventKind.DELTA, wire.EventKind.FIRST)
+                complete = kind not in (wire.WireEvent.STARTED, wire.WireEvent.DELTA, wire.WireEvent.FIRST)
                 yield result.as_numpy
                 if complete:
                     break  # that was the request's last response
@@ -245,7 +245,7 @@ class TritonBackend:
         try:
             async with contextlib.aclosing(self._stream(wire.command_tensors(command, argument))) as responses:
                 async for get in responses:
-                    if wire.kind_of(get) is wire.EventKind.ERROR:
+                    if wire.kind_of(get) is wire.WireEvent.ERROR:
                         error = wire.error_of(get)
                         raise error if error is not None else Unavailable(
                             f"Triton at {self.address}: {wire.error_message_of(get)}")

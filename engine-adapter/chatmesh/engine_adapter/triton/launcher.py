@@ -157,12 +157,6 @@ class TritonServer:
         return f"127.0.0.1:{self.ports.grpc}"
 
     @property
-    def metrics_url(self) -> str:
-        if self.ports is None:
-            raise RuntimeError("tritonserver is not started")
-        return f"http://127.0.0.1:{self.ports.metrics}/metrics"
-
-    @property
     def log_path(self) -> Path:
         return self.work_dir / "tritonserver.log"
 

@@ -64,7 +64,7 @@ class Command(enum.Enum):
     EVICT_SALT = "evict_salt"
 
 
-class EventKind(enum.Enum):
+class WireEvent(enum.Enum):
     STARTED = "started"
     DELTA = "delta"
     FIRST = "first"  # started + the first delta in one response: one IPC and one message fewer per generation
@@ -257,15 +257,15 @@ def event_tensors(event: GenerateEvent, snapshot: Snapshot | None = None) -> dic
 def _event_tensors(event: GenerateEvent) -> dict[str, Array]:
     match event:
         case Started():
-            return {"event": _bytes(EventKind.STARTED.value),
+            return {"event": _bytes(WireEvent.STARTED.value),
                     "cached_prompt_tokens": _i32([event.cached_tokens]),
                     "host_cached_prompt_tokens": _i32([event.host_cached_tokens])}
         case Delta():
-            return {"event": _bytes(EventKind.DELTA.value), "token_ids": _i32(event.token_ids),
+            return {"event": _bytes(WireEvent.DELTA.value), "token_ids": _i32(event.token_ids),
                     "text": _bytes(event.text)}
         case Finished():
             u = event.usage
-            return {"event": _bytes(EventKind.FINISHED.value), "finish_reason": _bytes(event.reason.value),
+            return {"event": _bytes(WireEvent.FINISHED.value), "finish_reason": _bytes(event.reason.value),
                     "prompt_tokens": _i32([u.prompt_tokens]), "cached_prompt_tokens": _i32([u.cached_prompt_tokens]),
                     "output_tokens": _i32([u.output_tokens]), "error_message": _bytes(event.error)}
         case _:
@@ -275,13 +275,13 @@ def _event_tensors(event: GenerateEvent) -> dict[str, Array]:
 def first_tensors(started: Started, delta: Delta, snapshot: Snapshot | None = None) -> dict[str, Array]:
     """Started and the first Delta as one response."""
     out = {**event_tensors(started, snapshot), **event_tensors(delta)}
-    out["event"] = _bytes(EventKind.FIRST.value)
+    out["event"] = _bytes(WireEvent.FIRST.value)
     return out
 
 
 def events_of(get: Getter) -> list[GenerateEvent]:
     """The generation events a response carries, in order (two for `first`)."""
-    if kind_of(get) is EventKind.FIRST:
+    if kind_of(get) is WireEvent.FIRST:
         ids = get("token_ids")
         return [Started(cached_tokens=_int(get, "cached_prompt_tokens"),
                         host_cached_tokens=_int(get, "host_cached_prompt_tokens")),
@@ -299,40 +299,40 @@ def error_tensors(err: CoreError | Exception) -> dict[str, Array]:
             kind = ErrorKind.RESOURCE_EXHAUSTED
         case _:
             kind = ErrorKind.INTERNAL
-    return {"event": _bytes(EventKind.ERROR.value), "error_kind": _bytes(kind.value),
+    return {"event": _bytes(WireEvent.ERROR.value), "error_kind": _bytes(kind.value),
             "error_message": _bytes(str(err) if isinstance(err, CoreError) else f"{type(err).__name__}: {err}")}
 
 
 def stats_tensors(snapshot: Snapshot) -> dict[str, Array]:
-    return {"event": _bytes(EventKind.STATS.value), "stats_json": _bytes(stats_to_json(snapshot))}
+    return {"event": _bytes(WireEvent.STATS.value), "stats_json": _bytes(stats_to_json(snapshot))}
 
 
 def evicted_tensors(blocks: int) -> dict[str, Array]:
-    return {"event": _bytes(EventKind.EVICTED.value), "blocks_evicted": np.array([blocks], dtype=np.int64)}
+    return {"event": _bytes(WireEvent.EVICTED.value), "blocks_evicted": np.array([blocks], dtype=np.int64)}
 
 
-def kind_of(get: Getter) -> EventKind:
-    return EventKind(text_of(get, "event"))
+def kind_of(get: Getter) -> WireEvent:
+    return WireEvent(text_of(get, "event"))
 
 
 def event_of(get: Getter) -> GenerateEvent:
     """The generation event a started/delta/finished response carries."""
     kind = kind_of(get)
     match kind:
-        case EventKind.STARTED:
+        case WireEvent.STARTED:
             return Started(cached_tokens=_int(get, "cached_prompt_tokens"),
                            host_cached_tokens=_int(get, "host_cached_prompt_tokens"))
-        case EventKind.DELTA:
+        case WireEvent.DELTA:
             ids = get("token_ids")
             return Delta(token_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
                          text=text_of(get, "text"))
-        case EventKind.FINISHED:
+        case WireEvent.FINISHED:
             return Finished(reason=FinishReason(text_of(get, "finish_reason")),
                             usage=Usage(prompt_tokens=_int(get, "prompt_tokens"),
                                         cached_prompt_tokens=_int(get, "cached_prompt_tokens"),
                                         output_tokens=_int(get, "output_tokens")),
                             error=text_of(get, "error_message"))
-        case EventKind.FIRST | EventKind.ERROR | EventKind.STATS | EventKind.EVICTED:
+        case WireEvent.FIRST | WireEvent.ERROR | WireEvent.STATS | WireEvent.EVICTED:
             raise ValueError(f"a {kind.value} response is not one generation event")
         case _:
             raise AssertionError(kind)
