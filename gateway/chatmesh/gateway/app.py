@@ -30,12 +30,14 @@ import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Match, Mount, Route
 
 from chatmesh.gateway import login, openapi, page, routes, settings
 from chatmesh.gateway.cli import accounts_for
+from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_options
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
@@ -103,9 +105,41 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if exc.status_code == 404 and (redirect := _slash_redirect(request)) is not None:
+        return redirect
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     return JSONResponse({"error": {"code": code, "message": str(exc.detail)}}, exc.status_code,
                         headers=dict(exc.headers or {}))
+
+
+def _slash_redirect(request: Request) -> Response | None:
+    """`/v1/conversations/` -> `/v1/conversations` (and the reverse) when only the slash differs. The Location
+    is CHATMESH_PUBLIC_ORIGIN plus the path, or the path alone: never built from the request's Host header,
+    which the client chooses (Starlette's own slash redirect reflected it)."""
+    path = request.scope["path"]
+    if path == "/" or path.startswith("//") or "\\" in path:
+        return None  # `//host` would be a scheme-relative Location: an open redirect
+    other = path.rstrip("/") if path.endswith("/") else path + "/"
+    scope = {**request.scope, "path": other}
+    if not any(route.matches(scope)[0] is not Match.NONE for route in request.app.router.routes):
+        return None
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    origin: str = request.app.state.public_origin
+    return RedirectResponse(origin + other + (f"?{query}" if query else ""), 307)
+
+
+async def _body_timeout(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BodyTimeout)
+    response = exc.response()
+    response.headers["connection"] = "close"
+    return response
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client went away mid-body: nobody reads the answer, and nothing of the request is logged."""
+    route = request.scope.get("route")
+    log.info("client_disconnected", method=request.method, route=getattr(route, "path", None))
+    return Response(status_code=400)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -141,7 +175,11 @@ def create_app(cfg: Config) -> Starlette:
             await channel.close(None)
 
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
-        ApiError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+        ApiError: _api_error, BodyTimeout: _body_timeout, ClientDisconnect: _client_gone,
+        HTTPException: _http_error, Exception: _unexpected},
+        middleware=[Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
+    app.router.redirect_slashes = False  # see _slash_redirect
+    app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
     app.state.relays = relays
     app.state.accounts = None
     app.state.secure_cookies = cfg[settings.SECURE_COOKIES] or bool(cfg[settings.TLS_CERT])
@@ -193,7 +231,8 @@ def server_for(cfg: Config, app: Starlette | None = None, port: int | None = Non
     config = uvicorn.Config(
         app, host=cfg[mesh_settings.HOST], port=cfg[mesh_settings.GATEWAY_PORT] if port is None else port,
         ssl_certfile=cert or None, ssl_keyfile=key or None, log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=int(grace) + 2, server_header=False)
+        timeout_graceful_shutdown=int(grace) + 2, server_header=False,
+        **uvicorn_options(cfg[settings.HEADER_TIMEOUT_S], cfg[settings.IDLE_TIMEOUT_S]))
     return _Server(config, app.state.relays, grace)
 
 
@@ -232,6 +271,8 @@ async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
     hc.graceful_timeout = grace + 2
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # through chatmesh.mesh.logs, not hypercorn's own handler
+    hc.keep_alive_timeout = cfg[settings.IDLE_TIMEOUT_S]
+    hc.read_timeout = max(1, int(cfg[settings.HEADER_TIMEOUT_S] + 0.5))  # per read: see chatmesh.gateway.deadlines
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

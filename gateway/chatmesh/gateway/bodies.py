@@ -1,5 +1,6 @@
-"""Request bodies: read with a size cap, parsed as a JSON object, each field checked and named when wrong.
-Nothing reaches ChatService until its body has passed here, so a bad request stores nothing."""
+"""Request bodies: read with a size cap, parsed as a JSON object no deeper than `MAX_JSON_DEPTH`, each field
+checked and named when wrong. Nothing reaches ChatService until its body has passed here, so a bad request stores
+nothing. (A client that goes away mid-body raises Starlette's `ClientDisconnect`, answered by the app.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ from starlette.requests import Request
 
 from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.mesh import errors, ids
+
+
+# Deepest nesting of arrays and objects a body may have. chatmesh's bodies are flat objects; the limit is far
+# above them and far below the depth where Python's parser hits its recursion limit (~1,000), which answered 500.
+MAX_JSON_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -34,9 +40,31 @@ async def json_object(request: Request, max_bytes: int, *, optional: bool = Fals
         value = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad_request("body: malformed JSON") from None
+    except RecursionError:
+        raise too_deep() from None
     if not isinstance(value, dict):
         raise bad_request("body: expected a JSON object")
+    if depth_over(value, MAX_JSON_DEPTH):
+        raise too_deep()
     return value
+
+
+def too_deep() -> ApiError:
+    return bad_request(f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def depth_over(value: object, limit: int) -> bool:
+    """True when arrays and objects nest more than `limit` deep (iterative: no recursion on hostile input)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
 
 
 def turn_id_field(body: dict[str, Any], field: str = "turn_id") -> ids.TurnId:

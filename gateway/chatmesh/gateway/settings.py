@@ -38,3 +38,13 @@ CHAT_DEADLINE_S = Setting("CHATMESH_GATEWAY_RPC_DEADLINE_S", 10.0, "deadline of 
                           float)
 SECURE_COOKIES = Setting("CHATMESH_SECURE_COOKIES", False,
                          "mark session cookies Secure even without TLS at the edge (TLS behind a proxy)", parse_bool)
+HEADER_TIMEOUT_S = Setting("CHATMESH_EDGE_HEADER_TIMEOUT_S", 10.0,
+                           "a request's headers must be complete this long after its connection opened (or its "
+                           "first byte on a kept-alive connection), else 408 and the connection closed", float)
+BODY_TIMEOUT_S = Setting("CHATMESH_EDGE_BODY_TIMEOUT_S", 30.0,
+                         "a request's body must be complete this long after its headers, else 408", float)
+IDLE_TIMEOUT_S = Setting("CHATMESH_EDGE_IDLE_TIMEOUT_S", 5.0,
+                         "a kept-alive connection with no request in flight is closed after this long", float)
+PUBLIC_ORIGIN = Setting("CHATMESH_PUBLIC_ORIGIN", "",
+                        "the edge's public origin (https://chat.example.com) that redirects are built from; "
+                        "empty: redirects carry only the path (never the request's Host header)", str)

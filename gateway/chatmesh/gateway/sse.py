@@ -168,7 +168,10 @@ class TurnRelay(Response):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                message = await asyncio.wait_for(receive(), timeout=self._heartbeat_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow the cancellation `end()`
+                # sends when it races a message that is already there, and the relay then never finishes.
+                async with asyncio.timeout(self._heartbeat_s):
+                    message = await receive()
             except TimeoutError:
                 if loop.time() - self._last_send >= self._heartbeat_s * 0.9:
                     try:

@@ -1,0 +1,144 @@
+"""The edge's answers to the abuse cases of the security review (issue 17): deeply nested JSON, redirects that
+reflected the Host header, slow-header, slow-body and idle connections that were held forever, and clients that
+go away mid-body."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.gateway.conftest import Gateway, StartGateway
+from tests.gateway.fake_chat import FakeChat
+
+
+def nested(depth: int) -> str:
+    return '{"turn_id": "%s", "content": "hi", "x": %s%s}' % (uuid.uuid4(), "[" * depth, "]" * depth)
+
+
+@pytest.mark.parametrize("depth", [40, 1000, 100_000])
+async def test_deeply_nested_json_is_400_naming_the_limit(gateway: Gateway, fake: FakeChat, depth: int) -> None:
+    async with gateway.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        turn = await client.post(f"/v1/conversations/{conv}/turns", content=nested(depth),
+                                 headers={"content-type": "application/json"})
+        login = await client.post("/v1/session", content='{"username": "a", "password": %s"x"%s}'
+                                  % ("[" * depth, "]" * depth))
+        fine = await client.post(f"/v1/conversations/{conv}/turns", content=nested(20),
+                                 headers={"content-type": "application/json"})
+    for r in (turn, login):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "body: JSON nested deeper than 32 levels"
+    assert fine.status_code == 200
+    assert len(fake.convs[conv].turns) == 1  # the nested ones reached nothing
+
+
+async def raw_request(gw: Gateway, request: bytes) -> bytes:
+    """The response head to a request sent byte for byte (httpx normalises `//host/` paths away)."""
+    url = urlsplit(gw.url)
+    assert url.hostname is not None and url.port is not None
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write(request)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    return head
+
+
+async def test_slash_redirect_never_reflects_the_host_header(start_gateway: StartGateway) -> None:
+    plain = await start_gateway()
+    public = await start_gateway(CHATMESH_PUBLIC_ORIGIN="https://chat.example.com/")
+    evil = {"host": "evil.example"}
+    async with plain.client(follow_redirects=False) as client:
+        relative = await client.get("/v1/conversations/?page_size=2", headers=evil)
+        static = await client.get("/static", headers=evil)
+    scheme_relative = await raw_request(plain, b"GET //evil.example/ HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+    async with public.client(follow_redirects=False) as client:
+        absolute = await client.get("/v1/conversations/", headers=evil)
+    assert relative.status_code == 307 and relative.headers["location"] == "/v1/conversations?page_size=2"
+    assert static.status_code == 307 and static.headers["location"] == "/static/"
+    assert scheme_relative.startswith(b"HTTP/1.1 404") and b"location" not in scheme_relative.lower()
+    assert absolute.status_code == 307
+    assert absolute.headers["location"] == "https://chat.example.com/v1/conversations"
+    for r in (relative, static, absolute):
+        assert "evil" not in r.headers["location"]
+
+
+async def _closed_after(reader: asyncio.StreamReader, limit_s: float) -> tuple[float, bytes]:
+    """Seconds until the server closed the connection, and what it sent before."""
+    start = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), limit_s)
+    return time.monotonic() - start, data
+
+
+async def test_slow_header_slow_body_and_idle_connections_are_dropped(start_gateway: StartGateway) -> None:
+    gw = await start_gateway(CHATMESH_EDGE_HEADER_TIMEOUT_S="1", CHATMESH_EDGE_BODY_TIMEOUT_S="1",
+                             CHATMESH_EDGE_IDLE_TIMEOUT_S="1")
+    url = urlsplit(gw.url)
+    assert url.hostname is not None and url.port is not None
+    conns = [await asyncio.open_connection(url.hostname, url.port) for _ in range(30)]
+    idle, slow_header, slow_body = conns[:10], conns[10:20], conns[20:]
+    for _, writer in slow_header:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+    for _, writer in slow_body:
+        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+                     f"\r\ncontent-length: 1000\r\n\r\n{{\"turn_id\": \"".encode())
+    for _, writer in slow_header + slow_body:
+        await writer.drain()
+
+    async def trickle() -> None:  # a byte every 0.3 s must not extend the header deadline
+        for _ in range(20):
+            await asyncio.sleep(0.3)
+            for reader, writer in slow_header:
+                if not reader.at_eof():
+                    writer.write(b"X")
+
+    feeder = asyncio.create_task(trickle())
+    results = await asyncio.gather(*(_closed_after(reader, 8.0) for reader, _ in conns), return_exceptions=True)
+    feeder.cancel()
+    for _, writer in conns:
+        writer.close()
+    for group, answer in ((idle, b""), (slow_header, b"HTTP/1.1 408"), (slow_body, b"HTTP/1.1 408")):
+        for reader, _ in group:
+            elapsed, data = results[conns.index((reader, _))]  # type: ignore[misc]
+            assert elapsed < 4.0
+            assert data.startswith(answer), data[:80]
+    async with gw.client() as client:  # and the edge still serves
+        assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_a_kept_alive_connection_is_closed_when_idle(start_gateway: StartGateway) -> None:
+    gw = await start_gateway(CHATMESH_EDGE_IDLE_TIMEOUT_S="1")
+    url = urlsplit(gw.url)
+    assert url.hostname is not None and url.port is not None
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    elapsed, _ = await _closed_after(reader, 8.0)
+    writer.close()
+    assert elapsed < 4.0
+
+
+async def test_a_client_gone_mid_body_is_not_an_error(gateway: Gateway, fake: FakeChat) -> None:
+    url = urlsplit(gateway.url)
+    assert url.hostname is not None and url.port is not None
+    async with gateway.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: x\r\ncontent-length: 500\r\n\r\n"
+                     '{"turn_id": "'.encode())
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+    await asyncio.sleep(0.2)
+    async with gateway.client() as client:
+        assert (await client.get("/healthz")).status_code == 200
+    assert fake.convs[conv].turns == {}
