@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from tests.conftest import free_port
 
@@ -22,6 +23,7 @@ from tests.conftest import free_port
 def mesh_env(data_dir: Path, **extra: str) -> dict[str, str]:
     ports = {name: free_port() for name in ("chat", "store", "router", "engine", "moderation", "gateway")}
     env = {
+        **{setting.env: str(free_port()) for setting in settings.METRIC_PORTS.values()},
         "CHATMESH_DATA_DIR": str(data_dir),
         "CHATMESH_GATEWAY_PORT": str(ports["gateway"]),
         "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{ports['chat']}",

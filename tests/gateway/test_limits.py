@@ -126,7 +126,8 @@ async def test_edge_answers_429_with_retry_after(start_gateway: StartGateway) ->
 @contextlib.contextmanager
 def gateway_process(env: dict[str, str], log: Path) -> Iterator[str]:
     port = free_port()
-    full = {**os.environ, **env, "CHATMESH_GATEWAY_PORT": str(port), "CHATMESH_HOST": "127.0.0.1"}
+    full = {**os.environ, **env, "CHATMESH_GATEWAY_PORT": str(port), "CHATMESH_HOST": "127.0.0.1",
+            "CHATMESH_GATEWAY_METRICS_PORT": "0"}
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "gateway"], env=full,
                                 stdout=out, stderr=subprocess.STDOUT)

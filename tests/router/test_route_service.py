@@ -90,8 +90,6 @@ async def test_every_replica_excluded_is_unavailable_with_reason(
 async def test_metrics_count_picks_spills_and_load() -> None:
     from typing import Any, cast
 
-    from prometheus_client import generate_latest
-
     from chatmesh.router.membership import Membership, parse_replicas
     from chatmesh.router.ring import Ring
     from chatmesh.router.service import Metrics, RouteServicer
@@ -103,9 +101,10 @@ async def test_metrics_count_picks_spills_and_load() -> None:
     home = await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-1"), ctx)
     await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-1",
                                                             exclude_replica_ids=[home.replica_id]), ctx)
-    text = generate_latest(metrics.registry).decode()
-    assert 'chatmesh_router_picks_total{outcome="home"} 1.0' in text
-    assert 'chatmesh_router_picks_total{outcome="spill_excluded"} 1.0' in text
+    text = metrics.registry.exposition().decode()
+    assert f'chatmesh_router_picks_total{{outcome="home",replica="{home.replica_id}"}} 1.0' in text
+    spilled = [line for line in text.splitlines() if line.startswith('chatmesh_router_picks_total{outcome="spill_')]
+    assert len(spilled) == 1 and spilled[0].endswith(" 1.0") and home.replica_id not in spilled[0]
     assert 'chatmesh_router_spills_total{reason="excluded"} 1.0' in text
     assert f'chatmesh_router_replica_load{{replica="{home.replica_id}"}} 1.0' in text
     assert 'chatmesh_router_replica_serving{replica="engine-2"} 1.0' in text

@@ -44,7 +44,8 @@ from chatmesh.gateway.identity import is_loopback
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
-from chatmesh.mesh import ids, logs
+from chatmesh.mesh import ids, logs, metrics
+from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.v1 import chat_pb2_grpc
@@ -148,12 +149,15 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, 500)
 
 
-def create_app(cfg: Config) -> Starlette:
+def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
+    """The app; with `metrics_port`, its Prometheus metrics are served there while it runs (`chatmesh serve
+    gateway` passes CHATMESH_GATEWAY_METRICS_PORT; tests leave it off)."""
     relays = Relays()
+    registry = metrics.Registry()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        channel = grpc.aio.insecure_channel(cfg[mesh_settings.CHAT_ADDRESS])
+        channel = open_channel(cfg[mesh_settings.CHAT_ADDRESS])
         limits = _limits(cfg)
         accounts = accounts_for(cfg)
         await accounts.create_tables()
@@ -165,10 +169,16 @@ def create_app(cfg: Config) -> Starlette:
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], max_content_chars=cfg[settings.MAX_CONTENT_CHARS],
             deadline_s=cfg[settings.CHAT_DEADLINE_S])
-        log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH])
+        exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None
+        if exporter is not None:
+            await exporter.start()
+        log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH],
+                 metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
         try:
             yield
         finally:
+            if exporter is not None:
+                await exporter.close()
             await relays.drain(0)
             await limits.close()
             await accounts.close()
@@ -181,6 +191,7 @@ def create_app(cfg: Config) -> Starlette:
     app.router.redirect_slashes = False  # see _slash_redirect
     app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
     app.state.relays = relays
+    app.state.metrics = registry
     app.state.accounts = None
     app.state.secure_cookies = cfg[settings.SECURE_COOKIES] or bool(cfg[settings.TLS_CERT])
     return app
@@ -292,12 +303,13 @@ def run(cfg: Config) -> int:
         log.error("startup_refused", reason="CHATMESH_TLS_CERT and CHATMESH_TLS_KEY go together")
         return 2
     try:
+        app = create_app(cfg, metrics_port=cfg[mesh_settings.METRIC_PORTS["gateway"]])
         if cfg[settings.SERVER] == "hypercorn":
             check_bind(cfg)
             tune_gc()
-            asyncio.run(serve_hypercorn(cfg, create_app(cfg)))
+            asyncio.run(serve_hypercorn(cfg, app))
             return 0
-        server = server_for(cfg)
+        server = server_for(cfg, app)
     except StartupRefused as err:
         log.error("startup_refused", reason=str(err))
         return 2

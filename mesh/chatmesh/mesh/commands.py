@@ -8,7 +8,7 @@ import importlib
 import sys
 from typing import Any
 
-from chatmesh.mesh import config, logs, settings
+from chatmesh.mesh import config, logs, settings, tracing
 from chatmesh.mesh.config import Config, Setting
 from chatmesh.model import assets
 from chatmesh.model import settings as model_settings
@@ -44,6 +44,7 @@ def register(sub: Any) -> None:
 def _serve(args: argparse.Namespace) -> int:
     cfg = Config(flags=config.flags_of(args))
     logs.configure(args.service, cfg[settings.LOG_LEVEL], cfg[settings.LOG_JSON])
+    tracing.configure(args.service)
     if args.service == "gateway":
         gateway = importlib.import_module("chatmesh.gateway.app")
         result: int = gateway.run(cfg)
@@ -51,16 +52,16 @@ def _serve(args: argparse.Namespace) -> int:
     module_name, address = GRPC_SERVICES[args.service]
     module = importlib.import_module(module_name)
     listen = cfg[settings.LISTEN] or cfg[address]
-    asyncio.run(_run(module, cfg, listen))
+    asyncio.run(_run(module, cfg, listen, cfg[settings.METRIC_PORTS[args.service]]))
     return 0
 
 
-async def _run(module: Any, cfg: Config, listen: str) -> None:
+async def _run(module: Any, cfg: Config, listen: str, metrics_port: int) -> None:
     from chatmesh.mesh.server import serve
 
     # Built inside the running loop: grpc.aio channels and asyncio primitives bind to the loop that makes them.
     service = module.build(cfg)
-    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S])
+    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], metrics_port=metrics_port)
 
 
 README_START = "<!-- settings-table:start -->"

@@ -7,7 +7,14 @@ reflection, and graceful shutdown: on SIGTERM or SIGINT every service turns NOT_
 
 Errors: servicer methods are wrapped by `unary_errors` / `stream_errors`, the single place where typed core
 errors become gRPC status codes (`status_for`). Anything unexpected is logged with its traceback and
-answered INTERNAL, never UNKNOWN.
+answered INTERNAL, never UNKNOWN. The same decorators count every RPC by method and status code and time it
+(`chatmesh.mesh.metrics.RPC`), so each service has its calls by RPC and outcome with no code of its own.
+
+Tracing: with OTEL_EXPORTER_OTLP_ENDPOINT set, an RPC that arrives with a W3C trace context gets a server span
+(`chatmesh.mesh.tracing`); otherwise no interceptor is installed.
+
+Metrics: `serve(..., metrics_port=N)` serves the service's `metrics` registry (plus the RPC counts and process
+figures) at http://<listen host>:N/metrics while the service runs (`chatmesh.mesh.metrics`).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import signal
+import time
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from chatmesh.mesh import errors, logs
+from chatmesh.mesh import errors, logs, metrics, tracing
 
 log = logs.get("chatmesh.server")
 
@@ -64,15 +72,22 @@ async def _abort(context: grpc.aio.ServicerContext[object, object], exc: BaseExc
 def unary_errors(
     fn: Callable[Concatenate[S, Req, P], Awaitable[Resp]],
 ) -> Callable[Concatenate[S, Req, P], Awaitable[Resp]]:
+    method = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(self: S, request: Req, /, *args: P.args, **kwargs: P.kwargs) -> Resp:
+        start, code = time.perf_counter(), "OK"
         try:
             return await fn(self, request, *args, **kwargs)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except (grpc.aio.AbortError, asyncio.CancelledError) as exc:
+            code = _code_of(exc, args, kwargs)
             raise
         except Exception as exc:  # every error is answered with a status, never swallowed
+            code = _status_name(exc)
             await _abort(_context_of(args, kwargs), exc, fn.__qualname__)
             raise  # unreachable: abort raises
+        finally:
+            metrics.RPC.done(method, code, time.perf_counter() - start)
 
     return wrapper
 
@@ -80,18 +95,37 @@ def unary_errors(
 def stream_errors(
     fn: Callable[Concatenate[S, Req, P], AsyncIterator[Resp]],
 ) -> Callable[Concatenate[S, Req, P], AsyncIterator[Resp]]:
+    method = fn.__name__
+
     @functools.wraps(fn)
     async def wrapper(self: S, request: Req, /, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[Resp]:
+        start, code = time.perf_counter(), "OK"
         try:
             async for item in fn(self, request, *args, **kwargs):
                 yield item
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit) as exc:
+            code = _code_of(exc, args, kwargs)
             raise
         except Exception as exc:
+            code = _status_name(exc)
             await _abort(_context_of(args, kwargs), exc, fn.__qualname__)
             raise
+        finally:
+            metrics.RPC.done(method, code, time.perf_counter() - start)
 
     return wrapper
+
+
+def _status_name(exc: Exception) -> str:
+    return status_for(exc).name if isinstance(exc, errors.CoreError) else "INTERNAL"
+
+
+def _code_of(exc: BaseException, args: tuple[object, ...], kwargs: dict[str, object]) -> str:
+    """The status of an RPC that ended by abort (the code the handler chose) or by cancellation."""
+    if isinstance(exc, grpc.aio.AbortError):
+        code = getattr(kwargs.get("context", args[0] if args else None), "code", lambda: None)()
+        return code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+    return "CANCELLED"
 
 
 def _context_of(args: tuple[object, ...], kwargs: dict[str, object]) -> grpc.aio.ServicerContext[object, object]:
@@ -113,12 +147,14 @@ class Service:
     close: Callable[[], Awaitable[None]] | None = None
     stopping: Callable[[], None] | None = None  # shutdown began (before the grace period): end long-lived streams
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    metrics: metrics.Registry = field(default_factory=metrics.Registry)  # served on the service's metrics port
 
 
 async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Runs `service` on `listen` until SIGTERM/SIGINT (or `stop` is set), then shuts down gracefully."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                stop: asyncio.Event | None = None, metrics_port: int = 0) -> None:
+    """Runs `service` on `listen` until SIGTERM/SIGINT (or `stop` is set), then shuts down gracefully; with
+    `metrics_port`, its metrics are served there meanwhile."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=tracing.server_interceptors() or None)
     names = list(service.register(server))
     health_servicer = AsyncHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -126,12 +162,17 @@ async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Ev
     port = server.add_insecure_port(listen)
     if port == 0:
         raise errors.Unavailable(f"{service.name}: cannot bind {listen}")
+    exporter = metrics.MetricsServer(service.metrics, metrics.bind_host(listen), metrics_port) \
+        if metrics_port else None
+    if exporter is not None:
+        await exporter.start()
     if service.start is not None:
         await service.start()
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", address=listen, services=names)
+    log.info("serving", address=listen, services=names,
+             metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -153,4 +194,6 @@ async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Ev
         await asyncio.gather(*service.background, return_exceptions=True)
     if service.close is not None:
         await service.close()
+    if exporter is not None:
+        await exporter.close()
     log.info("stopped")

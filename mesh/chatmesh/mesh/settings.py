@@ -20,3 +20,19 @@ LOG_LEVEL = Setting("CHATMESH_LOG_LEVEL", "info", "log level", str,
 LOG_JSON = Setting("CHATMESH_LOG_JSON", True, "JSON log lines (false: human-readable)", parse_bool)
 SHUTDOWN_GRACE_S = Setting("CHATMESH_SHUTDOWN_GRACE_S", 5.0,
                            "seconds open streams get to finish on SIGTERM before they are cancelled", float)
+
+# One metrics port per service (chatmesh.mesh.metrics serves GET /metrics there, on the interface the service
+# listens on); the defaults mirror the gRPC ports (50051 -> 9151, ...) and the gateway's 8080 -> 9180.
+METRIC_PORTS: dict[str, Setting[int]] = {
+    "gateway": Setting("CHATMESH_GATEWAY_METRICS_PORT", 9180, "HTTP port of the gateway's Prometheus /metrics (0: off)",
+                       int),
+    "chat": Setting("CHATMESH_CHAT_METRICS_PORT", 9151, "HTTP port of ChatService's Prometheus /metrics (0: off)", int),
+    "store": Setting("CHATMESH_STORE_METRICS_PORT", 9152, "HTTP port of StoreService's Prometheus /metrics (0: off)",
+                     int),
+    "router": Setting("CHATMESH_ROUTER_METRICS_PORT", 9153, "HTTP port of RouteService's Prometheus /metrics (0: off)",
+                      int),
+    "engine": Setting("CHATMESH_ENGINE_METRICS_PORT", 9154,
+                      "HTTP port of this engine replica's Prometheus /metrics (0: off)", int),
+    "moderation": Setting("CHATMESH_MODERATION_METRICS_PORT", 9155,
+                          "HTTP port of ModerateService's Prometheus /metrics (0: off)", int),
+}

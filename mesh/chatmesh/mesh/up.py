@@ -102,6 +102,11 @@ class Mesh:
         cfg = self.cfg
         return f"http://{cfg[settings.HOST]}:{cfg[settings.GATEWAY_PORT]}"
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each standard service serves its Prometheus metrics (services whose port is 0 are left out)."""
+        return metrics_urls(self.cfg)
+
     def _spawn(self, service: str, name: str | None = None, env: Mapping[str, str] | None = None
                ) -> subprocess.Popen[bytes]:
         name = name or service
@@ -137,8 +142,9 @@ class Mesh:
             for service, address in ORDER:
                 self._spawn(service)
                 waits.append((service, lambda a=cfg[address]: grpc_serving(a), cfg[address]))
-            for x in extra:
-                self._spawn(x.service, x.name, {**x.env, "CHATMESH_LISTEN": x.address})
+            for x in extra:  # an extra process serves no metrics unless its env gives it a port of its own
+                metrics_port = settings.METRIC_PORTS[x.service].env
+                self._spawn(x.service, x.name, {metrics_port: "0", **x.env, "CHATMESH_LISTEN": x.address})
                 waits.append((x.name, lambda a=x.address: grpc_serving(a), x.address))
             self._spawn("gateway")
             waits.append(("gateway", lambda: http_answers(self.gateway_url + "/healthz"), self.gateway_url))
@@ -171,6 +177,24 @@ class Mesh:
         return codes
 
 
+def metrics_urls(cfg: Config) -> dict[str, str]:
+    """service -> its /metrics URL, on the interface the service listens on (loopback for `chatmesh up`)."""
+    hosts = {service: _host(cfg[address]) for service, address in ORDER}
+    hosts["gateway"] = cfg[settings.HOST]
+    return {service: f"http://{_url_host(hosts[service])}:{cfg[port]}/metrics"
+            for service, port in settings.METRIC_PORTS.items() if cfg[port]}
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("up", help="run every service on loopback with the embedded defaults")
     config.add_flags(p)
@@ -197,12 +221,15 @@ def _up(args: argparse.Namespace) -> int:
         print(f"chatmesh: {err}", file=sys.stderr)
         return 1
     url = mesh.gateway_url
+    metrics_lines = "".join(f"\n  {name:<10} {where}" for name, where in mesh.metrics_urls.items()) or "off"
     print(f"""
 chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
 
   conv=$(curl -s -X POST {url}/v1/conversations | python3 -c 'import json,sys; print(json.load(sys.stdin)["id"])')
   curl -N {url}/v1/conversations/$conv/turns -H 'content-type: application/json' \\
     -d '{{"turn_id": "'$(python3 -c 'import uuid; print(uuid.uuid4())')'", "content": "What is the capital of France?"}}'
+
+Prometheus metrics: {metrics_lines}
 
 Press Ctrl-C to stop.""", flush=True)
     while not stopping:

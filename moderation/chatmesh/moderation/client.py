@@ -40,7 +40,8 @@ from typing import assert_never
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from chatmesh.mesh import logs
+from chatmesh.mesh import logs, tracing
+from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
@@ -166,7 +167,7 @@ class ModerationClient:
         policy = FailurePolicy(FailureMode(cfg[settings.INPUT_FAILURE]), FailureMode(cfg[settings.OUTPUT_FAILURE]),
                                cfg[settings.CLIENT_TIMEOUT_MS] / 1000, failures_counter(registry),
                                cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[settings.MAX_INPUT_BYTES])
-        return cls(grpc.aio.insecure_channel(cfg[mesh_settings.MODERATION_ADDRESS]), policy, own_channel=True)
+        return cls(open_channel(cfg[mesh_settings.MODERATION_ADDRESS]), policy, own_channel=True)
 
     async def check_input(self, text: str, conversation_id: str) -> Outcome:
         request = moderate_pb2.CheckInputRequest(text=text, conversation_id=conversation_id)
@@ -331,10 +332,12 @@ class _OutputMux:
         self._queue.put_nowait(moderate_pb2.CheckOutputBatchRequest(chunks=[chunk for chunk, _ in batch]))
 
     def _open(self) -> None:
-        call = self._stub.CheckOutputBatch(None)
-        queue: asyncio.Queue[moderate_pb2.CheckOutputBatchRequest] = asyncio.Queue()
-        self._call, self._queue = call, queue
-        self._tasks = [asyncio.create_task(self._write(call, queue)), asyncio.create_task(self._read(call))]
+        # The stream outlives the turn that opens it and serves every turn of this process: it belongs to no trace.
+        with tracing.detached():
+            call = self._stub.CheckOutputBatch(None)
+            queue: asyncio.Queue[moderate_pb2.CheckOutputBatchRequest] = asyncio.Queue()
+            self._call, self._queue = call, queue
+            self._tasks = [asyncio.create_task(self._write(call, queue)), asyncio.create_task(self._read(call))]
 
     async def _write(self, call: grpc.aio.StreamStreamCall[moderate_pb2.CheckOutputBatchRequest,
                                                            moderate_pb2.CheckOutputBatchResponse],

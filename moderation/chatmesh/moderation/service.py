@@ -11,8 +11,8 @@ raises) the direction's failure policy decides and the verdict says so (`fallbac
 Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
 and a request that does not parse (a string field that is not UTF-8, which a hand-built client can send):
 requests are decoded by a lenient deserializer here so that case reaches the servicer instead of failing
-inside gRPC. Logs carry conversation ids, actions and category names, never text. Metrics (Prometheus, on
-CHATMESH_MODERATION_METRICS_PORT when set): checks by direction and action, fallbacks by direction and reason,
+inside gRPC. Logs carry conversation ids, actions and category names, never text. Metrics (served by the
+bootstrap on CHATMESH_MODERATION_METRICS_PORT): checks by direction and action, fallbacks by direction and reason,
 check latency.
 """
 
@@ -28,9 +28,7 @@ from typing import Any, TypeVar, assert_never
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-
-from chatmesh.mesh import logs
+from chatmesh.mesh import logs, metrics
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
@@ -100,16 +98,16 @@ def _decoded(request: M | Undecodable) -> M:
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.checks = Counter("chatmesh_moderation_checks", "checks by direction and action",
-                              ["direction", "action"], registry=self.registry)
-        self.fallbacks = Counter("chatmesh_moderation_fallbacks",
-                                 "checks decided by the failure policy, by direction and reason",
-                                 ["direction", "reason"], registry=self.registry)
-        self.latency = Histogram("chatmesh_moderation_check_seconds", "time from request to verdict of one check",
-                                 ["direction"], registry=self.registry,
-                                 buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1))
+    def __init__(self, registry: metrics.Registry) -> None:
+        self.registry = registry
+        self.checks = registry.counter("chatmesh_moderation_checks", "checks by direction and action",
+                                       ["direction", "action"])
+        self.fallbacks = registry.counter("chatmesh_moderation_fallbacks",
+                                          "checks decided by the failure policy, by direction and reason",
+                                          ["direction", "reason"])
+        self.latency = registry.histogram(
+            "chatmesh_moderation_check_seconds", "time from request to verdict of one check (a batch: all its chunks)",
+            (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), ["direction"])
 
 
 @dataclass(frozen=True)
@@ -325,16 +323,13 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
     limits = CheckLimits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
                     on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
                     on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
-    metrics = Metrics()
+    registry = metrics.Registry()
     # a guard model waits on the network: checks then run on the worker thread, where the deadline can fire
     batcher = CheckBatcher(threaded=cfg[settings.CHECK_THREAD] or moderator.guard is not None)
-    servicer = ModerateServicer(moderator, batcher, limits, metrics)
+    servicer = ModerateServicer(moderator, batcher, limits, Metrics(registry))
 
     async def start() -> None:
-        port = cfg[settings.METRICS_PORT]
-        if port:
-            start_http_server(port, registry=metrics.registry)
-        log.info("moderation_ready", categories=[c.name for c in policy.categories], metrics_port=port,
+        log.info("moderation_ready", categories=[c.name for c in policy.categories],
                  input_failure=limits.on_input_failure.value, output_failure=limits.on_output_failure.value)
 
     async def close() -> None:
@@ -343,5 +338,5 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
             guard.close()
 
     return Service(name="moderation", register=lambda server: _register(server, servicer), start=start,
-                   close=close, stopping=servicer.end_streams)
+                   close=close, stopping=servicer.end_streams, metrics=registry)
 

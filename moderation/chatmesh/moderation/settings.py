@@ -22,8 +22,6 @@ INPUT_FAILURE = Setting("CHATMESH_MODERATION_INPUT_FAILURE", "closed",
 OUTPUT_FAILURE = Setting("CHATMESH_MODERATION_OUTPUT_FAILURE", "open",
                          "when an output check cannot finish: closed stops the reply, open lets the chunk through", str,
                          choices=FAILURE_MODES)
-METRICS_PORT = Setting("CHATMESH_MODERATION_METRICS_PORT", 0,
-                       "port of ModerateService's Prometheus metrics endpoint; 0: none", int)
 CHECK_THREAD = Setting("CHATMESH_MODERATION_CHECK_THREAD", False,
                        "run checks on a worker thread (for backends that wait, such as a guard model) instead of "
                        "inline on the event loop with load shedding past the deadline", parse_bool)

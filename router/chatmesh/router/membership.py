@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh import logs
+from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
 from chatmesh.router.ring import Lease, Pick, Replica, ReplicaLoad, Ring
@@ -107,7 +108,7 @@ class Membership:
             return []
         tasks: list[asyncio.Task[None]] = []
         for load in self.ring.loads():
-            channel = grpc.aio.insecure_channel(load.replica.address)
+            channel = open_channel(load.replica.address)
             self._channels.append(channel)
             tasks.append(asyncio.create_task(self._watch_health(load.replica.id, channel)))
             tasks.append(asyncio.create_task(self._watch_stats(load.replica.id, channel, stats_interval_ms)))

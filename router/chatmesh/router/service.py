@@ -3,22 +3,23 @@
 PickReplica validates the conversation id (1-128 bytes), picks with the bounded-load walk and returns the
 replica, its address, the lease, home or spill, and the home. ReleaseLease closes a lease (NOT_FOUND when
 unknown or expired). ListReplicas shows every configured replica with its state and load. Core errors become
-gRPC codes in `chatmesh.mesh.server`. Metrics (Prometheus, on CHATMESH_ROUTER_METRICS_PORT when set): picks by
-outcome, spills by reason, per-replica load. The router sees conversation ids only, never prompt text.
+gRPC codes in `chatmesh.mesh.server`. Metrics (served by the bootstrap on CHATMESH_ROUTER_METRICS_PORT): picks by
+outcome (home or spill reason) and replica, spills by reason, per-replica load, leases and serving state. The
+router sees conversation ids only, never prompt text.
 """
 
 from __future__ import annotations
 
+import collections
 import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from chatmesh.mesh import logs
+from chatmesh.mesh import logs, metrics
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import NotFound
@@ -54,12 +55,16 @@ class _Collector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        picks = CounterMetricFamily("chatmesh_router_picks", "picks by outcome (home or spill reason)",
-                                    labels=["outcome"])
+        picks = CounterMetricFamily("chatmesh_router_picks",
+                                    "picks by outcome (home or spill reason) and the replica picked",
+                                    labels=["outcome", "replica"])
         spills = CounterMetricFamily("chatmesh_router_spills", "turns sent away from their home replica",
                                      labels=["reason"])
-        for outcome, count in self._metrics.picks.items():
-            picks.add_metric([outcome.value], count)
+        by_outcome = dict.fromkeys(PickOutcome, 0)
+        for (outcome, replica), count in self._metrics.picks.items():
+            picks.add_metric([outcome.value, replica], count)
+            by_outcome[outcome] += count
+        for outcome, count in by_outcome.items():
             if outcome.spilled:
                 spills.add_metric([outcome.value.removeprefix("spill_")], count)
         releases = CounterMetricFamily("chatmesh_router_releases", "leases released by outcome",
@@ -82,14 +87,14 @@ class _Collector(Collector):
 
 
 class Metrics:
-    """Counts kept as plain ints (one event loop owns them) and exported by `_Collector` at scrape time;
-    spills by reason are the spilled outcomes' pick counts."""
+    """Counts kept as plain ints (one event loop owns them) and exported by `_Collector` at scrape time into the
+    service's registry; spills by reason are the spilled outcomes' pick counts."""
 
-    def __init__(self, membership: Membership) -> None:
-        self.picks: dict[PickOutcome, int] = dict.fromkeys(PickOutcome, 0)
+    def __init__(self, membership: Membership, registry: metrics.Registry | None = None) -> None:
+        self.picks: collections.Counter[tuple[PickOutcome, ReplicaId]] = collections.Counter()
         self.releases: dict[str, int] = {"released": 0, "unknown": 0}
-        self.registry = CollectorRegistry()
-        self.registry.register(_Collector(membership, self))
+        self.registry = registry or metrics.Registry(process=False)
+        self.registry.collector(_Collector(membership, self))
 
 
 class RouteServicer(route_pb2_grpc.RouteServiceServicer):
@@ -104,7 +109,7 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         excluded = request.exclude_replica_ids
         exclude = frozenset(ReplicaId(r) for r in excluded) if excluded else _NO_EXCLUSIONS
         pick, expires_at_s = self._membership.pick(conversation, exclude)
-        self._metrics.picks[pick.outcome] += 1
+        self._metrics.picks[pick.outcome, pick.replica.id] += 1
         return route_pb2.PickReplicaResponse(
             replica_id=pick.replica.id, address=pick.replica.address, lease_id=pick.lease_id,
             outcome=outcome_pb(pick.outcome), home_replica_id=pick.home,
@@ -140,18 +145,15 @@ def build(cfg: Config) -> Service:
     ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
                 lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S], min_spill_load=cfg[settings.ROUTER_MIN_SPILL_LOAD])
     membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH])
-    metrics = Metrics(membership)
-    servicer = RouteServicer(membership, metrics)
+    registry = metrics.Registry()
+    servicer = RouteServicer(membership, Metrics(membership, registry))
     service = Service(name="router", register=lambda server: _register(server, servicer),
-                      close=membership.close)
+                      close=membership.close, metrics=registry)
 
     async def start() -> None:
         service.background.extend(membership.watchers(cfg[settings.ROUTER_STATS_INTERVAL_MS]))
-        port = cfg[settings.ROUTER_METRICS_PORT]
-        if port:
-            start_http_server(port, registry=metrics.registry)
         log.info("router_ready", replicas=len(replicas), eps=ring.eps, vnodes=ring.vnodes,
-                 min_spill_load=ring.min_spill_load, metrics_port=port)
+                 min_spill_load=ring.min_spill_load)
 
     service.start = start
     return service

@@ -1,4 +1,4 @@
-"""RouteService settings: the replicas, the bounded-load parameters, leases, health and metrics."""
+"""RouteService settings: the replicas, the bounded-load parameters, leases and health (its metrics port is in chatmesh.mesh.settings)."""
 
 from __future__ import annotations
 
@@ -25,5 +25,3 @@ ROUTER_HEALTH = Setting(
     "watch each engine's grpc.health.v1 status and stats (false: every configured replica is serving)", parse_bool)
 ROUTER_STATS_INTERVAL_MS = Setting(
     "CHATMESH_ROUTER_STATS_INTERVAL_MS", 500, "how often engines report their load to the router", int)
-ROUTER_METRICS_PORT = Setting(
-    "CHATMESH_ROUTER_METRICS_PORT", 0, "HTTP port for the router's Prometheus metrics (0: off)", int)
