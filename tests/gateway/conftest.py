@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from chatmesh.gateway.app import server_for
+from starlette.applications import Starlette
+
+from chatmesh.gateway.app import create_app, server_for
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.fake_chat import FakeChat, start_fake_chat
@@ -22,6 +24,7 @@ class Gateway:
     url: str
     task: asyncio.Task[None]
     stop: Callable[[], Coroutine[Any, Any, None]]
+    app: Starlette
 
     def client(self, **kwargs: object) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=10.0, **kwargs)  # type: ignore[arg-type]
@@ -46,7 +49,9 @@ async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object) -> As
         port = free_port()
         values = {"CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
                   "CHATMESH_SHUTDOWN_GRACE_S": "1", **env}
-        server = server_for(Config(env=values), port=port)
+        cfg = Config(env=values)
+        app = create_app(cfg)
+        server = server_for(cfg, app, port=port)
         task = asyncio.create_task(server.serve())
         while not server.started:
             if task.done():
@@ -58,7 +63,7 @@ async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object) -> As
             server.should_exit = True
             await asyncio.wait_for(task, 10)
 
-        gw = Gateway(f"{scheme}://127.0.0.1:{port}", task, stop)
+        gw = Gateway(f"{scheme}://127.0.0.1:{port}", task, stop, app)
         started.append(gw)
         return gw
 

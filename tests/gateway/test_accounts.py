@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from chatmesh.gateway.accounts import Accounts, check_password, hash_password, open_accounts
-from chatmesh.gateway.auth import digest
 from chatmesh.mesh import errors
 
 
@@ -46,15 +45,15 @@ async def test_users_keys_sessions(accounts: Accounts) -> None:
     with pytest.raises(errors.Conflict):
         await accounts.create_user("alice")
     key = await accounts.create_key("alice")
-    assert await accounts.owner_for_key(digest(key)) == owner
-    assert await accounts.owner_for_key(digest(key + "x")) is None
+    assert await accounts.owner_for_key(key) == owner
+    assert await accounts.owner_for_key(key + "x") is None
     assert await accounts.login("alice", "wrong") is None
     session = await accounts.login("alice", "pw")
     assert session is not None and session.owner == owner
-    found = await accounts.session(digest(session.token))
+    found = await accounts.session(session.token)
     assert found is not None and found.csrf_token == session.csrf_token
-    await accounts.end_session(digest(session.token))
-    assert await accounts.session(digest(session.token)) is None
+    await accounts.end_session(session.token)
+    assert await accounts.session(session.token) is None
     assert await accounts.revoke_key(key)
     assert not await accounts.revoke_key(key)
 
@@ -64,3 +63,20 @@ def test_password_hash_is_salted_scrypt() -> None:
     assert one != two and one.startswith("scrypt$")
     assert check_password("secret", one) and not check_password("Secret", one)
     assert not check_password("secret", "garbage")
+
+
+async def test_digests_are_keyed_by_the_pepper(tmp_path: Path) -> None:
+    peppered = open_accounts("", str(tmp_path), pepper="pepper-one")
+    await peppered.create_tables()
+    owner = await peppered.create_user("ida")
+    key = await peppered.create_key("ida")
+    other = open_accounts("", str(tmp_path), pepper="pepper-two")
+    try:
+        assert await peppered.owner_for_key(key) == owner
+        assert await other.owner_for_key(key) is None  # the tables alone do not confirm a key
+        async with peppered._engine.connect() as conn:  # noqa: SLF001 - what is stored
+            stored = await conn.scalar(sa.text("select key_digest from auth_api_keys"))
+        assert stored == peppered.digest(key) != other.digest(key)
+    finally:
+        await peppered.close()
+        await other.close()

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
 
+from chatmesh.gateway.auth import SESSION_COOKIE
 from chatmesh.gateway.cli import accounts_for
+from chatmesh.gateway.login_throttle import DEVICE_COOKIE, LoginThrottle, Rate
 from chatmesh.mesh.cli import main
 from chatmesh.mesh.config import Config
 from tests.gateway.conftest import Gateway, StartGateway
@@ -164,16 +167,70 @@ async def test_local_identity_serves_plain_curl(gateway: Gateway) -> None:
     assert me == {"user": "local", "via": "local", "csrf_token": None}
 
 
-async def test_password_guessing_is_throttled_per_user_name(required: Gateway, tmp_path: Path) -> None:
+async def test_a_key_revoked_elsewhere_stops_working_on_every_running_gateway_within_the_bound(
+        start_gateway: StartGateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key = await make_key(tmp_path, "dora", capsys)
+    gateways = [await start_gateway(CHATMESH_AUTH="required") for _ in range(2)]
+    clients = [gw.client(headers=bearer(key)) for gw in gateways]
+    for client in clients:  # warm each gateway's lookup cache with the live key
+        assert (await client.get("/v1/conversations")).status_code == 200
+    assert await cli("keys", "revoke", key, "--data-dir", str(tmp_path)) == 0  # another process
+    revoked_at = time.monotonic()
+    seen: list[float] = []
+    for client in clients:
+        while (await client.get("/v1/conversations")).status_code == 200:
+            assert time.monotonic() - revoked_at < 1.0, "a revoked key must stop working within the 0.5 s bound"
+            await asyncio.sleep(0.02)
+        seen.append(time.monotonic() - revoked_at)
+        await client.aclose()
+    assert max(seen) < 1.0
+
+
+def from_address(gw: Gateway, address: str) -> httpx.AsyncClient:
+    """A client whose connections come from `address` (any of 127.0.0.0/8 on Linux)."""
+    return httpx.AsyncClient(base_url=gw.url, timeout=10,
+                             transport=httpx.AsyncHTTPTransport(local_address=address))
+
+
+async def test_guessing_cannot_lock_the_user_out(start_gateway: StartGateway, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Per (address, name) the attacker locks out only themselves; a distributed attack can exhaust the name's
+    bucket (small rates here), and then the user still logs in from a browser that logged in before (device
+    cookie), from an existing session, or with an API key."""
+    key = await make_key(tmp_path, "gina", capsys)
     accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(tmp_path)}))
     await accounts.create_tables()
-    await accounts.create_user("gina", "right")
+    await accounts.create_user("gina-pw", "right")
     await accounts.close()
-    async with required.client() as client:
-        statuses = [(await client.post("/v1/session", json={"username": "gina", "password": f"guess{i}"})).status_code
-                    for i in range(11)]
-        right = await client.post("/v1/session", json={"username": "gina", "password": "right"})
-        other = await client.post("/v1/session", json={"username": "hank", "password": "x"})
-    assert statuses == [401] * 10 + [429]
-    assert right.status_code == 429 and int(right.headers["retry-after"]) >= 1
-    assert other.status_code == 401
+    gw = await start_gateway(CHATMESH_AUTH="required")
+    gw.app.state.login_throttle = LoginThrottle("chatmesh-dev-pepper", pair=Rate(3, 30), name=Rate(8, 8))
+    right = {"username": "gina-pw", "password": "right"}
+    async with from_address(gw, "127.0.0.3") as victim:
+        assert (await victim.post("/v1/session", json=right)).status_code == 201  # a device cookie now
+        assert DEVICE_COOKIE in victim.cookies
+        session_cookie = victim.cookies[SESSION_COOKIE]
+        async with from_address(gw, "127.0.0.2") as attacker:
+            statuses = [(await attacker.post("/v1/session", json={**right, "password": f"guess{i}"})).status_code
+                        for i in range(4)]
+            assert statuses == [401, 401, 401, 429]
+            assert (await attacker.post("/v1/session", json=right)).status_code == 429  # locked: this address
+        async with from_address(gw, "127.0.0.4") as elsewhere:  # the same name from another address: fine
+            assert (await elsewhere.post("/v1/session", json=right)).status_code == 201
+        for n in range(5, 8):  # a distributed attack empties the name's bucket
+            async with from_address(gw, f"127.0.0.{n}") as bot:
+                for i in range(3):
+                    await bot.post("/v1/session", json={**right, "password": f"bot{i}"})
+        async with from_address(gw, "127.0.0.9") as new_browser:
+            locked = await new_browser.post("/v1/session", json=right)
+            assert locked.status_code == 429 and "name" in locked.json()["error"]["message"]
+            assert int(locked.headers["retry-after"]) >= 1
+            new_browser.cookies.set(SESSION_COOKIE, session_cookie)  # ... unless it has a session of the user
+            assert (await new_browser.post("/v1/session", json=right)).status_code == 201
+        async with from_address(gw, "127.0.0.10") as by_key:
+            assert (await by_key.post("/v1/session", json={"api_key": key})).status_code == 201
+        victim.cookies.delete(SESSION_COOKIE)
+        assert (await victim.post("/v1/session", json=right)).status_code == 201  # the device cookie
+        forged = httpx.AsyncClient(base_url=gw.url, timeout=10, cookies={
+            DEVICE_COOKIE: victim.cookies[DEVICE_COOKIE][:-4] + "AAAA"})
+        async with forged:
+            assert (await forged.post("/v1/session", json=right)).status_code == 429

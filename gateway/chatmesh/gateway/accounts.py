@@ -3,13 +3,17 @@ browser sessions. The gateway creates them at start (`create_all`, idempotent).
 
 - auth_users: a user id (the owner id every ChatService call carries), a unique name, an optional password
   (scrypt, n=2^14 r=8 p=1, per-user salt).
-- auth_api_keys: SHA-256 digest of the key, never the key; the key is shown once by `chatmesh keys create`.
+- auth_api_keys: the key's digest, never the key; the key is shown once by `chatmesh keys create`.
   Keys are `cmk_` + 43 URL-safe characters (256 random bits), so a fast digest is enough.
-- auth_sessions: SHA-256 digest of the cookie value, the CSRF token handed to the page, and an expiry.
+- auth_sessions: the digest of the cookie value, the CSRF token handed to the page, and an expiry.
 
-Lookups on the request path are cached in this process for `cache_s` seconds (10 by default), so a burst of
-requests with one key costs one query; a revoked key or ended session stops working within that time here, and
-at once on logout from this process.
+Digests are HMAC-SHA256 keyed by CHATMESH_KEY_PEPPER (a secret kept outside the database), so a copy of the
+tables alone cannot even confirm a guessed key. Changing the pepper invalidates every key and session.
+
+Lookups on the request path are cached in this process for `cache_s` seconds (CHATMESH_AUTH_CACHE_S, 0.5 by
+default), so a burst of requests with one key costs one query: a key revoked or a session ended anywhere (the
+`chatmesh keys revoke` command, a logout on another gateway) stops working on every gateway within that bound,
+and at once in the process that did it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from chatmesh.gateway.auth import Session, digest
+from chatmesh.gateway.auth import Session
+from chatmesh.gateway.settings import KEY_PEPPER
 from chatmesh.mesh import errors, ids
 from chatmesh.store.db import database_url as resolve_url
 
@@ -93,12 +98,18 @@ class NewSession:
 class Accounts:
     """Users, keys and sessions on the auth_ tables; implements `auth.Credentials`."""
 
-    def __init__(self, engine: AsyncEngine, session_ttl_s: int = 7 * 24 * 3600, cache_s: float = 10.0):
+    def __init__(self, engine: AsyncEngine, session_ttl_s: int = 7 * 24 * 3600, cache_s: float = 0.5,
+                 pepper: str = KEY_PEPPER.default):
         self._engine = engine
+        self._pepper = pepper.encode()
         self._session_ttl_s = session_ttl_s
         self._cache_s = cache_s
         self._keys: dict[str, tuple[float, ids.OwnerId | None]] = {}
         self._sessions: dict[str, tuple[float, Session | None]] = {}
+
+    def digest(self, secret: str) -> str:
+        """What is stored for a key or session token: HMAC-SHA256 under the pepper, hex."""
+        return hmac.new(self._pepper, secret.encode(), hashlib.sha256).hexdigest()
 
     async def create_tables(self) -> None:
         """Idempotent. Two gateways starting at once on PostgreSQL can race on CREATE TABLE; the loser retries
@@ -141,11 +152,11 @@ class Accounts:
         key = "cmk_" + secrets.token_urlsafe(32)
         async with self._engine.begin() as conn:
             await conn.execute(api_keys.insert().values(
-                key_digest=digest(key), user_id=owner, label=label, prefix=key[:10], created_at_ms=_now_ms()))
+                key_digest=self.digest(key), user_id=owner, label=label, prefix=key[:10], created_at_ms=_now_ms()))
         return key
 
     async def revoke_key(self, key: str) -> bool:
-        key_digest = digest(key)
+        key_digest = self.digest(key)
         self._keys.pop(key_digest, None)
         async with self._engine.begin() as conn:
             done = await conn.execute(api_keys.update().where(
@@ -153,7 +164,8 @@ class Accounts:
                 revoked_at_ms=_now_ms()))
         return bool(done.rowcount)
 
-    async def owner_for_key(self, key_digest: str) -> ids.OwnerId | None:
+    async def owner_for_key(self, key: str) -> ids.OwnerId | None:
+        key_digest = self.digest(key)
         cached = self._keys.get(key_digest)
         now = time.monotonic()
         if cached is not None and cached[0] > now:
@@ -180,11 +192,12 @@ class Accounts:
         async with self._engine.begin() as conn:
             await conn.execute(sessions.delete().where(sessions.c.expires_at_ms < _now_ms()))
             await conn.execute(sessions.insert().values(
-                session_digest=digest(token), user_id=owner, csrf_token=csrf,
+                session_digest=self.digest(token), user_id=owner, csrf_token=csrf,
                 expires_at_ms=_now_ms() + self._session_ttl_s * 1000))
         return NewSession(token, csrf, owner, self._session_ttl_s)
 
-    async def session(self, session_digest: str) -> Session | None:
+    async def session(self, token: str) -> Session | None:
+        session_digest = self.digest(token)
         cached = self._sessions.get(session_digest)
         now = time.monotonic()
         if cached is not None and cached[0] > now:
@@ -198,18 +211,20 @@ class Accounts:
         self._sessions[session_digest] = (now + self._cache_s, found)
         return found
 
-    async def end_session(self, session_digest: str) -> None:
+    async def end_session(self, token: str) -> None:
+        session_digest = self.digest(token)
         self._sessions.pop(session_digest, None)
         async with self._engine.begin() as conn:
             await conn.execute(sessions.delete().where(sessions.c.session_digest == session_digest))
 
 
-def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 * 3600) -> Accounts:
+def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 * 3600, *, cache_s: float = 0.5,
+                  pepper: str = KEY_PEPPER.default) -> Accounts:
     """The auth_ tables on the store's database: `database_url` if set, else the embedded SQLite file (WAL and
     a busy timeout, so the gateway and the store processes can share it)."""
     url = resolve_url(database_url, data_dir)
     if not url.startswith("sqlite"):
-        return Accounts(create_async_engine(url, pool_size=5, max_overflow=5), session_ttl_s)
+        return Accounts(create_async_engine(url, pool_size=5, max_overflow=5), session_ttl_s, cache_s, pepper)
     engine = create_async_engine(url, connect_args={"timeout": 30})
 
     @sa.event.listens_for(engine.sync_engine, "connect")
@@ -220,4 +235,4 @@ def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
-    return Accounts(engine, session_ttl_s)
+    return Accounts(engine, session_ttl_s, cache_s, pepper)

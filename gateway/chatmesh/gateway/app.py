@@ -41,6 +41,7 @@ from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_option
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
+from chatmesh.gateway.login_throttle import LoginThrottle
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
@@ -190,6 +191,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         middleware=[Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
     app.router.redirect_slashes = False  # see _slash_redirect
     app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
+    app.state.login_throttle = LoginThrottle(cfg[settings.KEY_PEPPER])
     app.state.relays = relays
     app.state.metrics = registry
     app.state.accounts = None

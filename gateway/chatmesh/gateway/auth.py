@@ -5,13 +5,12 @@ state-changing method (POST, PUT, PATCH, DELETE), the `X-CSRF-Token` header must
 (a cross-site form or fetch cannot read it, so it cannot forge it: the synchroniser-token pattern on top of the
 SameSite cookie); else, with CHATMESH_AUTH=local, the development identity; else 401.
 
-Secrets are stored hashed (SHA-256 of a 256-bit random token: a slow hash adds nothing at that entropy); see
-chatmesh.gateway.accounts for the tables.
+Secrets are stored as keyed digests (HMAC-SHA256 under CHATMESH_KEY_PEPPER of a 256-bit random token: a slow
+hash adds nothing at that entropy); see chatmesh.gateway.accounts for the tables.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,10 +26,6 @@ CSRF_HEADER = "x-csrf-token"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-def digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
 @dataclass(frozen=True)
 class Session:
     owner: ids.OwnerId
@@ -38,11 +33,11 @@ class Session:
 
 
 class Credentials(Protocol):
-    """Where keys and sessions are looked up (the auth_ tables)."""
+    """Where keys and sessions are looked up (the auth_ tables), by the secret itself (hashed there)."""
 
-    async def owner_for_key(self, key_digest: str) -> ids.OwnerId | None: ...
+    async def owner_for_key(self, key: str) -> ids.OwnerId | None: ...
 
-    async def session(self, session_digest: str) -> Session | None: ...
+    async def session(self, token: str) -> Session | None: ...
 
 
 def unauthenticated(message: str = "authentication required: an API key (Bearer) or a session") -> ApiError:
@@ -64,13 +59,13 @@ class Authenticator:
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise unauthenticated("Authorization must be `Bearer <api key>`")
-            owner = await self._credentials.owner_for_key(digest(token.strip())) if self._credentials else None
+            owner = await self._credentials.owner_for_key(token.strip()) if self._credentials else None
             if owner is None:
                 raise unauthenticated("unknown or revoked API key")
             return Principal(owner, Via.API_KEY)
         cookie = request.cookies.get(SESSION_COOKIE)
         if cookie and self._credentials is not None:
-            session = await self._credentials.session(digest(cookie))
+            session = await self._credentials.session(cookie)
             if session is not None:
                 if request.method not in _SAFE_METHODS:
                     sent = request.headers.get(CSRF_HEADER, "")

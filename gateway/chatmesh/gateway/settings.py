@@ -48,3 +48,9 @@ IDLE_TIMEOUT_S = Setting("CHATMESH_EDGE_IDLE_TIMEOUT_S", 5.0,
 PUBLIC_ORIGIN = Setting("CHATMESH_PUBLIC_ORIGIN", "",
                         "the edge's public origin (https://chat.example.com) that redirects are built from; "
                         "empty: redirects carry only the path (never the request's Host header)", str)
+KEY_PEPPER = Setting("CHATMESH_KEY_PEPPER", "chatmesh-dev-pepper",
+                     "secret keying the stored digests of API keys and session tokens, and signing device cookies "
+                     "(set a secret in production: a non-loopback gateway refuses this default)", str)
+AUTH_CACHE_S = Setting("CHATMESH_AUTH_CACHE_S", 0.5,
+                       "seconds a key or session lookup is cached per gateway: a revoked key or ended session stops "
+                       "working everywhere within this bound", float)
