@@ -38,16 +38,18 @@ class GetConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ...) -> None: ...
 
 class SendTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "content")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "content", "prompt_token_allowance")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
     content: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    prompt_token_allowance: int
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ...) -> None: ...
 
 class SendTurnResponse(_message.Message):
     __slots__ = ("event",)
@@ -90,14 +92,16 @@ class StopTurnResponse(_message.Message):
     def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
 
 class RegenerateTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "prompt_token_allowance")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+    prompt_token_allowance: int
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ...) -> None: ...
 
 class RegenerateTurnResponse(_message.Message):
     __slots__ = ("event",)
@@ -188,12 +192,14 @@ class TurnEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., delta: _Optional[_Union[TurnDelta, _Mapping]] = ..., completed: _Optional[_Union[TurnCompleted, _Mapping]] = ..., stopped: _Optional[_Union[TurnStopped, _Mapping]] = ..., failed: _Optional[_Union[TurnFailed, _Mapping]] = ..., blocked: _Optional[_Union[TurnBlocked, _Mapping]] = ...) -> None: ...
 
 class TurnStarted(_message.Message):
-    __slots__ = ("turn_id", "replayed")
+    __slots__ = ("turn_id", "replayed", "prompt_tokens")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     replayed: bool
-    def __init__(self, turn_id: _Optional[str] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, turn_id: _Optional[str] = ..., replayed: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TurnDelta(_message.Message):
     __slots__ = ("text",)
