@@ -11,6 +11,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager, PrefixHit
 from chatmesh.engine_adapter.executor import BlockCopy, Tier
+from chatmesh.engine_adapter.residency import FROM_START
 
 BS = 4
 
@@ -110,7 +111,10 @@ class BlockMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(BlockConfig(BS, 12, 6))
+        self.bm.residency.slack = 2  # compact often, so watchers also meet resyncs
         self.next_id = 0
+        self.watched: dict[str, int] = {}  # what a watcher rebuilt from the journal (residency.py)
+        self.cursor = FROM_START
 
     @rule(target=seqs, tokens=st.lists(st.integers(1, 3), min_size=1, max_size=40),
           prefix=st.integers(0, 12), salt=st.sampled_from([b"a", b"b"]), conv=st.sampled_from(["c1", "c2", None]))
@@ -158,6 +162,20 @@ class BlockMachine(RuleBasedStateMachine):
     def run_copies(self) -> None:
         for copy in self.bm.take_copies():
             assert isinstance(copy, BlockCopy) and copy.src_tier is not copy.dst_tier
+
+    @rule()
+    def watch(self) -> None:
+        """A watcher (the router) applying the journal's changes knows exactly what is cached per conversation."""
+        changes = self.bm.residency.changes(self.cursor)
+        if changes.full:
+            self.watched.clear()
+        for conversation, tokens in changes.conversations:
+            if tokens:
+                self.watched[conversation] = tokens
+            else:
+                self.watched.pop(conversation, None)
+        self.cursor = changes.version
+        assert self.watched == self.bm.residency.held()
 
     @invariant()
     def consistent(self) -> None:

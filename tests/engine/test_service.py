@@ -13,8 +13,10 @@ from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 from chatmesh.engine_adapter import service as engine_service
 from chatmesh.engine_adapter import settings as engine_settings
 from chatmesh.engine_adapter import sim
+from chatmesh.engine_adapter.backend import Residency
 from chatmesh.engine_adapter.local import backend as local_backend
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import ConversationId
 from chatmesh.mesh.server import serve
 from tests.conftest import free_port
 
@@ -110,6 +112,45 @@ async def test_evict_and_stats(stub: generate_pb2_grpc.GenerateServiceAsyncStub)
     assert isinstance(first, generate_pb2.WatchStatsResponse) and isinstance(second, generate_pb2.WatchStatsResponse)
     assert second.stats.generations == 1
     watch.cancel()
+
+
+async def test_watch_stats_streams_which_conversations_are_cached(
+        stub: generate_pb2_grpc.GenerateServiceAsyncStub) -> None:
+    watch = stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=10, include_residency=True))
+    first = await watch.read()
+    assert isinstance(first, generate_pb2.WatchStatsResponse) and first.HasField("residency")
+    assert first.residency.full
+    request = _request(max_tokens=40)  # 69 prompt tokens + 40: three full private blocks of 32 (the sim's default)
+    [r async for r in stub.Generate(request)]
+    held: dict[str, int] = {}
+    for _ in range(100):
+        update = await watch.read()
+        assert isinstance(update, generate_pb2.WatchStatsResponse) and not update.residency.full
+        held.update((c.conversation_id, c.cached_tokens) for c in update.residency.conversations)
+        if held.get(request.conversation_id) == 96:  # updates sent while it ran may show fewer
+            break
+    assert held[request.conversation_id] == 96
+    await stub.Evict(generate_pb2.EvictRequest(conversation_id=request.conversation_id))
+    for _ in range(100):
+        update = await watch.read()
+        assert isinstance(update, generate_pb2.WatchStatsResponse)
+        held.update((c.conversation_id, c.cached_tokens) for c in update.residency.conversations)
+        if held[request.conversation_id] == 0:
+            break
+    assert held[request.conversation_id] == 0
+    plain = stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=10))
+    unasked = await plain.read()
+    assert isinstance(unasked, generate_pb2.WatchStatsResponse) and not unasked.HasField("residency")
+    watch.cancel()
+    plain.cancel()
+
+
+def test_a_long_residency_listing_spans_several_updates() -> None:
+    items = tuple((ConversationId(f"c{i}"), 32) for i in range(engine_service.RESIDENCY_PER_UPDATE + 5))
+    updates = engine_service.residency_to_proto(Residency(7, True, items))
+    assert [u.full for u in updates] == [True, False]
+    assert sum(len(u.conversations) for u in updates) == len(items)
+    assert [u.full for u in engine_service.residency_to_proto(Residency(7, False, ()))] == [False]
 
 
 async def test_cancel_frees_the_sequence(stub: generate_pb2_grpc.GenerateServiceAsyncStub) -> None:

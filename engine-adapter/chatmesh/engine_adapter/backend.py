@@ -120,6 +120,16 @@ class EngineStats:
     generations: int = 0
 
 
+@dataclass(frozen=True)
+class Residency:
+    """Which conversations' private prefixes the replica caches, in tokens (device and host tiers; 0: none left):
+    every one it holds (`full`), or those changed after the cursor the caller passed. `version` is the next cursor."""
+
+    version: int
+    full: bool
+    conversations: tuple[tuple[ConversationId, int], ...]
+
+
 class Backend(Protocol):
     """One engine replica as GenerateService sees it."""
 
@@ -142,6 +152,11 @@ class Backend(Protocol):
 
     def stats(self) -> EngineStats:
         """The current statistics."""
+        ...
+
+    def residency(self, since: int) -> Residency | None:
+        """Conversations' cached prefixes changed after cursor `since` (residency.FROM_START: list everything held);
+        None when this backend cannot tell which conversations it holds."""
         ...
 
     async def start(self) -> None:

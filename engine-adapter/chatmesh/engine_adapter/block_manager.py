@@ -24,6 +24,11 @@ Eviction by conversation or salt (deletion, I4): each salted cached block is tag
 conversation that computed or reused it. Evicting drops those hashes from both tiers; a block still in use
 loses its hash and is freed when its sequence releases it.
 
+Residency (what the router places turns by, residency.py): a conversation's cached tokens here are its tagged
+blocks, device and host tiers together, times the block size (the shared platform prefix is untagged and not
+counted). Each change of a conversation's count (a block committed, reused under another conversation, dropped)
+is recorded in `residency`, a journal watchers read by cursor: O(1) per block touched in a step.
+
 Parameters: `BlockConfig(block_size, device_blocks, host_blocks)`; host_blocks 0 disables the spill tier.
 Counters (`BlockStats`): tier occupancy, device evictions (spills or drops), host evictions (drops).
 """
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from chatmesh.engine_adapter.executor import BlockCopy, Tier
+from chatmesh.engine_adapter.residency import ResidencyJournal
 
 BlockHash = bytes
 K = TypeVar("K")
@@ -134,6 +140,7 @@ class BlockManager:
         self._copies: list[BlockCopy] = []
         self.device_evictions = 0
         self.host_evictions = 0
+        self.residency = ResidencyJournal()  # conversation -> cached private tokens, with a change journal
 
     # ---- sequences -------------------------------------------------------------------------------------
 
@@ -300,8 +307,13 @@ class BlockManager:
             return
         if tag.conversation is not None:
             _discard(self._by_conversation, tag.conversation, h)
+            self._changed(tag.conversation)
         self._tags[h] = _Tag(tag.salt, conversation)
         self._by_conversation.setdefault(conversation, set()).add(h)
+        self._changed(conversation)
+
+    def _changed(self, conversation: str) -> None:
+        self.residency.set(conversation, len(self._by_conversation.get(conversation, ())) * self.block_size)
 
     def _forget(self, h: BlockHash) -> None:
         """Removes a hash from the index (its block is being reused or dropped)."""
@@ -312,6 +324,7 @@ class BlockManager:
         _discard(self._by_salt, tag.salt, h)
         if tag.conversation is not None:
             _discard(self._by_conversation, tag.conversation, h)
+            self._changed(tag.conversation)
 
     def _drop_all(self, hashes: set[BlockHash]) -> int:
         dropped = 0
@@ -358,6 +371,8 @@ class BlockManager:
         assert hashed == len(self._where)
         for salt, hs in self._by_salt.items():
             assert all(self._tags[h].salt == salt for h in hs)
+        self.residency.check()
+        assert self.residency.held() == {c: len(hs) * self.block_size for c, hs in self._by_conversation.items()}
 
 
 def _discard(index: dict[K, set[BlockHash]], key: K, h: BlockHash) -> None:

@@ -35,6 +35,7 @@ from chatmesh.engine_adapter.backend import (
     Finished,
     GenerateEvent,
     GenerateParams,
+    Residency,
     Started,
     TierStats,
     Usage,
@@ -213,6 +214,10 @@ class EngineCore:
             hit_tokens=c.hit_tokens, miss_tokens=c.miss_tokens, host_hit_tokens=c.host_hit_tokens,
             device_evictions=b.device_evictions, host_evictions=b.host_evictions, preemptions=c.preemptions,
             generations=c.generations)
+
+    def residency(self, since: int) -> Residency:
+        r = self.blocks.residency.changes(since)
+        return Residency(r.version, r.full, tuple((ConversationId(c), n) for c, n in r.conversations))
 
     # ---- the step loop -------------------------------------------------------------------------------------
 

@@ -25,10 +25,12 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    Residency,
     Started,
     TierStats,
 )
 from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.residency import FROM_START
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, TurnId, parse_conversation_id, parse_turn_id
@@ -41,6 +43,7 @@ BACKENDS: dict[str, str] = {
 }
 DEFAULT_WATCH_INTERVAL_MS = 1000
 MIN_WATCH_INTERVAL_MS = 10
+RESIDENCY_PER_UPDATE = 4096  # conversations per WatchStatsResponse; a longer listing spans several (~200 KiB each)
 
 
 class _BackendModule(Protocol):
@@ -113,6 +116,15 @@ def stats_to_proto(s: EngineStats) -> generate_pb2.EngineStats:
         generations=s.generations)
 
 
+def residency_to_proto(r: Residency) -> list[generate_pb2.ResidencyUpdate]:
+    """One update, or for a long listing several in a row (only the first flagged full)."""
+    items = r.conversations
+    chunks = [items[i:i + RESIDENCY_PER_UPDATE] for i in range(0, len(items), RESIDENCY_PER_UPDATE)] or [()]
+    return [generate_pb2.ResidencyUpdate(full=r.full and k == 0, conversations=[
+        generate_pb2.ConversationResidency(conversation_id=c, cached_tokens=n) for c, n in chunk])
+        for k, chunk in enumerate(chunks)]
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Protobuf <-> Backend."""
 
@@ -154,8 +166,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         if request.interval_ms < 0:
             raise InvalidArgument("interval_ms must not be negative")
         interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS) / 1000
+        cursor = FROM_START  # this stream's residency cursor: a full listing first, then changes
         while True:
-            yield generate_pb2.WatchStatsResponse(stats=stats_to_proto(self.backend.stats()))
+            stats = stats_to_proto(self.backend.stats())
+            residency = self.backend.residency(cursor) if request.include_residency else None
+            if residency is None:
+                yield generate_pb2.WatchStatsResponse(stats=stats)
+            else:
+                cursor = residency.version
+                for update in residency_to_proto(residency):
+                    yield generate_pb2.WatchStatsResponse(stats=stats, residency=update)
             await asyncio.sleep(interval)
 
 

@@ -43,6 +43,7 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    Residency,
     Started,
     TierStats,
     Usage,
@@ -271,6 +272,9 @@ class TritonBackend:
         task = asyncio.get_running_loop().create_task(refresh())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def residency(self, since: int) -> Residency | None:
+        return None  # not reported through Triton yet: the router places this replica's turns by its own picks
 
     def stats(self) -> EngineStats:
         return self._stats

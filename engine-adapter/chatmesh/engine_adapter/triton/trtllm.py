@@ -36,6 +36,7 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    Residency,
     Started,
     TierStats,
     Usage,
@@ -175,6 +176,9 @@ class TrtLlmBackend:
     async def evict_salt(self, salt: bytes) -> int:
         log.info("trtllm_evict_unsupported", target="salt")
         return 0
+
+    def residency(self, since: int) -> Residency | None:
+        return None  # not reported through Triton yet: the router places this replica's turns by its own picks
 
     def stats(self) -> EngineStats:
         kv = self._iteration.get("kvCacheStats", {})

@@ -110,16 +110,36 @@ class GetStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class WatchStatsRequest(_message.Message):
-    __slots__ = ("interval_ms",)
+    __slots__ = ("interval_ms", "include_residency")
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     interval_ms: int
-    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+    include_residency: bool
+    def __init__(self, interval_ms: _Optional[int] = ..., include_residency: _Optional[bool] = ...) -> None: ...
 
 class WatchStatsResponse(_message.Message):
-    __slots__ = ("stats",)
+    __slots__ = ("stats", "residency")
     STATS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     stats: EngineStats
-    def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+    residency: ResidencyUpdate
+    def __init__(self, stats: _Optional[_Union[EngineStats, _Mapping]] = ..., residency: _Optional[_Union[ResidencyUpdate, _Mapping]] = ...) -> None: ...
+
+class ResidencyUpdate(_message.Message):
+    __slots__ = ("full", "conversations")
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    full: bool
+    conversations: _containers.RepeatedCompositeFieldContainer[ConversationResidency]
+    def __init__(self, full: _Optional[bool] = ..., conversations: _Optional[_Iterable[_Union[ConversationResidency, _Mapping]]] = ...) -> None: ...
+
+class ConversationResidency(_message.Message):
+    __slots__ = ("conversation_id", "cached_tokens")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    cached_tokens: int
+    def __init__(self, conversation_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KvTierStats(_message.Message):
     __slots__ = ("blocks_total", "blocks_used", "blocks_free", "blocks_cached")
