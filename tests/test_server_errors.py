@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from chatmesh.mesh import errors
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import Service, serve, stream_errors, unary_errors
 from chatmesh.v1 import route_pb2, route_pb2_grpc
 from tests.conftest import free_port
@@ -48,7 +49,7 @@ async def test_core_errors_map_to_status_codes() -> None:
         route_pb2_grpc.add_RouteServiceServicer_to_server(Failing(), server)
         return ["chatmesh.v1.RouteService"]
 
-    task = asyncio.create_task(serve(Service("test", register), address, 0.1, ready=ready, stop=stop))
+    task = asyncio.create_task(serve(Service("test", register), address, 0.1, ready=ready, stop=stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 10)
     try:
         async with grpc.aio.insecure_channel(address) as channel:

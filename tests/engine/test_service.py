@@ -17,6 +17,7 @@ from chatmesh.engine_adapter.backend import Residency
 from chatmesh.engine_adapter.local import backend as local_backend
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import serve
 from tests.conftest import free_port
 
@@ -33,7 +34,8 @@ def _config(**extra: str) -> Config:
 async def stub() -> AsyncIterator[generate_pb2_grpc.GenerateServiceAsyncStub]:
     port = free_port()
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(engine_service.build(_config()), f"127.0.0.1:{port}", 0.5, ready, stop))
+    task = asyncio.create_task(serve(engine_service.build(_config()), f"127.0.0.1:{port}", 0.5, ready, stop,
+                                     trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 10)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield generate_pb2_grpc.GenerateServiceStub(channel)

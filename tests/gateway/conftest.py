@@ -47,7 +47,8 @@ async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object) -> As
 
     async def start(scheme: str = "http", **env: str) -> Gateway:
         port = free_port()
-        values = {"CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
+        values = {"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": fake_chat[1],
+                  "CHATMESH_DATA_DIR": str(tmp_path),
                   "CHATMESH_SHUTDOWN_GRACE_S": "1", **env}
         cfg = Config(env=values)
         app = create_app(cfg)

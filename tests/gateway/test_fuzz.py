@@ -40,7 +40,7 @@ def edge_url() -> Iterator[str]:
 
     async def main(data_dir: str) -> None:
         grpc_server, _ = await start_fake_chat(chat_port)
-        server = server_for(Config(env={"CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{chat_port}",
+        server = server_for(Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{chat_port}",
                                         "CHATMESH_DATA_DIR": data_dir, "CHATMESH_LIMIT_TURNS_PER_MINUTE": "100000",
                                         "CHATMESH_LIMIT_OPEN_STREAMS": "1000"}), port=port)
         task = asyncio.create_task(server.serve())

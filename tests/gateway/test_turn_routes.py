@@ -181,7 +181,7 @@ async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_
     need(shutil.which("openssl") is not None, "the openssl command")
     ca, cert, key = make_ca_and_cert(tmp_path)
     port = free_port()
-    cfg = Config(env={"CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
                       "CHATMESH_GATEWAY_SERVER": "hypercorn", "CHATMESH_TLS_CERT": str(cert),
                       "CHATMESH_TLS_KEY": str(key), "CHATMESH_SHUTDOWN_GRACE_S": "1"})
     stop = asyncio.Event()

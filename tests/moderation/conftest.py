@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import serve
 from chatmesh.moderation.moderator import Moderator
 from chatmesh.moderation.service import build
@@ -24,7 +25,7 @@ async def running(env: Mapping[str, str] | None = None, moderator: Moderator | N
     # A generous check deadline unless the test is about deadlines: a loaded CI machine must not turn a slow
     # scheduler into fallback verdicts.
     service = build(Config(env={"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "10000", **(env or {})}), moderator)
-    task = asyncio.create_task(serve(service, address, 1.0, ready=ready, stop=stop))
+    task = asyncio.create_task(serve(service, address, 1.0, ready=ready, stop=stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 30)
     try:
         yield address

@@ -22,7 +22,7 @@ CONV = "0b6f3c9e-4c1e-4d53-9a43-8f0f5a1c2d3e"
 
 
 def client(address: str, registry: CollectorRegistry, **env: str) -> ModerationClient:
-    cfg = Config(env={"CHATMESH_MODERATION_ADDRESS": address, "CHATMESH_MODERATION_CLIENT_TIMEOUT_MS": "10000", **env})
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_MODERATION_ADDRESS": address, "CHATMESH_MODERATION_CLIENT_TIMEOUT_MS": "10000", **env})
     return ModerationClient.from_config(cfg, registry)
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from chatmesh.engine_adapter import service as engine_service
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import serve
 from chatmesh.router.service import build
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
@@ -39,7 +40,7 @@ async def start_engine(replica_id: str, address: str) -> Running:
     cfg = Config(env={"CHATMESH_ENGINE": "sim", "CHATMESH_REPLICA_ID": replica_id, "CHATMESH_SIM_STEP_MS": "5",
                       "CHATMESH_DEVICE_BLOCKS": "256", "CHATMESH_HOST_BLOCKS": "0", "CHATMESH_SIM_TEXT": "words"})
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(engine_service.build(cfg), address, 0.2, ready, stop))
+    task = asyncio.create_task(serve(engine_service.build(cfg), address, 0.2, ready, stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 20)
     return Running(task, stop)
 
@@ -61,10 +62,10 @@ async def mesh() -> AsyncIterator[Mesh]:
     addresses = {rid: f"127.0.0.1:{free_port()}" for rid in ENGINES}
     engines = {rid: await start_engine(rid, addr) for rid, addr in addresses.items()}
     router_address = f"127.0.0.1:{free_port()}"
-    cfg = Config(env={"CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
                       "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50"})
     ready, stop = asyncio.Event(), asyncio.Event()
-    router = asyncio.create_task(serve(build(cfg), router_address, 0.2, ready, stop))
+    router = asyncio.create_task(serve(build(cfg), router_address, 0.2, ready, stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 20)
     async with grpc.aio.insecure_channel(router_address) as channel:
         yield Mesh(route_pb2_grpc.RouteServiceStub(channel), addresses, engines)

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import serve
 from chatmesh.router.service import build
 from chatmesh.v1 import route_pb2, route_pb2_grpc
@@ -28,9 +29,10 @@ REPLICAS = "engine-0=127.0.0.1:1,engine-1=127.0.0.1:2,engine-2=127.0.0.1:3"
 @pytest.fixture
 async def stub() -> AsyncIterator[route_pb2_grpc.RouteServiceAsyncStub]:
     address = f"127.0.0.1:{free_port()}"
-    cfg = Config(env={"CHATMESH_REPLICAS": REPLICAS, "CHATMESH_ROUTER_HEALTH": "false"})
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_REPLICAS": REPLICAS,
+                      "CHATMESH_ROUTER_HEALTH": "false"})
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(build(cfg), address, 0.5, ready=ready, stop=stop))
+    task = asyncio.create_task(serve(build(cfg), address, 0.5, ready=ready, stop=stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 10)
     async with grpc.aio.insecure_channel(address) as channel:
         yield route_pb2_grpc.RouteServiceStub(channel)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import serve
 from chatmesh.store.service import build
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
@@ -33,7 +34,8 @@ async def stub(backend: Backend, tmp_path: Path) -> AsyncIterator[Stub]:
         env["CHATMESH_DATABASE_SCHEMA"] = backend.schema
     address = f"127.0.0.1:{free_port()}"
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(build(Config(env=env)), address, 0.5, ready=ready, stop=stop))
+    task = asyncio.create_task(serve(build(Config(env=env)), address, 0.5, ready=ready, stop=stop,
+                                     trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 20)
     async with grpc.aio.insecure_channel(address) as channel:
         yield store_pb2_grpc.StoreServiceStub(channel)

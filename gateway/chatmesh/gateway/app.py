@@ -47,6 +47,7 @@ from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
 from chatmesh.mesh import ids, logs, metrics
 from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.trust import service_trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.v1 import chat_pb2_grpc
@@ -158,7 +159,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        channel = open_channel(cfg[mesh_settings.CHAT_ADDRESS])
+        channel = open_channel(service_trust(cfg, "gateway"), cfg[mesh_settings.CHAT_ADDRESS], "chat")
         limits = _limits(cfg)
         accounts = accounts_for(cfg)
         await accounts.create_tables()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 COMMAND_MODULES = (
     "chatmesh.mesh.commands",
     "chatmesh.mesh.up",
+    "chatmesh.mesh.certs",
     "chatmesh.store.cli",
     "chatmesh.router.cli",
     "chatmesh.engine_adapter.cli",
@@ -25,7 +26,7 @@ Handler = Callable[[argparse.Namespace], int]
 # Commands whose module is known: `chatmesh serve store` imports only what serving the store needs, not every
 # command's dependencies (torch, scikit-learn, matplotlib), so a service process starts in a second.
 KNOWN = {"serve": "chatmesh.mesh.commands", "model": "chatmesh.mesh.commands", "config": "chatmesh.mesh.commands",
-         "up": "chatmesh.mesh.up"}
+         "up": "chatmesh.mesh.up", "certs": "chatmesh.mesh.certs"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

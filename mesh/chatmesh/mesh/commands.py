@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import inspect
 import sys
 from typing import Any
 
 from chatmesh.mesh import config, logs, settings, tracing
 from chatmesh.mesh.config import Config, Setting
+from chatmesh.mesh.trust import Trust, TrustRefused, service_trust
 from chatmesh.model import assets
 from chatmesh.model import settings as model_settings
 
@@ -52,16 +54,25 @@ def _serve(args: argparse.Namespace) -> int:
     module_name, address = GRPC_SERVICES[args.service]
     module = importlib.import_module(module_name)
     listen = cfg[settings.LISTEN] or cfg[address]
-    asyncio.run(_run(module, cfg, listen, cfg[settings.METRIC_PORTS[args.service]]))
+    try:
+        trust = service_trust(cfg, args.service)
+        trust.check_address(listen, f"{args.service}: listening on")
+    except TrustRefused as err:
+        logs.get("chatmesh.serve").error("startup_refused", reason=str(err))
+        return 2
+    asyncio.run(_run(module, cfg, listen, trust, cfg[settings.METRIC_PORTS[args.service]]))
     return 0
 
 
-async def _run(module: Any, cfg: Config, listen: str, metrics_port: int) -> None:
+async def _run(module: Any, cfg: Config, listen: str, trust: Trust, metrics_port: int) -> None:
     from chatmesh.mesh.server import serve
 
     # Built inside the running loop: grpc.aio channels and asyncio primitives bind to the loop that makes them.
-    service = module.build(cfg)
-    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], metrics_port=metrics_port)
+    # build(cfg, trust=...); a service not yet wired for trust (chat, until issue 16 reaches it) takes cfg alone.
+    takes_trust = "trust" in inspect.signature(module.build).parameters
+    service = module.build(cfg, trust=trust) if takes_trust else module.build(cfg)
+    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], trust=trust,
+                health_port=cfg[settings.HEALTH_PORT], metrics_port=metrics_port)
 
 
 README_START = "<!-- settings-table:start -->"

@@ -34,3 +34,12 @@ class ResourceExhausted(CoreError):
 
 class Unavailable(CoreError):
     """A dependency is down or no replica can serve; retry may succeed."""
+
+
+class Unauthenticated(CoreError):
+    """The call lacks a valid credential it needs (an owner-scoped call without a valid owner token)."""
+
+
+class PermissionDenied(CoreError):
+    """The caller is known but may not do this: its identity may not call the RPC, or its owner token is for
+    another owner or conversation."""

@@ -5,6 +5,12 @@ reflection, and graceful shutdown: on SIGTERM or SIGINT every service turns NOT_
 `CHATMESH_SHUTDOWN_GRACE_S` seconds to finish, then the rest are cancelled, then the service's own
 `close` hook runs.
 
+Trust (trust.py): with mutual TLS (the default) the port takes only clients with a certificate of the mesh CA,
+certificates are reloaded when their files change, and every RPC is checked against the service's
+authorization table (`Service.authz`, authz.py) before its servicer runs; health and reflection are open to
+every authenticated peer. With CHATMESH_HEALTH_PORT set, a second, plaintext port serves grpc.health.v1 and
+nothing else, for probes that hold no certificate. Plaintext (CHATMESH_MESH_PLAINTEXT) listens on loopback only.
+
 Errors: servicer methods are wrapped by `unary_errors` / `stream_errors`, the single place where typed core
 errors become gRPC status codes (`status_for`). Anything unexpected is logged with its traceback and
 answered INTERNAL, never UNKNOWN. The same decorators count every RPC by method and status code and time it
@@ -24,7 +30,7 @@ import functools
 import signal
 import time
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -33,7 +39,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AsyncHealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from chatmesh.mesh import errors, logs, metrics, tracing
+from chatmesh.mesh import authz, errors, logs, metrics, tls, tracing
+from chatmesh.mesh.trust import Trust, host_of
 
 log = logs.get("chatmesh.server")
 
@@ -58,6 +65,10 @@ def status_for(err: errors.CoreError) -> grpc.StatusCode:
             return grpc.StatusCode.RESOURCE_EXHAUSTED
         case errors.Unavailable():
             return grpc.StatusCode.UNAVAILABLE
+        case errors.Unauthenticated():
+            return grpc.StatusCode.UNAUTHENTICATED
+        case errors.PermissionDenied():
+            return grpc.StatusCode.PERMISSION_DENIED
         case _:
             return grpc.StatusCode.INTERNAL
 
@@ -147,32 +158,100 @@ class Service:
     close: Callable[[], Awaitable[None]] | None = None
     stopping: Callable[[], None] | None = None  # shutdown began (before the grace period): end long-lived streams
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    # proto service full name -> RPC name -> identities allowed (authz.py); every registered RPC needs a rule
+    authz: Mapping[str, authz.Rules] = field(default_factory=dict)
     metrics: metrics.Registry = field(default_factory=metrics.Registry)  # served on the service's metrics port
 
 
-async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Event | None = None,
-                stop: asyncio.Event | None = None, metrics_port: int = 0) -> None:
-    """Runs `service` on `listen` until SIGTERM/SIGINT (or `stop` is set), then shuts down gracefully; with
-    `metrics_port`, its metrics are served there meanwhile."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=tracing.server_interceptors() or None)
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+@dataclass
+class Running:
+    """A started server: the service port and, when asked for, the plaintext health-only port."""
+
+    server: grpc.aio.Server
+    health: AsyncHealthServicer
+    names: list[str]
+    port: int
+    health_server: grpc.aio.Server | None = None
+    health_port: int = 0
+    exporter: metrics.MetricsServer | None = None
+
+    async def stop(self, service: Service, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        if service.stopping is not None:
+            service.stopping()
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        for task in service.background:
+            task.cancel()
+        if service.background:
+            await asyncio.gather(*service.background, return_exceptions=True)
+        if service.close is not None:
+            await service.close()
+        if self.exporter is not None:
+            await self.exporter.close()
+
+
+def policy_for(service: Service, names: Sequence[str], trust: Trust) -> authz.Policy:
+    missing = [n for n in names if n not in service.authz]
+    if missing:
+        raise ValueError(f"{service.name}: no authorization table for {missing}")
+    overrides = authz.read_overrides(trust.authz_file) if trust.authz_file is not None else {}
+    return authz.Policy.build({n: service.authz[n] for n in names}, overrides)
+
+
+async def start_server(service: Service, listen: str, *, trust: Trust, health_port: int = 0,
+                       metrics_port: int = 0) -> Running:
+    """Binds and starts `service` (its `start` hook first); every service reports SERVING."""
+    trust.check_address(listen, f"{service.name}: listening on")
+    # The policy needs the registered names, the server its interceptors first: the policy is set just after.
+    guard = authz.AuthzInterceptor(authz.Policy({}))
+    interceptors = [*([] if trust.tls is None else [guard]), *tracing.server_interceptors()]
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
     names = list(service.register(server))
+    if trust.tls is not None:
+        guard.policy = policy_for(service, names, trust)
     health_servicer = AsyncHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(listen)
+    port = server.add_insecure_port(listen) if trust.tls is None else \
+        server.add_secure_port(listen, tls.server_credentials(trust.tls))
     if port == 0:
         raise errors.Unavailable(f"{service.name}: cannot bind {listen}")
-    exporter = metrics.MetricsServer(service.metrics, metrics.bind_host(listen), metrics_port) \
-        if metrics_port else None
-    if exporter is not None:
-        await exporter.start()
+    running = Running(server, health_servicer, names, port)
+    if health_port:
+        running.health_server = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, running.health_server)
+        host = host_of(listen)
+        running.health_port = running.health_server.add_insecure_port(
+            f"[{host}]:{health_port}" if ":" in host else f"{host}:{health_port}")
+        if running.health_port == 0:
+            raise errors.Unavailable(f"{service.name}: cannot bind the health port {health_port}")
+    if metrics_port:
+        running.exporter = metrics.MetricsServer(service.metrics, metrics.bind_host(listen), metrics_port)
+        await running.exporter.start()
     if service.start is not None:
         await service.start()
     await server.start()
+    if running.health_server is not None:
+        await running.health_server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving", address=listen, services=names,
-             metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
+    log.info("serving", address=listen, services=names, identity=trust.identity or "plaintext",
+             health_port=running.health_port or None,
+             metrics=f"{running.exporter.host}:{running.exporter.port}" if running.exporter is not None else "off")
+    return running
+
+
+async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Event | None = None,
+                stop: asyncio.Event | None = None, *, trust: Trust, health_port: int = 0, metrics_port: int = 0
+                ) -> None:
+    """Runs `service` on `listen` until SIGTERM/SIGINT (or `stop` is set), then shuts down gracefully; with
+    `metrics_port`, its metrics are served there meanwhile."""
+    running = await start_server(service, listen, trust=trust, health_port=health_port, metrics_port=metrics_port)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,16 +263,5 @@ async def serve(service: Service, listen: str, grace_s: float, ready: asyncio.Ev
         ready.set()
     await stop.wait()
     log.info("stopping", grace_s=grace_s)
-    await health_servicer.enter_graceful_shutdown()
-    if service.stopping is not None:
-        service.stopping()
-    await server.stop(grace_s)
-    for task in service.background:
-        task.cancel()
-    if service.background:
-        await asyncio.gather(*service.background, return_exceptions=True)
-    if service.close is not None:
-        await service.close()
-    if exporter is not None:
-        await exporter.close()
+    await running.stop(service, grace_s)
     log.info("stopped")

@@ -36,3 +36,32 @@ METRIC_PORTS: dict[str, Setting[int]] = {
     "moderation": Setting("CHATMESH_MODERATION_METRICS_PORT", 9155,
                           "HTTP port of ModerateService's Prometheus /metrics (0: off)", int),
 }
+
+# Trust inside the mesh (trust.py): mutual TLS with SPIFFE identities, per-RPC authorization, owner tokens.
+MESH_CA_FILE = Setting("CHATMESH_MESH_CA_FILE", "",
+                       "PEM bundle of the CAs whose certificates the mesh trusts (empty: <CHATMESH_DATA_DIR>/certs/"
+                       "ca.pem); reloaded when it changes", str)
+MESH_CERT_FILE = Setting("CHATMESH_MESH_CERT_FILE", "",
+                         "this process's PEM certificate chain, naming its identity spiffe://chatmesh/<service> as a "
+                         "URI SAN (and <service>.chatmesh as a DNS SAN for a server) (empty: <CHATMESH_DATA_DIR>/"
+                         "certs/<service>.pem); reloaded when it changes", str)
+MESH_KEY_FILE = Setting("CHATMESH_MESH_KEY_FILE", "",
+                        "PEM private key of CHATMESH_MESH_CERT_FILE (empty: <CHATMESH_DATA_DIR>/certs/<service>-key."
+                        "pem); reloaded when it changes", str)
+MESH_PLAINTEXT = Setting("CHATMESH_MESH_PLAINTEXT", False,
+                         "true: gRPC without TLS, identities or owner tokens (loopback only: a service refuses to "
+                         "listen on or dial any other address in plaintext)", parse_bool)
+MESH_AUTHZ_FILE = Setting("CHATMESH_MESH_AUTHZ_FILE", "",
+                          "JSON file overriding authorization rules, {\"/chatmesh.v1.Service/Rpc\": [identity, ...]} "
+                          "(patterns: spiffe://chatmesh/client/* and * for any peer); read at start-up", str)
+HEALTH_PORT = Setting("CHATMESH_HEALTH_PORT", 0,
+                      "plaintext port serving grpc.health.v1 only, for probes without a client certificate, on the "
+                      "service's listen host (0: off)", int)
+OWNER_TOKEN_KEYS_FILE = Setting("CHATMESH_OWNER_TOKEN_KEYS_FILE", "",
+                                "JSON key set of owner tokens (Ed25519; the gateway's copy holds private keys, "
+                                "verifiers' only public ones) (empty: <CHATMESH_DATA_DIR>/certs/owner-token-keys.json "
+                                "for the gateway, owner-token-public-keys.json for the others); reloaded when it "
+                                "changes", str)
+OWNER_TOKEN_TTL_S = Setting("CHATMESH_OWNER_TOKEN_TTL_S", 900,
+                            "lifetime of the owner tokens the gateway mints, seconds (longer than the longest turn: "
+                            "a turn's last store write carries the token its request came with)", int)

@@ -4,6 +4,9 @@ Start order follows the data flow backwards (store, moderation, engine, router, 
 the standard health check to answer SERVING (the gateway: an HTTP answer) before the next starts. Ctrl-C or
 SIGTERM stops them in reverse order with SIGTERM, so open streams end cleanly; a service that exits on its own
 takes the mesh down with a message naming it. The same `Mesh` class starts the mesh for the end-to-end tests.
+
+Trust: before starting, `Mesh` makes (or renews) the development CA, a certificate per identity and the
+owner-token keys under `<CHATMESH_DATA_DIR>/certs/` (pki.py), and checks health as the operator identity.
 """
 
 from __future__ import annotations
@@ -24,8 +27,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chatmesh.mesh import config, settings
+from chatmesh.mesh import config, pki, settings
+from chatmesh.mesh import identity as ident
+from chatmesh.mesh.channels import open_blocking_channel
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust, certs_folder
 from chatmesh.v1 import route_pb2, route_pb2_grpc
 
 # (service, setting holding its address) in start order; the gateway comes last.
@@ -52,9 +58,9 @@ class MeshError(RuntimeError):
     """A service did not start or died."""
 
 
-def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
+def grpc_serving(trust: Trust, address: str, service: str, timeout_s: float = 1.0) -> bool:
     """One standard health check (a blocking call: usable with or without a running event loop)."""
-    with grpc.insecure_channel(address) as channel:
+    with open_blocking_channel(trust, address, service) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                              timeout=timeout_s)
@@ -63,9 +69,9 @@ def grpc_serving(address: str, timeout_s: float = 1.0) -> bool:
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def replicas_serving(router: str, timeout_s: float = 1.0) -> bool:
+def replicas_serving(trust: Trust, router: str, timeout_s: float = 1.0) -> bool:
     """True once the router sees every configured engine replica as serving (it watches their health)."""
-    with grpc.insecure_channel(router) as channel:
+    with open_blocking_channel(trust, router, "router") as channel:
         try:
             resp = route_pb2_grpc.RouteServiceStub(channel).ListReplicas(route_pb2.ListReplicasRequest(),
                                                                          timeout=timeout_s)
@@ -93,9 +99,22 @@ class Mesh:
     start_timeout_s: float = 120.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Until chat's clients take the mesh's channels (issue 16, after the chat rebuild), the mesh runs in
+        # plaintext on loopback unless the caller asks for TLS (CHATMESH_MESH_PLAINTEXT=false).
+        self.env = {"CHATMESH_MESH_PLAINTEXT": "true", **self.env}
+
     @property
     def cfg(self) -> Config:
         return Config(env=self.env)
+
+    @property
+    def certs(self) -> Path:
+        return certs_folder(self.cfg)
+
+    def trust(self, who: ident.Identity = ident.OPERATOR) -> Trust:
+        """Acting as `who` (default: the operator) toward this mesh, with its development certificates."""
+        return Trust.from_config(self.cfg, who)
 
     @property
     def gateway_url(self) -> str:
@@ -137,22 +156,25 @@ class Mesh:
         each other lazily (channels connect on first use, the router keeps re-watching engines), so the start
         order does not matter and the mesh is up in the time of its slowest service, not the sum."""
         cfg = self.cfg
+        if not cfg[settings.MESH_PLAINTEXT]:
+            pki.ensure(self.certs)
+        trust = self.trust()
         try:
             waits: list[tuple[str, Any, str]] = []
             for service, address in ORDER:
                 self._spawn(service)
-                waits.append((service, lambda a=cfg[address]: grpc_serving(a), cfg[address]))
+                waits.append((service, lambda a=cfg[address], s=service: grpc_serving(trust, a, s), cfg[address]))
             for x in extra:  # an extra process serves no metrics unless its env gives it a port of its own
                 metrics_port = settings.METRIC_PORTS[x.service].env
                 self._spawn(x.service, x.name, {metrics_port: "0", **x.env, "CHATMESH_LISTEN": x.address})
-                waits.append((x.name, lambda a=x.address: grpc_serving(a), x.address))
+                waits.append((x.name, lambda a=x.address, s=x.service: grpc_serving(trust, a, s), x.address))
             self._spawn("gateway")
             waits.append(("gateway", lambda: http_answers(self.gateway_url + "/healthz"), self.gateway_url))
             for name, ready, where in waits:
                 self._wait(name, ready)
                 if on_ready:
                     on_ready(name, where)
-            self._wait("router", lambda: replicas_serving(cfg[settings.ROUTER_ADDRESS]))
+            self._wait("router", lambda: replicas_serving(trust, cfg[settings.ROUTER_ADDRESS]))
         except BaseException:
             self.stop()
             raise

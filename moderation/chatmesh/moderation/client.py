@@ -41,7 +41,9 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
 from chatmesh.mesh import logs, tracing
+from chatmesh.mesh import identity
 from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
@@ -163,11 +165,15 @@ class ModerationClient:
         self.policy = policy
 
     @classmethod
-    def from_config(cls, cfg: Config, registry: CollectorRegistry = REGISTRY) -> ModerationClient:
+    def from_config(cls, cfg: Config, registry: CollectorRegistry = REGISTRY, trust: Trust | None = None
+                    ) -> ModerationClient:
+        """A client over its own channel; `trust` is the calling process's (default: what the settings say, as
+        spiffe://chatmesh/chat, moderation's one caller)."""
         policy = FailurePolicy(FailureMode(cfg[settings.INPUT_FAILURE]), FailureMode(cfg[settings.OUTPUT_FAILURE]),
                                cfg[settings.CLIENT_TIMEOUT_MS] / 1000, failures_counter(registry),
                                cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[settings.MAX_INPUT_BYTES])
-        return cls(open_channel(cfg[mesh_settings.MODERATION_ADDRESS]), policy, own_channel=True)
+        trust = trust or Trust.from_config(cfg, identity.CHAT)
+        return cls(open_channel(trust, cfg[mesh_settings.MODERATION_ADDRESS], "moderation"), policy, own_channel=True)
 
     async def check_input(self, text: str, conversation_id: str) -> Outcome:
         request = moderate_pb2.CheckInputRequest(text=text, conversation_id=conversation_id)

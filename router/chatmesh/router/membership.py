@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh import logs
 from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
 from chatmesh.router.ring import Lease, Pick, Replica, ReplicaLoad, Ring
@@ -63,9 +64,11 @@ class ReplicaView:
 class Membership:
     """The ring plus each replica's health reason; the watchers keep both current."""
 
-    def __init__(self, ring: Ring, replicas: Sequence[Replica], watch: bool) -> None:
+    def __init__(self, ring: Ring, replicas: Sequence[Replica], watch: bool, trust: Trust = Trust.insecure()
+                 ) -> None:
         self.ring = ring
         self._watch = watch
+        self._trust = trust  # the router's own: it calls the engines as spiffe://chatmesh/router
         self._reasons: dict[ReplicaId, str] = {}
         for r in replicas:
             ring.add(r, serving=not watch)
@@ -108,7 +111,7 @@ class Membership:
             return []
         tasks: list[asyncio.Task[None]] = []
         for load in self.ring.loads():
-            channel = open_channel(load.replica.address)
+            channel = open_channel(self._trust, load.replica.address, "engine")
             self._channels.append(channel)
             tasks.append(asyncio.create_task(self._watch_health(load.replica.id, channel)))
             tasks.append(asyncio.create_task(self._watch_stats(load.replica.id, channel, stats_interval_ms)))

@@ -19,6 +19,8 @@ import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from chatmesh.mesh import identity
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh import logs, metrics
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
@@ -140,11 +142,13 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         ])
 
 
-def build(cfg: Config) -> Service:
+def build(cfg: Config, trust: Trust | None = None) -> Service:
+    """The router; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/router)."""
+    trust = trust or Trust.from_config(cfg, identity.ROUTER)
     replicas = parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
     ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
                 lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S], min_spill_load=cfg[settings.ROUTER_MIN_SPILL_LOAD])
-    membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH])
+    membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH], trust=trust)
     registry = metrics.Registry()
     servicer = RouteServicer(membership, Metrics(membership, registry))
     service = Service(name="router", register=lambda server: _register(server, servicer),

@@ -1,0 +1,169 @@
+"""Per-RPC authorization by workload identity: one table per service, checked in one interceptor.
+
+Each service declares its table next to its servicer (`Rules`: RPC name -> identity patterns allowed), and the
+bootstrap builds the `Policy` at start-up from it, the standard services every peer may call (health,
+reflection) and the overrides of CHATMESH_MESH_AUTHZ_FILE. A registered RPC without a rule refuses to start the
+service (fail closed: a new RPC cannot be reachable by accident). Patterns: an exact identity,
+`spiffe://chatmesh/client/*` for every internal client, `*` for every authenticated peer.
+
+The interceptor sees the method and metadata only, so it wraps the method's handler: the wrapper reads the
+peer's identity from the call's TLS session and answers PERMISSION_DENIED ("<identity> may not call <rpc>"),
+logged once per denied call with ids only, before the servicer runs. It also publishes who is calling
+(`caller`), so checks that need the request itself (owner tokens, owner_guard.py) can name the caller and RPC.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool
+
+from chatmesh.mesh import identity as ident
+from chatmesh.mesh import logs
+from chatmesh.mesh.identity import Identity
+
+log = logs.get("chatmesh.authz")
+
+Rules = Mapping[str, Sequence[Identity]]  # RPC name ("ReadConversation") -> allowed patterns
+OPEN_TO_PEERS = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
+
+
+@dataclass(frozen=True)
+class Caller:
+    identity: Identity
+    method: str
+
+
+caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("chatmesh_caller", default=None)
+
+
+def methods_of(service_name: str) -> list[str]:
+    """Full method paths (`/pkg.Service/Rpc`) of a registered protobuf service."""
+    service = descriptor_pool.Default().FindServiceByName(service_name)  # type: ignore[no-untyped-call]
+    return [f"/{service_name}/{m.name}" for m in service.methods]
+
+
+def table(service_name: str, rules: Rules) -> dict[str, tuple[Identity, ...]]:
+    """A service's rules as full method paths; ValueError when an RPC has no rule or a rule names no RPC."""
+    paths = methods_of(service_name)
+    names = {p.rsplit("/", 1)[1] for p in paths}
+    unknown = sorted(set(rules) - names)
+    if unknown:
+        raise ValueError(f"{service_name}: authorization rules for unknown RPCs {unknown}")
+    missing = sorted(names - set(rules))
+    if missing:
+        raise ValueError(f"{service_name}: no authorization rule for {missing} (every RPC needs one)")
+    return {f"/{service_name}/{name}": tuple(allowed) for name, allowed in rules.items()}
+
+
+def read_overrides(path: Path) -> dict[str, tuple[Identity, ...]]:
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict):
+            raise ValueError("expected an object")
+        return {str(k): tuple(ident.parse(str(v), pattern=True) for v in vs) for k, vs in doc.items()}
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: expected {{\"/chatmesh.v1.Service/Rpc\": "
+                         f"[\"spiffe://chatmesh/...\", ...]}} ({err})") from None
+
+
+class Policy:
+    """Which identities may call which full method path."""
+
+    def __init__(self, rules: Mapping[str, Iterable[Identity]]) -> None:
+        self.rules = {path: tuple(allowed) for path, allowed in rules.items()}
+
+    @classmethod
+    def build(cls, service_tables: Mapping[str, Rules], overrides: Mapping[str, Sequence[Identity]] = {}
+              ) -> Policy:
+        rules: dict[str, tuple[Identity, ...]] = {}
+        for name, service_rules in service_tables.items():
+            rules.update(table(name, service_rules))
+        for name in OPEN_TO_PEERS:
+            try:
+                rules.update({p: (ident.ANY_PEER,) for p in methods_of(name)})
+            except KeyError:  # that reflection version is not in this process's descriptor pool
+                pass
+        for path, allowed in overrides.items():
+            if path.rsplit("/", 1)[0].lstrip("/") in service_tables:
+                if path not in rules:
+                    raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE names {path}, which this service does not have")
+                rules[path] = tuple(allowed)
+        return cls(rules)
+
+    def allows(self, method: str, who: Identity | None) -> bool:
+        if who is None:
+            return False
+        return any(ident.matches(p, who) for p in self.rules.get(method, ()))
+
+
+def _denied(who: Identity | None, method: str) -> str:
+    return f"{who or 'a peer without a chatmesh identity'} may not call {method}"
+
+
+class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler[Any, Any]] = {}
+
+    async def intercept_service(  # type: ignore[override]  # gRPC passes None on for an unknown method
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # unknown method: gRPC answers UNIMPLEMENTED
+        method = handler_call_details.method
+        key = (method, id(handler))
+        wrapped = self._wrapped.get(key)
+        if wrapped is None:
+            wrapped = self._wrapped[key] = self._wrap(handler, method)
+        return wrapped
+
+    def _refusal(self, context: Any, method: str) -> str | None:
+        """None when the caller may call `method` (and `caller` is set); else why not (logged here, once)."""
+        who = ident.peer_identity(context)
+        if who is not None and self.policy.allows(method, who):
+            caller.set(Caller(who, method))
+            return None
+        log.warning("permission_denied", caller=who or "", rpc=method, peer=context.peer())
+        return _denied(who, method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
+        h: Any = handler
+        if h.unary_unary is not None:
+            return h._replace(unary_unary=self._unary(h.unary_unary, method))  # type: ignore[no-any-return]
+        if h.stream_unary is not None:
+            return h._replace(stream_unary=self._unary(h.stream_unary, method))  # type: ignore[no-any-return]
+        if h.unary_stream is not None:
+            return h._replace(unary_stream=self._streaming(h.unary_stream, method))  # type: ignore[no-any-return]
+        return h._replace(stream_stream=self._streaming(h.stream_stream, method))  # type: ignore[no-any-return]
+
+    def _unary(self, behaviour: Any, method: str) -> Any:
+        """Also wraps stream-request handlers, and response-streaming ones that write with context.write: all
+        are coroutine functions, told apart from async generator functions the way gRPC tells them apart."""
+        async def checked(request: Any, context: Any) -> Any:
+            if (why := self._refusal(context, method)) is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            return await behaviour(request, context)
+
+        return checked
+
+    def _streaming(self, behaviour: Any, method: str) -> Any:
+        if not inspect.isasyncgenfunction(behaviour):
+            return self._unary(behaviour, method)
+
+        async def checked(request: Any, context: Any) -> AsyncIterator[Any]:
+            if (why := self._refusal(context, method)) is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            async for item in behaviour(request, context):
+                yield item
+
+        return checked
