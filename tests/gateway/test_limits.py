@@ -177,7 +177,8 @@ async def test_two_gateway_processes_share_one_users_limits(
         await accounts.create_user(name)
     key_a, key_b = await accounts.create_key("a"), await accounts.create_key("b")
     await accounts.close()
-    env = {"CHATMESH_CHAT_ADDRESS": chat_address, "CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_AUTH": "required",
+    env = {"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": chat_address,
+           "CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_AUTH": "required",
            "CHATMESH_REDIS_URL": redis_url, "CHATMESH_LIMIT_TURNS_PER_MINUTE": "4",
            "CHATMESH_LIMIT_OPEN_STREAMS": "2", "CHATMESH_LOG_JSON": "true"}
     with gateway_process(env, tmp_path / "gw1.log") as url1, gateway_process(env, tmp_path / "gw2.log") as url2:

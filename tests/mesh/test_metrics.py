@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.mesh import errors, metrics
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.server import Service, serve, unary_errors
 from chatmesh.v1 import route_pb2, route_pb2_grpc
 from tests.conftest import free_port
@@ -91,7 +92,7 @@ async def test_the_bootstrap_serves_a_services_metrics_and_counts_its_rpcs_by_co
     ready, stop = asyncio.Event(), asyncio.Event()
     before = samples(metrics.Registry(process=False).exposition())
     task = asyncio.create_task(serve(Service("test", register, metrics=registry), address, 0.1, ready, stop,
-                                     metrics_port=port))
+                                     metrics_port=port, trust=Trust.insecure()))
     await ready.wait()
     try:
         async with grpc.aio.insecure_channel(address) as channel:
