@@ -1,6 +1,10 @@
 """A small in-test ChatService (a test double of our own contract, for unit tests of the edge only) over real
 gRPC. It keeps conversations per owner in memory and streams each reply as the configured `chunks`, waiting
-`delay_s` before each delta; it records what the edge asked for (owners, cancellations) so tests can check."""
+`delay_s` before each delta; it records what the edge asked for (owners, cancellations, prompt-token
+allowances) so tests can check. As the contract says, a turn whose prompt (`prompt_tokens`) is over its
+allowance is refused RESOURCE_EXHAUSTED with the `chatmesh-prompt-tokens` trailer before it starts, turn.started
+reports the prompt's size, and a replay says `replayed`; `billed` adds up the prompt tokens of the turns that
+generated (what the store bills)."""
 
 from __future__ import annotations
 
@@ -43,6 +47,16 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.cancelled: list[str] = []
         self.owners_seen: list[str] = []
         self.prompt_tokens = 7
+        self.allowances: list[int] = []
+        self.billed = 0
+        self.report_prompt_tokens = True
+
+    async def _admit(self, allowance: int, context: Ctx) -> None:
+        self.allowances.append(allowance)
+        if allowance and self.prompt_tokens > allowance:
+            context.set_trailing_metadata((("chatmesh-prompt-tokens", str(self.prompt_tokens)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the prompt is {self.prompt_tokens} tokens; the allowance is {allowance}")
 
     def _conv(self, owner: str, conv_id: str) -> Conv | None:
         self.owners_seen.append(owner)
@@ -110,6 +124,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             async for ev in self._follow(known, 0):
                 yield chat_pb2.SendTurnResponse(event=ev)
             return
+        await self._admit(request.prompt_token_allowance, context)
         turn = Turn(request.turn_id, request.content)
         conv.turns[turn.turn_id] = turn
         conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_USER,
@@ -124,6 +139,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         if conv is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
         assert conv is not None
+        await self._admit(request.prompt_token_allowance, context)
         turn = Turn(request.turn_id, "")
         conv.turns[turn.turn_id] = turn
         async for ev in self._generate(conv, turn, context):
@@ -145,6 +161,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             async with turn.grew:
                 await turn.grew.wait_for(lambda: len(turn.events) > sent or turn.done.is_set())
             for ev in turn.events[sent:]:
+                if ev.WhichOneof("kind") == "started":
+                    ev = chat_pb2.TurnEvent(sequence=ev.sequence, started=chat_pb2.TurnStarted(
+                        turn_id=ev.started.turn_id, replayed=True))
                 yield ev
             sent = len(turn.events)
             if turn.done.is_set() and sent == len(turn.events):
@@ -160,7 +179,11 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
     async def _generate(self, conv: Conv, turn: Turn, context: Ctx) -> AsyncIterator[chat_pb2.TurnEvent]:
         text = ""
         try:
-            yield await self._emit(turn, chat_pb2.TurnEvent(started=chat_pb2.TurnStarted(turn_id=turn.turn_id)))
+            started = chat_pb2.TurnStarted(turn_id=turn.turn_id)
+            if self.report_prompt_tokens:
+                started.prompt_tokens = self.prompt_tokens
+            self.billed += self.prompt_tokens
+            yield await self._emit(turn, chat_pb2.TurnEvent(started=started))
             for chunk in self.chunks:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)

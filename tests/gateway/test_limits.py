@@ -45,29 +45,40 @@ async def refused(coro: object) -> ApiError:
     return info.value
 
 
+ROOM = 7936  # the largest prompt the default model takes: a turn's reservation cap
+
+
 async def test_memory_turn_bucket_refills_continuously() -> None:
     clock = Clock()
     limits = MemoryLimits(Budget(turns_per_minute=3, open_streams=2, prompt_tokens_per_hour=100), clock)
     for _ in range(3):
-        await limits.admit_turn(A)
-    err = await refused(limits.admit_turn(A))
+        await limits.settle(await limits.admit_turn(A, 1), 0)
+    err = await refused(limits.admit_turn(A, 1))
     assert err.retry_after_s == pytest.approx(20.0)
-    await limits.admit_turn(B)  # another owner has its own bucket
+    await limits.admit_turn(B, 1)  # another owner has its own bucket
     clock.now += 20.0
-    await limits.admit_turn(A)
-    await refused(limits.admit_turn(A))
+    await limits.admit_turn(A, 1)
+    await refused(limits.admit_turn(A, 1))
 
 
-async def test_memory_prompt_tokens_are_charged_after_the_turn() -> None:
+async def test_memory_prompt_tokens_are_reserved_before_and_settled_after() -> None:
     clock = Clock()
     limits = MemoryLimits(Budget(turns_per_minute=100, open_streams=2, prompt_tokens_per_hour=3600), clock)
-    await limits.admit_turn(A)
-    await limits.charge_prompt_tokens(A, 3610)  # a big prompt takes the bucket below zero
-    err = await refused(limits.admit_turn(A))
-    assert "prompt tokens" in err.message
-    assert err.retry_after_s == pytest.approx(11.0)
-    clock.now += 11.0
-    await limits.admit_turn(A)
+    first = await limits.admit_turn(A, 1000)
+    assert first.held == 1000  # up to the cap
+    second = await limits.admit_turn(A, 5000)
+    assert second.held == 2600  # all that is left
+    err = await refused(limits.admit_turn(A, 10))  # nothing left while both are held
+    assert "prompt tokens per hour" in err.message and err.retry_after_s == pytest.approx(1.0)
+    await limits.settle(first, 400)  # the true count: 600 back
+    await limits.settle(second, 2600)
+    third = await limits.admit_turn(A, 5000)
+    assert third.held == 600
+    await limits.settle(third, 1200)  # a turn may owe more than it held: the bucket goes below zero
+    err = await refused(limits.admit_turn(A, 10))
+    assert err.retry_after_s == pytest.approx(601.0)
+    clock.now += 601.0
+    assert (await limits.admit_turn(A, 10)).held == 1
 
 
 async def test_memory_open_streams_are_leases() -> None:
@@ -93,18 +104,39 @@ async def redis_limits(redis_url: str) -> AsyncIterator[RedisLimits]:
 
 async def test_redis_scripts_enforce_the_same_buckets(redis_limits: RedisLimits) -> None:
     for _ in range(3):
-        await redis_limits.admit_turn(A)
-    err = await refused(redis_limits.admit_turn(A))
+        await redis_limits.admit_turn(A, 1)
+    err = await refused(redis_limits.admit_turn(A, 1))
     assert 0 < (err.retry_after_s or 0) <= 20.0
-    await redis_limits.admit_turn(B)
-    await redis_limits.charge_prompt_tokens(B, 5000)
-    assert "prompt tokens" in (await refused(redis_limits.admit_turn(B))).message
+    held = await redis_limits.admit_turn(B, 5000)
+    assert held.held == 3600
+    assert "prompt tokens" in (await refused(redis_limits.admit_turn(B, 1))).message
+    await redis_limits.settle(held, 3000)
+    assert (await redis_limits.admit_turn(B, 5000)).held == 600
     leases = [await redis_limits.open_stream(A), await redis_limits.open_stream(A)]
     await refused(redis_limits.open_stream(A))
     await leases[0].release()
     leases.append(await redis_limits.open_stream(A))
     for lease in leases:
         await lease.release()
+
+
+async def test_redis_reservations_of_two_gateways_never_exceed_the_budget(redis_url: str) -> None:
+    prefix = f"test:{uuid.uuid4().hex}:"
+    budget = Budget(turns_per_minute=1000, open_streams=100, prompt_tokens_per_hour=10_000)
+    gateways = [RedisLimits(redis_url, budget, prefix=prefix) for _ in range(2)]
+    try:
+        async def admit(limits: RedisLimits) -> int:
+            try:
+                return (await limits.admit_turn(A, 700)).held
+            except ApiError:
+                return 0
+
+        held = await asyncio.gather(*(admit(gateways[i % 2]) for i in range(40)))
+    finally:
+        for limits in gateways:
+            await limits.close()
+    assert sum(held) <= 10_000 + 10  # plus the refill while they ran (2.8 tokens a second)
+    assert sum(1 for h in held if h == 700) == 14 and held.count(0) >= 24
 
 
 async def test_edge_answers_429_with_retry_after(start_gateway: StartGateway) -> None:
@@ -121,6 +153,129 @@ async def test_edge_answers_429_with_retry_after(start_gateway: StartGateway) ->
     assert third.status_code == 429
     assert third.json()["error"]["code"] == "rate_limited"
     assert 1 <= int(third.headers["retry-after"]) <= 30
+
+
+async def send(client: httpx.AsyncClient, conv: str, turn: str | None = None, *, disconnect_after_delta: bool = False
+               ) -> httpx.Response:
+    """One turn; with `disconnect_after_delta` the client goes away after the first delta."""
+    body = {"turn_id": turn or str(uuid.uuid4()), "content": "x"}
+    async with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as r:
+        if r.status_code == 200:
+            async for frame in frames(r):
+                if frame.event == "turn.delta" and disconnect_after_delta:
+                    break
+        else:
+            await r.aread()
+    return r
+
+
+async def test_a_disconnect_after_the_first_delta_is_charged_its_prompt(start_gateway: StartGateway,
+                                                                        fake: FakeChat) -> None:
+    gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="1200")
+    fake.prompt_tokens, fake.delay_s, fake.chunks = 500, 0.2, ["x"] * 20
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        assert (await send(client, conv, disconnect_after_delta=True)).status_code == 200
+        fake.delay_s = 0.0
+        assert (await send(client, conv)).status_code == 200
+        third = await send(client, conv)
+    assert fake.allowances == [1200, 700, 200]  # what was left at each admission: the disconnect paid 500
+    assert third.status_code == 429
+    assert third.json()["error"]["message"] == ("limit reached: prompt tokens per hour (the prompt is 500 tokens; "
+                                                "200 are left)")
+    assert int(third.headers["retry-after"]) == 900  # 300 more tokens at 1,200 an hour
+
+
+async def test_without_a_reported_prompt_size_a_disconnect_keeps_its_whole_reservation(
+        start_gateway: StartGateway, fake: FakeChat) -> None:
+    gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="3000")
+    fake.prompt_tokens, fake.delay_s, fake.chunks = 500, 0.2, ["x"] * 20
+    fake.report_prompt_tokens = False
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        await send(client, conv, disconnect_after_delta=True)
+        await asyncio.sleep(0.3)
+        fake.delay_s = 0.0
+        refused_turn = await send(client, conv)
+    assert fake.allowances == [3000]
+    assert refused_turn.status_code == 429 and "prompt tokens per hour" in refused_turn.text
+
+
+@pytest.mark.parametrize("chat_honours_allowance", [True, False])
+async def test_concurrent_turns_cannot_together_spend_more_than_the_budget(
+        start_gateway: StartGateway, fake: FakeChat, chat_honours_allowance: bool) -> None:
+    budget, prompt = 1000, 300
+    gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR=str(budget), CHATMESH_LIMIT_OPEN_STREAMS="20",
+                             CHATMESH_LIMIT_TURNS_PER_MINUTE="100")
+    fake.prompt_tokens, fake.delay_s, fake.chunks = prompt, 0.05, ["x"] * 4
+    if not chat_honours_allowance:  # a chat that ignores the allowance: the bound is B plus one turn
+        fake.prompt_tokens = 0
+
+        original = fake._generate  # noqa: SLF001
+
+        async def generate(conv: object, turn: object, context: object) -> object:
+            fake.billed += prompt
+            async for ev in original(conv, turn, context):  # type: ignore[arg-type]
+                yield ev
+
+        fake._generate = generate  # type: ignore[assignment,method-assign]  # noqa: SLF001
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        results = await asyncio.gather(*(send(client, conv) for _ in range(10)))
+    ok = sum(1 for r in results if r.status_code == 200)
+    assert all(r.status_code in (200, 429) for r in results)
+    assert all("retry-after" in r.headers for r in results if r.status_code == 429)
+    assert ok >= 1
+    assert fake.billed <= budget + (0 if chat_honours_allowance else prompt)
+
+
+async def test_two_gateways_on_redis_share_one_reservation_budget(
+        start_gateway: StartGateway, fake: FakeChat, redis_url: str) -> None:
+    env = {"CHATMESH_REDIS_URL": redis_url, "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000",
+           "CHATMESH_LIMIT_OPEN_STREAMS": "20", "CHATMESH_LIMIT_TURNS_PER_MINUTE": "100",
+           "CHATMESH_LOCAL_USER": f"redis-user-{uuid.uuid4().hex[:8]}"}
+    gateways = [await start_gateway(**env), await start_gateway(**env)]
+    fake.prompt_tokens, fake.delay_s, fake.chunks = 300, 0.05, ["x"] * 4
+    clients = [gw.client() for gw in gateways]
+    try:
+        conv = (await clients[0].post("/v1/conversations")).json()["id"]
+        results = await asyncio.gather(*(send(clients[i % 2], conv) for i in range(12)))
+        concurrent_billed = fake.billed
+        sequential = [(await send(clients[i % 2], conv)).status_code for i in range(4)]
+    finally:
+        for client in clients:
+            await client.aclose()
+    assert sum(1 for r in results if r.status_code == 200) >= 1
+    assert concurrent_billed <= 1000
+    # each admission sees what the other gateway's turns left: 300 tokens a turn until under 300 remain
+    assert fake.billed <= 1000 and sequential.count(429) >= 1
+    assert fake.billed == 300 * (sum(1 for r in results if r.status_code == 200) + sequential.count(200))
+    assert fake.allowances[-1] == 1000 - fake.billed
+
+
+async def test_a_retry_that_replays_is_not_charged_again(start_gateway: StartGateway, fake: FakeChat) -> None:
+    gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="1000")
+    fake.prompt_tokens = 600
+    turn = str(uuid.uuid4())
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        assert (await send(client, conv, turn)).status_code == 200
+        assert (await send(client, conv, turn)).status_code == 200  # the retry replays the stored reply
+        again = await send(client, conv)
+    assert fake.allowances == [1000, 400]
+    assert again.status_code == 429 and "400 are left" in again.json()["error"]["message"]
+
+
+async def test_a_prompt_larger_than_the_whole_budget_is_400(start_gateway: StartGateway, fake: FakeChat) -> None:
+    gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="100")
+    fake.prompt_tokens = 150
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        r = await send(client, conv)
+        after = await send(client, conv)
+    assert r.status_code == 400 and "more than the whole prompt-token budget of 100" in r.text
+    assert after.status_code == 400  # the refused turn's reservation went back
+    assert fake.allowances == [100, 100]
 
 
 @contextlib.contextmanager

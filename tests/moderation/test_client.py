@@ -147,8 +147,8 @@ async def test_concurrent_sessions_share_one_stream_without_mixing_windows() -> 
 
 async def test_an_oversized_output_chunk_is_refused_without_breaking_other_replies() -> None:
     registry = CollectorRegistry()
-    async with running({"CHATMESH_MODERATION_MAX_INPUT_BYTES": "1000"}) as address:
-        moderation = client(address, registry, CHATMESH_MODERATION_MAX_INPUT_BYTES="1000")
+    async with running({"CHATMESH_MAX_MESSAGE_BYTES": "1000"}) as address:
+        moderation = client(address, registry, CHATMESH_MAX_MESSAGE_BYTES="1000")
         async with moderation.output(CONV) as other, moderation.output(CONV) as bad:
             assert (await other.check("You are such a lo")).action is Action.ALLOW
             with pytest.raises(InvalidArgument):
@@ -173,3 +173,18 @@ async def test_a_replys_first_chunk_does_not_linger_later_chunks_do() -> None:
             assert (await second).action is Action.ALLOW
         await moderation.close()
     assert first.action is Action.ALLOW and not first.fallback
+
+
+async def test_a_pasted_document_is_judged_not_failed_over_at_the_default_deadlines() -> None:
+    """The message size policy accepts 1 MiB; the check time limits scale with the text (per 32 KiB), so a long
+    paste gets a verdict from the policy instead of the input's fail-closed policy (it was blocked as late)."""
+    registry = CollectorRegistry()
+    prose = "The committee reviewed the quarterly figures and agreed to revisit the plan in spring. " * 7000
+    async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "50"}) as address:
+        moderation = ModerationClient.from_config(Config(env={"CHATMESH_MODERATION_ADDRESS": address}), registry)
+        benign = await moderation.check_input(prose, CONV)
+        card = await moderation.check_input(prose + " charge 4111-1111-1111-1111 please", CONV)
+        await moderation.close()
+    assert len(prose.encode()) > 600_000
+    assert benign.action is Action.ALLOW and benign.decided_by is DecidedBy.POLICY and not benign.fallback
+    assert card.blocked and card.decided_by is DecidedBy.POLICY

@@ -60,7 +60,7 @@ async def test_benign_reply_streams_through(channel: grpc.aio.Channel) -> None:
 
 @pytest.mark.parametrize("text", ["", "x" * 2049])
 async def test_empty_or_oversized_input_is_invalid_argument(text: str) -> None:
-    async with running({"CHATMESH_MODERATION_MAX_INPUT_BYTES": "2048"}) as address:
+    async with running({"CHATMESH_MAX_MESSAGE_BYTES": "2048"}) as address:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = moderate_pb2_grpc.ModerateServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -71,7 +71,7 @@ async def test_empty_or_oversized_input_is_invalid_argument(text: str) -> None:
 async def test_oversized_chunk_is_invalid_argument(channel: grpc.aio.Channel) -> None:
     stub = moderate_pb2_grpc.ModerateServiceStub(channel)
     call = stub.CheckOutput(iter([moderate_pb2.CheckOutputRequest(text="fine"),
-                                  moderate_pb2.CheckOutputRequest(text="y" * 40000)]))
+                                  moderate_pb2.CheckOutputRequest(text="y" * (1024 * 1024 + 1))]))
     first = await call.read()
     assert isinstance(first, moderate_pb2.CheckOutputResponse) and first.verdict.action == ALLOW
     with pytest.raises(grpc.aio.AioRpcError) as err:

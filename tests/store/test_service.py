@@ -27,7 +27,7 @@ from tests.store.conftest import Backend
 
 @pytest.fixture
 async def stub(backend: Backend, tmp_path: Path) -> AsyncIterator[Stub]:
-    env = {"CHATMESH_DATA_DIR": str(tmp_path / "data"), "CHATMESH_STORE_MAX_CONTENT_BYTES": "1000",
+    env = {"CHATMESH_DATA_DIR": str(tmp_path / "data"), "CHATMESH_MAX_MESSAGE_BYTES": "1000",
            "CHATMESH_STORE_PURGE_INTERVAL_S": "0"}
     if backend.schema is not None:
         env["CHATMESH_DATABASE_URL"] = backend.url

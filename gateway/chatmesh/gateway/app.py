@@ -45,6 +45,7 @@ from chatmesh.gateway.login_throttle import LoginThrottle
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
+from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.mesh import ids, logs, metrics
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import service_trust
@@ -169,7 +170,8 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         app.state.edge = routes.Edge(
             chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), limits=limits,
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
-            max_body_bytes=cfg[settings.MAX_BODY_BYTES], max_content_chars=cfg[settings.MAX_CONTENT_CHARS],
+            max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
+            budget=budget_of(cfg),
             deadline_s=cfg[settings.CHAT_DEADLINE_S])
         exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None
         if exporter is not None:

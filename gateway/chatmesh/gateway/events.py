@@ -90,10 +90,13 @@ def failed_frame(sequence: int, message: str, retryable: bool) -> bytes:
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a relayed stream ended, for metering: prompt tokens to charge (completed or stopped turns)."""
+    """How a relayed stream ended, for metering (chatmesh.gateway.metering)."""
 
-    kind: SseEvent | None
-    prompt_tokens: int
+    kind: SseEvent | None  # the final event; None: the stream ended without one (client gone, shutdown)
+    prompt_tokens: int  # the usage's prompt tokens of a completed or stopped turn
+    replayed: bool = False  # turn.started said the stream replays a stored turn or attaches to one
+    started_prompt_tokens: int | None = None  # the prompt's size turn.started reported, if it did
+    blocked_stage: str = ""  # "input" or "output" for a blocked turn
 
 
 HEARTBEAT = b": keepalive\n\n"

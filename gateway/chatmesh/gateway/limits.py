@@ -4,9 +4,12 @@ Token bucket (the rate limiter the reference design reuses): a bucket holds at m
 continuously at `capacity / period` tokens per second; a request takes `cost` tokens if that many are there, else
 it is refused with the time until they will be (Retry-After). Parameters:
 - turns: capacity CHATMESH_LIMIT_TURNS_PER_MINUTE, period 60 s, cost 1 per turn (send or regenerate);
-- prompt tokens: capacity CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR, period 3600 s. The prompt size is only known
-  after the turn (chat builds the prompt), so a turn is admitted while the bucket is positive and its prompt
-  tokens are charged when it ends; the bucket may go negative and then refuses turns until it refills.
+- prompt tokens: capacity CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR, period 3600 s, charged BEFORE the turn runs:
+  admission takes a turn and, in the same step, reserves the owner's remaining prompt tokens up to the largest
+  prompt the model takes (`Reservation`); the reservation is then settled to the true count (`settle`), giving
+  back the excess or taking what more is owed (chatmesh.gateway.metering says when and to what). Under one
+  token left, a turn is refused. Reservations come out of the bucket atomically, so concurrent turns cannot
+  together spend more than it holds.
 - open streams: a counter, not a rate: at most CHATMESH_LIMIT_OPEN_STREAMS turn streams (send, regenerate,
   attach) open at once; each open stream holds a lease released when the stream ends.
 
@@ -37,14 +40,25 @@ class StreamLease(Protocol):
     async def release(self) -> None: ...
 
 
+@dataclass
+class Reservation:
+    """Prompt tokens held from an owner's bucket for one turn; `held` changes as the turn is settled."""
+
+    owner: ids.OwnerId
+    held: int
+
+
 class LimitBackend(Protocol):
-    async def admit_turn(self, owner: ids.OwnerId) -> None:
-        """Takes one turn from the owner's budget or raises a 429 ApiError with Retry-After."""
+    async def admit_turn(self, owner: ids.OwnerId, reserve_up_to: int) -> Reservation:
+        """Takes one turn from the owner's budget and reserves up to `reserve_up_to` prompt tokens (all that is
+        left, when less); raises a 429 ApiError with Retry-After naming the limit when either is exhausted."""
+
+    async def settle(self, reservation: Reservation, used: int) -> None:
+        """Sets the reservation to `used` tokens: the difference goes back to the bucket (never above its
+        capacity), or is taken from it (it may go below zero)."""
 
     async def open_stream(self, owner: ids.OwnerId) -> StreamLease:
         """Takes an open-stream slot or raises a 429 ApiError."""
-
-    async def charge_prompt_tokens(self, owner: ids.OwnerId, tokens: int) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -61,8 +75,9 @@ class Bucket:
     at: float
 
     def refill(self, now: float) -> None:
-        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.per_second)
-        self.at = now
+        if now > self.at:  # a reading taken before the bucket was made must not drain it
+            self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.per_second)
+            self.at = now
 
     def take(self, cost: float, now: float) -> float:
         """Takes `cost` tokens and returns 0, or returns the seconds until they will be there."""
@@ -107,16 +122,28 @@ class MemoryLimits:
             bucket = table[owner] = Bucket(capacity, capacity / period_s, capacity, now)
         return bucket
 
-    async def admit_turn(self, owner: ids.OwnerId) -> None:
+    async def admit_turn(self, owner: ids.OwnerId, reserve_up_to: int) -> Reservation:
         now = self._clock()
         prompt = self._bucket(self._prompt, owner, self._budget.prompt_tokens_per_hour, 3600.0)
         prompt.refill(now)
-        if prompt.tokens <= 0:
+        if prompt.tokens < 1:
             raise refused("prompt tokens per hour", (1 - prompt.tokens) / prompt.per_second)
         wait = self._bucket(self._turns, owner, self._budget.turns_per_minute, 60.0).take(1, now)
         if wait > 0:
             raise refused("turns per minute", wait)
+        held = max(1, min(int(prompt.tokens), reserve_up_to))
+        prompt.tokens -= held
         self._sweep(now)
+        return Reservation(owner, held)
+
+    async def settle(self, reservation: Reservation, used: int) -> None:
+        delta = reservation.held - used
+        reservation.held = used
+        if delta == 0:
+            return
+        bucket = self._bucket(self._prompt, reservation.owner, self._budget.prompt_tokens_per_hour, 3600.0)
+        bucket.refill(self._clock())
+        bucket.tokens = min(bucket.capacity, bucket.tokens + delta)
 
     async def open_stream(self, owner: ids.OwnerId) -> StreamLease:
         count = self._streams.get(owner, 0)
@@ -124,12 +151,6 @@ class MemoryLimits:
             raise refused("open streams", 1.0)
         self._streams[owner] = count + 1
         return _MemoryLease(self._streams, owner)
-
-    async def charge_prompt_tokens(self, owner: ids.OwnerId, tokens: int) -> None:
-        if tokens > 0:
-            bucket = self._bucket(self._prompt, owner, self._budget.prompt_tokens_per_hour, 3600.0)
-            bucket.refill(self._clock())
-            bucket.tokens -= tokens
 
     async def close(self) -> None:
         return None

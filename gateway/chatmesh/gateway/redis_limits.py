@@ -2,9 +2,12 @@
 
 Each check is ONE Lua script, so it is atomic across processes without locks or retries, and the clock is
 Redis's own (`TIME`), so gateways with skewed clocks still refill one bucket at one rate:
-- ADMIT: refill the prompt-token bucket and refuse if it is not positive; refill the turn bucket and take one
-  token or refuse; answers (allowed, retry_after_ms, which);
-- CHARGE: refill the prompt-token bucket and subtract the turn's prompt tokens (it may go negative);
+- ADMIT: refill the prompt-token bucket and refuse under one token; refill the turn bucket and take one token or
+  refuse; then reserve min(what is left, the cap) prompt tokens; answers (allowed, retry_after_ms, which,
+  reserved). One script, so two gateways admitting the same owner's turns at once cannot both reserve the
+  same tokens;
+- SETTLE: refill the prompt-token bucket and add the reservation's excess back (capped at the capacity), or
+  subtract what more the turn used (it may go negative);
 - OPEN: drop expired stream leases from the owner's sorted set (score = expiry), refuse when the set is full,
   else add this lease.
 Buckets are hashes {tokens, at_ms} that expire once they would be full again. A stream lease expires after
@@ -22,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from chatmesh.gateway.errors import ApiError
-from chatmesh.gateway.limits import Budget, StreamLease, refused
+from chatmesh.gateway.limits import Budget, Reservation, StreamLease, refused
 from chatmesh.mesh import ids, logs
 
 log = logs.get("chatmesh.gateway.limits")
@@ -47,19 +50,21 @@ end
 ADMIT = _REFILL + """
 local now = now_ms()
 local tcap, trate = tonumber(ARGV[1]), tonumber(ARGV[2])
-local pcap, prate = tonumber(ARGV[3]), tonumber(ARGV[4])
+local pcap, prate, cap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local p = level(KEYS[2], pcap, prate, now)
-if p <= 0 then return {0, math.ceil((1 - p) / prate), 'prompt'} end
+if p < 1 then return {0, math.ceil((1 - p) / prate), 'prompt', 0} end
 local t = level(KEYS[1], tcap, trate, now)
-if t < 1 then return {0, math.ceil((1 - t) / trate), 'turns'} end
+if t < 1 then return {0, math.ceil((1 - t) / trate), 'turns', 0} end
 store(KEYS[1], t - 1, tcap, trate, now)
-return {1, 0, ''}
+local held = math.max(1, math.min(math.floor(p), cap))
+store(KEYS[2], p - held, pcap, prate, now)
+return {1, 0, '', held}
 """
 
-CHARGE = _REFILL + """
+SETTLE = _REFILL + """
 local now = now_ms()
-local pcap, prate, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-store(KEYS[1], level(KEYS[1], pcap, prate, now) - cost, pcap, prate, now)
+local pcap, prate, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+store(KEYS[1], math.min(pcap, level(KEYS[1], pcap, prate, now) + delta), pcap, prate, now)
 return 1
 """
 
@@ -109,7 +114,7 @@ class RedisLimits:
         self._prefix = prefix
         self._ttl_ms = int(lease_ttl_s * 1000)
         self._admit = self.redis.register_script(ADMIT)
-        self._charge = self.redis.register_script(CHARGE)
+        self._settle = self.redis.register_script(SETTLE)
         self._open = self.redis.register_script(OPEN)
         self._renew = self.redis.register_script(RENEW)
         self.live: dict[str, _RedisLease] = {}
@@ -118,18 +123,31 @@ class RedisLimits:
     def _key(self, owner: ids.OwnerId, what: str) -> str:
         return f"{self._prefix}{{{owner}}}:{what}"  # one hash slot per owner (Redis Cluster)
 
-    async def admit_turn(self, owner: ids.OwnerId) -> None:
+    async def admit_turn(self, owner: ids.OwnerId, reserve_up_to: int) -> Reservation:
         b = self._budget
         try:
-            allowed, retry_ms, which = await self._admit(
+            allowed, retry_ms, which, held = await self._admit(
                 keys=[self._key(owner, "turns"), self._key(owner, "prompt")],
                 args=[b.turns_per_minute, b.turns_per_minute / 60_000, b.prompt_tokens_per_hour,
-                      b.prompt_tokens_per_hour / 3_600_000])
+                      b.prompt_tokens_per_hour / 3_600_000, reserve_up_to])
         except RedisError as err:
             raise _unavailable(err) from None
         if not allowed:
             what = "prompt tokens per hour" if which == b"prompt" else "turns per minute"
             raise refused(what, int(retry_ms) / 1000)
+        return Reservation(owner, int(held))
+
+    async def settle(self, reservation: Reservation, used: int) -> None:
+        delta = reservation.held - used
+        reservation.held = used
+        if delta == 0:
+            return
+        b = self._budget
+        try:
+            await self._settle(keys=[self._key(reservation.owner, "prompt")],
+                               args=[b.prompt_tokens_per_hour, b.prompt_tokens_per_hour / 3_600_000, delta])
+        except RedisError as err:
+            raise _unavailable(err) from None
 
     async def open_stream(self, owner: ids.OwnerId) -> StreamLease:
         key, lease = self._key(owner, "streams"), uuid.uuid4().hex
@@ -143,13 +161,6 @@ class RedisLimits:
         if self._renewer is None:
             self._renewer = asyncio.create_task(self._renew_forever())
         return handle
-
-    async def charge_prompt_tokens(self, owner: ids.OwnerId, tokens: int) -> None:
-        if tokens <= 0:
-            return
-        b = self._budget
-        await self._charge(keys=[self._key(owner, "prompt")],
-                           args=[b.prompt_tokens_per_hour, b.prompt_tokens_per_hour / 3_600_000, tokens])
 
     async def _renew_forever(self) -> None:
         while True:

@@ -16,9 +16,11 @@ from chatmesh.gateway import bodies, events
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.gateway.identity import Principal
-from chatmesh.gateway.limits import LimitBackend, StreamLease
+from chatmesh.gateway.limits import Budget, LimitBackend, StreamLease
+from chatmesh.gateway.metering import TurnCharge, over_allowance
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.gateway.sse import Relays, TurnCall, TurnRelay, open_relay
+from chatmesh.gateway.sse import PromptOverAllowance, Relays, TurnCall, TurnRelay, open_relay
+from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.mesh import ids, logs
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 
@@ -41,7 +43,8 @@ class Edge:
     allowlist: tuple[str, ...]
     heartbeat_s: float
     max_body_bytes: int
-    max_content_chars: int
+    message_tokens: MessageTokens
+    budget: Budget
     deadline_s: float
 
     async def unary(self, call: Awaitable[T]) -> T:
@@ -50,31 +53,48 @@ class Edge:
         except grpc.aio.AioRpcError as err:
             raise ApiError.from_rpc(err) from None
 
-    async def relay(self, owner: ids.OwnerId, make: Callable[[], TurnCall], *, new_turn: bool) -> TurnRelay:
-        """Takes an open-stream slot (and, for a new turn, a turn from the budget: after the slot, so a refused
-        stream costs no turn), starts the gRPC turn stream `make()` and relays it."""
+    async def relay(self, owner: ids.OwnerId, make: Callable[[int], TurnCall], *, new_turn: bool) -> TurnRelay:
+        """Takes an open-stream slot and, for a new turn, a turn and a prompt-token reservation from the budget
+        (after the slot, so a refused stream costs nothing), starts the gRPC turn stream `make(allowance)` and
+        relays it; the reservation is settled as chatmesh.gateway.metering says."""
         lease = await self.limits.open_stream(owner)
         call: TurnCall | None = None
+        charge: TurnCharge | None = None
         try:
             if new_turn:
-                await self.limits.admit_turn(owner)
-            call = make()
-            return await open_relay(call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s,
-                                    relays=self.relays, on_end=lambda outcome: self._ended(owner, lease, outcome))
-        except BaseException:
+                reservation = await self.limits.admit_turn(owner, self.message_tokens.input_tokens)
+                charge = TurnCharge(self.limits, reservation)
+            call = make(charge.reserved if charge is not None else 0)
+            metered = charge
+            return await open_relay(
+                call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s, relays=self.relays,
+                on_end=lambda outcome: self._ended(owner, lease, metered, outcome),
+                on_started=metered.started if metered is not None else _not_metered)
+        except BaseException as exc:
             if call is not None:
                 call.cancel()
             await lease.release()
+            if charge is not None:
+                await charge.refund()
+                if isinstance(exc, PromptOverAllowance):
+                    raise over_allowance(self.budget, charge.reserved, exc.prompt_tokens) from None
             raise
 
-    async def _ended(self, owner: ids.OwnerId, lease: StreamLease, outcome: events.Outcome) -> None:
-        log.info("turn_stream_ended", owner=owner, outcome=outcome.kind.value if outcome.kind else "disconnected",
-                 prompt_tokens=outcome.prompt_tokens)
+    async def _ended(self, owner: ids.OwnerId, lease: StreamLease, charge: TurnCharge | None,
+                     outcome: events.Outcome) -> None:
+        log.info("turn_stream_ended", owner_id=owner, outcome=outcome.kind.value if outcome.kind else "disconnected",
+                 prompt_tokens=outcome.prompt_tokens, started_prompt_tokens=outcome.started_prompt_tokens,
+                 reserved=charge.reserved if charge is not None else 0)
         try:
             await lease.release()
-            await self.limits.charge_prompt_tokens(owner, outcome.prompt_tokens)
         except Exception as exc:  # the stream is over; a limits backend error must not surface as a traceback
-            log.warning("limits_after_stream_failed", error=type(exc).__name__)
+            log.warning("limits_after_stream_failed", exc_info=exc)
+        if charge is not None:
+            await charge.ended(outcome)
+
+
+async def _not_metered(replayed: bool, prompt_tokens: int | None) -> None:
+    return None
 
 
 def edge_of(request: Request) -> Edge:
@@ -140,10 +160,15 @@ async def delete_conversation(request: Request) -> Response:
 async def send_turn(request: Request) -> Response:
     edge, who = await _who(request)
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
-    turn = bodies.turn_body(await bodies.json_object(request, edge.max_body_bytes), edge.max_content_chars)
-    req = chat_pb2.SendTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id,
-                                   content=turn.content)
-    return await edge.relay(who.owner, lambda: edge.chat.SendTurn(req), new_turn=True)
+    turn = bodies.turn_body(await bodies.json_object(request, edge.max_body_bytes))
+    await edge.message_tokens.check(turn.content)
+
+    def send(allowance: int) -> TurnCall:
+        return edge.chat.SendTurn(chat_pb2.SendTurnRequest(
+            owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id, content=turn.content,
+            prompt_token_allowance=allowance))
+
+    return await edge.relay(who.owner, send, new_turn=True)
 
 
 async def regenerate_turn(request: Request) -> Response:
@@ -151,8 +176,12 @@ async def regenerate_turn(request: Request) -> Response:
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     bodies.turn_path(request.path_params["turn_id"])  # the reply being replaced; ChatService picks the last one
     new_turn = bodies.turn_id_field(await bodies.json_object(request, edge.max_body_bytes))
-    req = chat_pb2.RegenerateTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=new_turn)
-    return await edge.relay(who.owner, lambda: edge.chat.RegenerateTurn(req), new_turn=True)
+
+    def regenerate(allowance: int) -> TurnCall:
+        return edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
+            owner_id=who.owner, conversation_id=conversation, turn_id=new_turn, prompt_token_allowance=allowance))
+
+    return await edge.relay(who.owner, regenerate, new_turn=True)
 
 
 async def attach_turn(request: Request) -> Response:
@@ -162,7 +191,7 @@ async def attach_turn(request: Request) -> Response:
     after = _after_sequence(request)
     req = chat_pb2.AttachTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn,
                                      after_sequence=after)
-    return await edge.relay(who.owner, lambda: edge.chat.AttachTurn(req), new_turn=False)
+    return await edge.relay(who.owner, lambda _: edge.chat.AttachTurn(req), new_turn=False)
 
 
 async def stop_turn(request: Request) -> Response:

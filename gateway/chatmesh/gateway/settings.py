@@ -27,13 +27,14 @@ REDIS_URL = Setting("CHATMESH_REDIS_URL", "",
 TURNS_PER_MINUTE = Setting("CHATMESH_LIMIT_TURNS_PER_MINUTE", 20, "per-user turns per minute (token bucket)", int)
 OPEN_STREAMS = Setting("CHATMESH_LIMIT_OPEN_STREAMS", 4, "per-user concurrently open turn streams", int)
 PROMPT_TOKENS_PER_HOUR = Setting("CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR", 1_000_000,
-                                 "per-user prompt tokens per hour (token bucket, charged after each turn)", int)
+                                 "per-user prompt tokens per hour (token bucket; reserved before each turn, "
+                                 "settled to the prompt's true size, never refunded for a stopped turn)", int)
 HEARTBEAT_S = Setting("CHATMESH_SSE_HEARTBEAT_S", 15.0, "seconds of model silence before an SSE heartbeat", float)
 LINK_ALLOWLIST: Setting[tuple[str, ...]] = Setting("CHATMESH_LINK_ALLOWLIST", (),
                          "comma-separated hosts whose links survive output sanitising (subdomains included)", _hosts)
-MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 1024 * 1024, "largest request body the edge accepts", int)
-MAX_CONTENT_CHARS = Setting("CHATMESH_MAX_CONTENT_CHARS", 512 * 1024,
-                            "longest user message, characters (the reference allows 128,000-token pastes)", int)
+MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 4 * 1024 * 1024,
+                         "largest request body the edge accepts (413 above it): a largest message "
+                         "(CHATMESH_MAX_MESSAGE_BYTES) plus JSON escaping", int)
 CHAT_DEADLINE_S = Setting("CHATMESH_GATEWAY_RPC_DEADLINE_S", 10.0, "deadline of the edge's unary ChatService calls",
                           float)
 SECURE_COOKIES = Setting("CHATMESH_SECURE_COOKIES", False,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -52,6 +53,30 @@ _STREAM_MESSAGES = (chat_pb2.SendTurnResponse, chat_pb2.AttachTurnResponse, chat
 
 TurnCall = grpc.aio.UnaryStreamCall[Any, Any]
 OnEnd = Callable[[events.Outcome], Awaitable[None]]
+OnStarted = Callable[[bool, int | None], Awaitable[None]]  # (replayed, the prompt's size if reported)
+
+
+class PromptOverAllowance(ApiError):
+    """Chat refused the turn's prompt as larger than its allowance (RESOURCE_EXHAUSTED with the
+    `chatmesh-prompt-tokens` trailer); the edge turns it into the limit's answer (chatmesh.gateway.metering)."""
+
+    def __init__(self, prompt_tokens: int, message: str) -> None:
+        super().__init__(429, "rate_limited", message)
+        self.prompt_tokens = prompt_tokens
+
+
+def _prompt_tokens_trailer(err: grpc.aio.AioRpcError) -> int | None:
+    # grpc.aio hands a Metadata of (key, value) pairs (its stubs claim objects with .key and .value)
+    metadata: Any = err.trailing_metadata()
+    for key, value in metadata or ():
+        if key == "chatmesh-prompt-tokens":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return int(text) if text.isdigit() else None
+    return None
+
+
+async def _noop_started(replayed: bool, prompt_tokens: int | None) -> None:
+    return None
 
 
 class Relays:
@@ -69,15 +94,17 @@ class Relays:
 
 
 async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
-                     on_end: OnEnd) -> TurnRelay:
+                     on_end: OnEnd, on_started: OnStarted = _noop_started) -> TurnRelay:
     """Awaits the first event of `call`; a gRPC error before it is raised as an ApiError (nothing was sent)."""
     try:
         first: object = await call.read()
     except grpc.aio.AioRpcError as err:
+        if err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (size := _prompt_tokens_trailer(err)) is not None:
+            raise PromptOverAllowance(size, err.details() or "prompt over its allowance") from None
         raise ApiError.from_rpc(err) from None
     if not isinstance(first, _STREAM_MESSAGES):
         raise ApiError(503, "unavailable", "the chat service ended the turn stream without an event")
-    return TurnRelay(call, first.event, sanitiser, heartbeat_s, relays, on_end)
+    return TurnRelay(call, first.event, sanitiser, heartbeat_s, relays, on_end, on_started)
 
 
 class TurnRelay(Response):
@@ -85,8 +112,10 @@ class TurnRelay(Response):
     routes can return it; it writes its own headers and body.)"""
 
     def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
-                 relays: Relays, on_end: OnEnd):
+                 relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started):
         super().__init__(status_code=200, media_type="text/event-stream")
+        self._on_started = on_started
+        self._started: chat_pb2.TurnStarted | None = None
         self._call = call
         self._first = first
         self._sanitiser = sanitiser
@@ -119,6 +148,11 @@ class TurnRelay(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 pass
+            started = self._started
+            if started is not None:
+                self._outcome = replace(
+                    self._outcome, replayed=started.replayed,
+                    started_prompt_tokens=started.prompt_tokens if started.HasField("prompt_tokens") else None)
             await self._on_end(self._outcome)
 
     async def _write(self, send: Send, chunk: bytes) -> None:
@@ -136,6 +170,10 @@ class TurnRelay(Response):
                     if text:
                         await self._write(send, events.delta_frame(event.sequence, text))
                 else:
+                    if kind is events.SseEvent.STARTED and self._started is None:
+                        self._started = event.started
+                        await self._on_started(event.started.replayed, event.started.prompt_tokens
+                                               if event.started.HasField("prompt_tokens") else None)
                     if kind.is_final:
                         tail = self._sanitiser.flush()
                         if tail:
@@ -189,5 +227,7 @@ def _outcome_of(event: chat_pb2.TurnEvent, kind: events.SseEvent) -> events.Outc
             return events.Outcome(kind, event.completed.usage.prompt_tokens)
         case events.SseEvent.STOPPED:
             return events.Outcome(kind, event.stopped.usage.prompt_tokens)
+        case events.SseEvent.BLOCKED:
+            return events.Outcome(kind, 0, blocked_stage=event.blocked.stage)
         case _:
             return events.Outcome(kind, 0)

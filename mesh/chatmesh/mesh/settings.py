@@ -65,3 +65,11 @@ OWNER_TOKEN_KEYS_FILE = Setting("CHATMESH_OWNER_TOKEN_KEYS_FILE", "",
 OWNER_TOKEN_TTL_S = Setting("CHATMESH_OWNER_TOKEN_TTL_S", 900,
                             "lifetime of the owner tokens the gateway mints, seconds (longer than the longest turn: "
                             "a turn's last store write carries the token its request came with)", int)
+
+# The message size policy (chatmesh.mesh.message_size), shared by the gateway, chat, moderation and the store.
+MAX_MESSAGE_TOKENS = Setting("CHATMESH_MAX_MESSAGE_TOKENS", 128_000,
+                             "longest message in tokens (a pasted document), where the model's input room allows",
+                             int)
+MAX_MESSAGE_BYTES = Setting("CHATMESH_MAX_MESSAGE_BYTES", 1024 * 1024,
+                            "largest message in UTF-8 bytes, checked before tokens are counted (user messages and "
+                            "replies, at every hop)", int)

@@ -18,9 +18,9 @@ Usage (one client per process; one output session per streamed reply):
 
 Every outcome says who decided (`decided_by`): the policy, the service's failure policy (its check deadline
 passed), or this client's failure policy (the service is down, answered with an error, or did not answer
-within CHATMESH_MODERATION_CLIENT_TIMEOUT_MS). Client failures are counted in the Prometheus counter
+within CHATMESH_MODERATION_CLIENT_TIMEOUT_MS, per 32 KiB of a long input). Client failures are counted in the Prometheus counter
 `chatmesh_moderation_client_failures_total{direction, reason}`. An INVALID_ARGUMENT answer to an input check
-(empty or oversized text), or an output chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES, is the caller's error
+(empty or oversized text), or an output chunk over CHATMESH_MAX_MESSAGE_BYTES, is the caller's error
 and is raised as `InvalidArgument`, not failed over. Output sessions share one CheckOutputBatch stream; chunks
 wait up to CHATMESH_MODERATION_CLIENT_BATCH_MS to share a message, except a reply's first chunk, which goes out at
 once (with whatever is queued): it holds up the reply's first token.
@@ -48,7 +48,7 @@ from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.moderation import settings
-from chatmesh.moderation.moderator import validate_text
+from chatmesh.moderation.moderator import scaled, validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode
 from chatmesh.v1 import moderate_pb2, moderate_pb2_grpc
 
@@ -121,7 +121,8 @@ class FailurePolicy:
     timeout_s: float
     failures: Counter
     linger_s: float = 0.0  # how long output chunks wait to share a message with other streams' chunks
-    max_bytes: int = 32768  # the service's limit; an output chunk over it is refused here, not on the shared stream
+    max_bytes: int = 1024 * 1024  # the message size policy's; an output chunk over it is refused here, not on the
+    # shared stream
 
     def mode(self, direction: Direction) -> FailureMode:
         match direction:
@@ -171,14 +172,15 @@ class ModerationClient:
         spiffe://chatmesh/chat, moderation's one caller)."""
         policy = FailurePolicy(FailureMode(cfg[settings.INPUT_FAILURE]), FailureMode(cfg[settings.OUTPUT_FAILURE]),
                                cfg[settings.CLIENT_TIMEOUT_MS] / 1000, failures_counter(registry),
-                               cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[settings.MAX_INPUT_BYTES])
+                               cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[mesh_settings.MAX_MESSAGE_BYTES])
         trust = trust or Trust.from_config(cfg, identity.CHAT)
         return cls(open_channel(trust, cfg[mesh_settings.MODERATION_ADDRESS], "moderation"), policy, own_channel=True)
 
     async def check_input(self, text: str, conversation_id: str) -> Outcome:
         request = moderate_pb2.CheckInputRequest(text=text, conversation_id=conversation_id)
         try:
-            reply = await self._stub.CheckInput(request, timeout=self.policy.timeout_s)
+            reply = await self._stub.CheckInput(
+                request, timeout=scaled(self.policy.timeout_s, len(text.encode("utf-8", "surrogatepass"))))
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(err.details() or "invalid moderation input") from None

@@ -8,7 +8,8 @@ Checks go through the `CheckBatcher` (batched across streams; inline, or on a wo
 CHATMESH_MODERATION_CHECK_THREAD) under CHATMESH_MODERATION_CHECK_DEADLINE_MS; past it (or if the check
 raises) the direction's failure policy decides and the verdict says so (`fallback`, and why in `reason`).
 
-Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MODERATION_MAX_INPUT_BYTES,
+Bad input is INVALID_ARGUMENT: an empty message, a message or chunk over CHATMESH_MAX_MESSAGE_BYTES (the one
+message size policy, chatmesh.mesh.message_size),
 and a request that does not parse (a string field that is not UTF-8, which a hand-built client can send):
 requests are decoded by a lenient deserializer here so that case reaches the servicer instead of failing
 inside gRPC. Logs carry conversation ids, actions and category names, never text. Metrics (served by the
@@ -29,6 +30,7 @@ from typing import Any, TypeVar, assert_never
 import grpc
 from google.protobuf.message import DecodeError, Message
 from chatmesh.mesh import logs, metrics
+from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
@@ -36,7 +38,7 @@ from chatmesh.moderation import settings
 from chatmesh.moderation.batcher import CheckBatcher
 from chatmesh.moderation.classifier import profanity_model
 from chatmesh.moderation.guard import TritonGuard
-from chatmesh.moderation.moderator import ALLOW, Moderator, OutputCheck, Verdict, validate_text
+from chatmesh.moderation.moderator import ALLOW, Moderator, OutputCheck, Verdict, scaled, validate_text
 from chatmesh.moderation.policy import Action, Direction, FailureMode, load
 from chatmesh.v1 import moderate_pb2
 
@@ -48,6 +50,7 @@ M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 MAX_REPLY_ID_BYTES = 128
 MAX_OPEN_REPLIES = 4096
+LONG_TEXT_BYTES = 64 * 1024  # an input check over this runs on a worker thread (~25 ms of checking and more)
 
 
 @dataclass(frozen=True)
@@ -172,10 +175,14 @@ class ModerateServicer:
             stopping.cancel()
 
     async def _run(self, direction: Direction, check: Callable[[], Verdict],
-                   late: Callable[[], object] = lambda: None) -> Verdict:
+                   late: Callable[[], object] = lambda: None, text_bytes: int = 0) -> Verdict:
         start = time.perf_counter()
+        deadline_s = scaled(self._limits.deadline_s, text_bytes)
         try:
-            verdict = await self._batcher.run(check, late, self._limits.deadline_s)
+            if text_bytes > LONG_TEXT_BYTES:  # a pasted document: off the loop, so other streams' checks go on
+                verdict = await asyncio.wait_for(asyncio.to_thread(check), deadline_s)
+            else:
+                verdict = await self._batcher.run(check, late, deadline_s)
         except TimeoutError:
             verdict = self._fallback(direction, "deadline", "check deadline passed")
         except Exception as exc:  # the check failed (a guard model down, a bug): the failure policy answers
@@ -215,7 +222,8 @@ class ModerateServicer:
                          context: Context) -> moderate_pb2.CheckInputResponse:
         text = _decoded(request).text
         validate_text(text, self._limits.max_bytes, "text")
-        verdict = await self._run(Direction.INPUT, functools.partial(self._moderator.check_input, text))
+        verdict = await self._run(Direction.INPUT, functools.partial(self._moderator.check_input, text),
+                                  text_bytes=len(text.encode("utf-8", "surrogatepass")))
         log.info("input_checked", conversation_id=_decoded(request).conversation_id, action=verdict.action.name,
                  categories=[c.category for c in verdict.categories], fallback=verdict.fallback)
         return moderate_pb2.CheckInputResponse(verdict=verdict_pb(verdict))
@@ -320,7 +328,7 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
                                 timeout_s=cfg[settings.CHECK_DEADLINE_MS] / 1000)
         moderator = Moderator(load(cfg[settings.POLICY_FILE]), profanity_model(), guard)
     policy = moderator.policy
-    limits = CheckLimits(max_bytes=cfg[settings.MAX_INPUT_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
+    limits = CheckLimits(max_bytes=cfg[mesh_settings.MAX_MESSAGE_BYTES], deadline_s=cfg[settings.CHECK_DEADLINE_MS] / 1000,
                     on_input_failure=FailureMode(cfg[settings.INPUT_FAILURE]),
                     on_output_failure=FailureMode(cfg[settings.OUTPUT_FAILURE]))
     registry = metrics.Registry()

@@ -1,4 +1,5 @@
-"""ModerateService settings: the policy, size limits, deadlines and the failure policy of each direction."""
+"""ModerateService settings: the policy, deadlines and the failure policy of each direction. (The size of what
+it accepts is the message size policy's, CHATMESH_MAX_MESSAGE_BYTES.)"""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ FAILURE_MODES = ("closed", "open")
 
 POLICY_FILE = Setting("CHATMESH_MODERATION_POLICY_FILE", "",
                       "moderation policy JSON (categories, rules, thresholds); empty: the built-in default", str)
-MAX_INPUT_BYTES = Setting("CHATMESH_MODERATION_MAX_INPUT_BYTES", 32768,
-                          "largest user message or reply chunk moderation accepts, in UTF-8 bytes", int)
 CHECK_DEADLINE_MS = Setting("CHATMESH_MODERATION_CHECK_DEADLINE_MS", 50.0,
-                            "the service's time limit for one check; past it the direction's failure policy decides",
+                            "the service's time limit for one check (per 32 KiB of a long input); past it the "
+                            "direction's failure policy decides",
                             float)
 CLIENT_TIMEOUT_MS = Setting("CHATMESH_MODERATION_CLIENT_TIMEOUT_MS", 250.0,
                             "how long a moderation client waits for a verdict before its failure policy decides",

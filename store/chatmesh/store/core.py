@@ -143,7 +143,7 @@ def default_fingerprint(content: str, regenerates: TurnId | None) -> str:
 
 @dataclass(frozen=True)
 class FieldLimits:
-    max_content_bytes: int = 512 * 1024
+    max_content_bytes: int = 1024 * 1024  # the message size policy's CHATMESH_MAX_MESSAGE_BYTES
     lease_ttl_ms: int = 30_000
     retention_days: int = 30
     max_title_chars: int = 200
@@ -198,7 +198,7 @@ class ConversationStore:
         size = len(text.encode())
         if size > self.limits.max_content_bytes:
             raise InvalidArgument(f"{field} is {size} bytes, over the limit of {self.limits.max_content_bytes} "
-                                  f"bytes (CHATMESH_STORE_MAX_CONTENT_BYTES)")
+                                  f"bytes (CHATMESH_MAX_MESSAGE_BYTES)")
 
     @staticmethod
     def _check_len(field: str, text: str, limit: int) -> None:

@@ -167,7 +167,7 @@ def build(cfg: Config) -> Service:
     engine = make_engine(url, pool_size=cfg[settings.DATABASE_POOL_SIZE],
                          search_path=cfg[settings.DATABASE_SCHEMA] or None)
     store = ConversationStore(engine, FieldLimits(
-        max_content_bytes=cfg[settings.MAX_CONTENT_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
+        max_content_bytes=cfg[mesh_settings.MAX_MESSAGE_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
         retention_days=cfg[settings.RETENTION_DAYS]))
     servicer = StoreServicer(store)
     service = Service(name="store", register=lambda server: _register(server, servicer))

@@ -13,8 +13,6 @@ LEASE_TTL_MS = Setting("CHATMESH_STORE_LEASE_TTL_MS", 30_000,
                        "default turn lease, ms: a claim not finished or renewed by then is claimable again", int)
 RETENTION_DAYS = Setting("CHATMESH_STORE_RETENTION_DAYS", 30,
                          "conversations idle for longer than this many days are purged", int)
-MAX_CONTENT_BYTES = Setting("CHATMESH_STORE_MAX_CONTENT_BYTES", 512 * 1024,
-                            "largest message (user content or reply) the store accepts, UTF-8 bytes", int)
 PURGE_INTERVAL_S = Setting("CHATMESH_STORE_PURGE_INTERVAL_S", 3600.0,
                            "seconds between retention purges run by the store service (0: never)", float)
 DATABASE_SCHEMA = Setting("CHATMESH_DATABASE_SCHEMA", "",
