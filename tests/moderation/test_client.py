@@ -181,7 +181,8 @@ async def test_a_pasted_document_is_judged_not_failed_over_at_the_default_deadli
     registry = CollectorRegistry()
     prose = "The committee reviewed the quarterly figures and agreed to revisit the plan in spring. " * 7000
     async with running({"CHATMESH_MODERATION_CHECK_DEADLINE_MS": "50"}) as address:
-        moderation = ModerationClient.from_config(Config(env={"CHATMESH_MODERATION_ADDRESS": address}), registry)
+        moderation = ModerationClient.from_config(Config(env={"CHATMESH_MESH_PLAINTEXT": "true",
+                                                              "CHATMESH_MODERATION_ADDRESS": address}), registry)
         benign = await moderation.check_input(prose, CONV)
         card = await moderation.check_input(prose + " charge 4111-1111-1111-1111 please", CONV)
         await moderation.close()
