@@ -146,7 +146,10 @@ async def test_unknown_route_and_method_are_json_errors(gateway: Gateway) -> Non
 def test_local_identity_refuses_a_public_address() -> None:
     check_bind(Config(env={"CHATMESH_HOST": "127.0.0.1"}))
     check_bind(Config(env={"CHATMESH_HOST": "::1"}))
-    check_bind(Config(env={"CHATMESH_HOST": "0.0.0.0", "CHATMESH_AUTH": "required"}))
+    check_bind(Config(env={"CHATMESH_HOST": "0.0.0.0", "CHATMESH_AUTH": "required",
+                           "CHATMESH_KEY_PEPPER": "a-secret-of-our-own"}))
+    with pytest.raises(StartupRefused, match="CHATMESH_KEY_PEPPER"):  # the production guard (issue 17)
+        check_bind(Config(env={"CHATMESH_HOST": "0.0.0.0", "CHATMESH_AUTH": "required"}))
     with pytest.raises(StartupRefused, match="loopback"):
         check_bind(Config(env={"CHATMESH_HOST": "0.0.0.0"}))
 

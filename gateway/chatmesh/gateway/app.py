@@ -51,6 +51,7 @@ from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import service_trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
 from chatmesh.v1 import chat_pb2_grpc
 
 log = logs.get("chatmesh.gateway")
@@ -66,6 +67,10 @@ def check_bind(cfg: Config) -> None:
         raise StartupRefused(
             f"CHATMESH_AUTH=local serves an unauthenticated development user, so the gateway binds loopback only; "
             f"got CHATMESH_HOST={host}. Set CHATMESH_AUTH=required (API keys, sessions) to serve {host}.")
+    try:
+        refuse_development_secrets(cfg, "gateway", host)
+    except DevelopmentSecrets as err:
+        raise StartupRefused(str(err)) from None
 
 
 def budget_of(cfg: Config) -> Budget:

@@ -11,6 +11,7 @@ from typing import Any
 
 from chatmesh.mesh import config, logs, settings, tracing
 from chatmesh.mesh.config import Config, Setting
+from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
 from chatmesh.mesh.trust import Trust, TrustRefused, service_trust
 from chatmesh.model import assets
 from chatmesh.model import settings as model_settings
@@ -57,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trust = service_trust(cfg, args.service)
         trust.check_address(listen, f"{args.service}: listening on")
-    except TrustRefused as err:
+        refuse_development_secrets(cfg, args.service, listen)
+    except (TrustRefused, DevelopmentSecrets) as err:
         logs.get("chatmesh.serve").error("startup_refused", reason=str(err))
         return 2
     asyncio.run(_run(module, cfg, listen, trust, cfg[settings.METRIC_PORTS[args.service]]))

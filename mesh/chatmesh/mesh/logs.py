@@ -45,7 +45,7 @@ REDACTED_KEYS = frozenset({
     "headers", "header", "body", "raw", "content", "text", "message", "prompt", "reply", "partial_text", "delta",
     "query", "query_string", "form", "json", "csrf_token", "session", "token",
 })
-MAX_VALUE_CHARS = 200
+MAX_VALUE_CHARS = 1000  # longer than any reason chatmesh writes; shorter than a pasted body
 FRAMES = 4  # innermost frames named in `error_at`
 
 def _exception_of(value: object) -> BaseException | None:
