@@ -24,7 +24,8 @@ import datetime
 import functools
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,11 @@ from chatmesh.store.hot import FinishValues, NewTurn
 from chatmesh.store.schema import Base, ConversationRow, MessageRow, TurnRow, UsageRow
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Purged, Reply, Role, Summary, TurnRecord, TurnRecordState, Usage,
+    MessageStatus, Progress, Purged, Reply, Role, Seed, Summary, TurnRecord, TurnRecordState, Usage,
 )
 
 log = logs.get("chatmesh.store")
+MAX_SEED_MESSAGES = 10_000  # messages a conversation may be created with (a client's own history)
 
 # Core tables, not the ORM classes: ORM-enabled DML costs several times the CPU per statement.
 CONV = Base.metadata.tables[ConversationRow.__tablename__]
@@ -219,18 +221,46 @@ class ConversationStore:
 
     async def insert_conversation(self, owner: OwnerId, title: str = "",
                                   system_prompt_version: str = "") -> Conversation:
+        conv, _ = await self.create_conversation(owner, title, system_prompt_version)
+        return conv
+
+    async def create_conversation(self, owner: OwnerId, title: str = "", system_prompt_version: str = "", *,
+                                  conversation: ConversationId | None = None, seed: Sequence[Seed] = ()
+                                  ) -> tuple[Conversation, bool]:
+        """A new conversation, with `seed` messages stored in order (a client's own earlier history, each message
+        under a turn id of its own). With `conversation` set and already the owner's, that one is returned as it
+        is and nothing is stored (False): a retry of the creating request finds the first one's conversation."""
         self._check_len("title", title, self.limits.max_title_chars)
         self._check_len("system_prompt_version", system_prompt_version,
                         self.limits.max_system_prompt_version_chars)
+        if len(seed) > MAX_SEED_MESSAGES:
+            raise InvalidArgument(f"messages: at most {MAX_SEED_MESSAGES} seed messages")
+        for i, m in enumerate(seed):
+            self._check_text(f"messages[{i}].content", m.content, required=True)
+            self._check_count(f"messages[{i}].token_count", m.token_count)
         now = self._clock()
-        conv = Conversation(new_conversation_id(), owner, title, system_prompt_version, now, now, 0)
-        async with self._single() as conn:
-            await conn.execute(insert(CONV).values(
-                owner_id=owner, conversation_id=conv.conversation_id, title=title,
-                system_prompt_version=system_prompt_version, created_at_ms=now, updated_at_ms=now,
-                message_count=0, summary_covers_through=-1, summary_token_count=0, summary_created_at_ms=0))
-        log.info("conversation_created", owner_id=owner, conversation_id=conv.conversation_id)
-        return conv
+        conv = Conversation(conversation or new_conversation_id(), owner, title, system_prompt_version, now, now,
+                            len(seed))
+        rows = [_message_values(owner, conv.conversation_id, Message(
+            i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(str(uuid.uuid4())), now))
+            for i, m in enumerate(seed)]
+        try:
+            async with self._write() as conn:
+                await conn.execute(insert(CONV).values(
+                    owner_id=owner, conversation_id=conv.conversation_id, title=title,
+                    system_prompt_version=system_prompt_version, created_at_ms=now, updated_at_ms=now,
+                    message_count=len(seed), summary_covers_through=-1, summary_token_count=0,
+                    summary_created_at_ms=0))
+                if rows:
+                    await conn.execute(INSERT_MESSAGES, rows)
+        except IntegrityError:
+            if conversation is None:
+                raise
+            async with self._single() as conn:
+                row = await self._conversation_row(conn, owner, conversation)
+            return _conversation(row), False
+        log.info("conversation_created", owner_id=owner, conversation_id=conv.conversation_id, seeded=len(seed))
+        return conv, True
 
     async def read_conversation(self, owner: OwnerId, conversation: ConversationId, *, from_index: int = 0,
                                 max_messages: int = 0) -> History:
@@ -527,6 +557,32 @@ class ConversationStore:
         return _message(row)
 
     # --- deletion, export, usage, retention ---
+
+    async def delete_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId
+                          ) -> tuple[list[ConversationId], int]:
+        """Deletes one stored turn: its user message, its reply, the replies regenerating it and their turn
+        records (usage totals stay). Returns the ids engines must evict and how many messages went."""
+        async with self._write() as conn:
+            lock = select(CONV.c.conversation_id).where(CONV.c.owner_id == owner,
+                                                        CONV.c.conversation_id == conversation)
+            if (await conn.execute(lock.with_for_update())).first() is None:
+                raise NotFound(f"turn {turn} not found")
+            row = (await conn.execute(select(TURN.c.state).where(
+                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn))).first()
+            if row is None or TurnRecordState(row.state) is TurnRecordState.FAILED:
+                raise NotFound(f"turn {turn} not found")
+            if TurnRecordState(row.state) in RECORD_ACTIVE:
+                raise FailedPrecondition(f"turn {turn} is still running; stop it first")
+            regenerations = select(TURN.c.turn_id).where(
+                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.regenerates_turn_id == turn)
+            turns = [turn, *[TurnId(r.turn_id) for r in await conn.execute(regenerations)]]
+            gone = await conn.execute(delete(MSG).where(
+                MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.turn_id.in_(turns)))
+            await conn.execute(delete(TURN).where(
+                TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id.in_(turns)))
+        log.info("turn_deleted", owner_id=owner, conversation_id=conversation, turn_id=turn,
+                 messages=gone.rowcount)
+        return [conversation], gone.rowcount
 
     async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
         """Deletes every row of the conversation (usage totals stay). Returns the ids engines must evict."""

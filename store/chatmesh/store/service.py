@@ -28,7 +28,8 @@ from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
 from chatmesh.store.values import MessageStatus, Reply
 from chatmesh.store.wire import (
-    claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, summary_pb, turn_record_pb, usage_pb,
+    claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, seed_of, summary_pb, turn_record_pb,
+    usage_pb,
 )
 from chatmesh.v1 import store_pb2, store_pb2_grpc
 
@@ -44,9 +45,11 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
                                  context: Context) -> store_pb2.InsertConversationResponse:
-        conv = await self.store.insert_conversation(parse_owner_id(request.owner_id), request.title,
-                                                    request.system_prompt_version)
-        return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv))
+        conv, created = await self.store.create_conversation(
+            parse_owner_id(request.owner_id), request.title, request.system_prompt_version,
+            conversation=parse_conversation_id(request.conversation_id) if request.conversation_id else None,
+            seed=[seed_of(m, f"messages[{i}]") for i, m in enumerate(request.messages)])
+        return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv), created=created)
 
     @unary_errors
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
@@ -123,6 +126,14 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         evict = await self.store.delete_conversation(parse_owner_id(request.owner_id),
                                                      parse_conversation_id(request.conversation_id))
         return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
+
+    @unary_errors
+    async def DeleteStoredTurn(self, request: store_pb2.DeleteStoredTurnRequest,
+                               context: Context) -> store_pb2.DeleteStoredTurnResponse:
+        evict, deleted = await self.store.delete_turn(parse_owner_id(request.owner_id),
+                                                      parse_conversation_id(request.conversation_id),
+                                                      parse_turn_id(request.turn_id))
+        return store_pb2.DeleteStoredTurnResponse(evict_conversation_ids=evict, messages_deleted=deleted)
 
     @unary_errors
     async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,

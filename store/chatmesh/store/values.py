@@ -9,7 +9,7 @@ from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.mesh.turn import TurnRecordState, Usage
 
 __all__ = ["Role", "MessageStatus", "TurnRecordState", "Usage", "Conversation", "Message", "Summary", "History",
-           "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Finished", "Progress", "TurnRecord",
+           "Seed", "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Finished", "Progress", "TurnRecord",
            "DailyUsage", "Purged"]
 
 
@@ -50,6 +50,15 @@ class Message:
     turn_id: TurnId
     created_at_ms: int
     superseded: bool = False
+
+
+@dataclass(frozen=True)
+class Seed:
+    """A message a conversation is created with (a client's earlier history), stored without generating it."""
+
+    role: Role
+    content: str
+    token_count: int = 0
 
 
 @dataclass(frozen=True)

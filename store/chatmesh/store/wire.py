@@ -13,7 +13,7 @@ from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Role, Summary, TurnRecord, TurnRecordState, Usage,
+    MessageStatus, Progress, Role, Seed, Summary, TurnRecord, TurnRecordState, Usage,
 )
 from chatmesh.v1 import common_pb2, store_pb2
 
@@ -154,6 +154,12 @@ def role_of(value: common_pb2.Role) -> Role:
     if role is None:
         raise InvalidArgument(f"unknown message role {value}")
     return role
+
+
+def seed_of(m: common_pb2.SeedMessage, field: str = "message") -> Seed:
+    if m.role == common_pb2.ROLE_UNSPECIFIED:
+        raise InvalidArgument(f"{field}.role is required (system, user or assistant)")
+    return Seed(role_of(m.role), m.content, m.token_count)
 
 
 def message_of(m: common_pb2.Message) -> Message:

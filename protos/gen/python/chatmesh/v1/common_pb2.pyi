@@ -72,3 +72,13 @@ class Conversation(_message.Message):
     created_at_ms: int
     updated_at_ms: int
     def __init__(self, conversation_id: _Optional[str] = ..., owner_id: _Optional[str] = ..., title: _Optional[str] = ..., system_prompt_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., updated_at_ms: _Optional[int] = ...) -> None: ...
+
+class SeedMessage(_message.Message):
+    __slots__ = ("role", "content", "token_count")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    content: str
+    token_count: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...

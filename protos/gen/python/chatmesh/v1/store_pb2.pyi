@@ -210,20 +210,26 @@ class PurgeExpiredResponse(_message.Message):
     def __init__(self, purged: _Optional[_Iterable[_Union[OwnedConversation, _Mapping]]] = ..., abandoned_turns: _Optional[int] = ...) -> None: ...
 
 class InsertConversationRequest(_message.Message):
-    __slots__ = ("owner_id", "title", "system_prompt_version")
+    __slots__ = ("owner_id", "title", "system_prompt_version", "conversation_id", "messages")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     title: str
     system_prompt_version: str
-    def __init__(self, owner_id: _Optional[str] = ..., title: _Optional[str] = ..., system_prompt_version: _Optional[str] = ...) -> None: ...
+    conversation_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.SeedMessage]
+    def __init__(self, owner_id: _Optional[str] = ..., title: _Optional[str] = ..., system_prompt_version: _Optional[str] = ..., conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.SeedMessage, _Mapping]]] = ...) -> None: ...
 
 class InsertConversationResponse(_message.Message):
-    __slots__ = ("conversation",)
+    __slots__ = ("conversation", "created")
     CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
     conversation: _common_pb2.Conversation
-    def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ...) -> None: ...
+    created: bool
+    def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ReadConversationRequest(_message.Message):
     __slots__ = ("owner_id", "conversation_id", "from_index", "max_messages")
@@ -366,3 +372,21 @@ class FailTurnResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class DeleteStoredTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class DeleteStoredTurnResponse(_message.Message):
+    __slots__ = ("evict_conversation_ids", "messages_deleted")
+    EVICT_CONVERSATION_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_DELETED_FIELD_NUMBER: _ClassVar[int]
+    evict_conversation_ids: _containers.RepeatedScalarFieldContainer[str]
+    messages_deleted: int
+    def __init__(self, evict_conversation_ids: _Optional[_Iterable[str]] = ..., messages_deleted: _Optional[int] = ...) -> None: ...

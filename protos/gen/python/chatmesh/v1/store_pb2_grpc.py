@@ -81,6 +81,11 @@ class StoreServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.FromString,
                 _registered_method=True)
+        self.DeleteStoredTurn = channel.unary_unary(
+                '/chatmesh.v1.StoreService/DeleteStoredTurn',
+                request_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnResponse.FromString,
+                _registered_method=True)
         self.DeleteStoredConversation = channel.unary_unary(
                 '/chatmesh.v1.StoreService/DeleteStoredConversation',
                 request_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredConversationRequest.SerializeToString,
@@ -176,6 +181,14 @@ class StoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteStoredTurn(self, request, context):
+        """Deletes one turn of a conversation: its user message, its replies (regenerations of it included) and their
+        turn records; usage totals stay. NOT_FOUND when the turn is not stored; FAILED_PRECONDITION while it runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteStoredConversation(self, request, context):
         """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only).
         """
@@ -258,6 +271,11 @@ def add_StoreServiceServicer_to_server(servicer, server):
                     servicer.ListOwnerConversations,
                     request_deserializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.SerializeToString,
+            ),
+            'DeleteStoredTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStoredTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnResponse.SerializeToString,
             ),
             'DeleteStoredConversation': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteStoredConversation,
@@ -530,6 +548,33 @@ class StoreService:
             '/chatmesh.v1.StoreService/ListOwnerConversations',
             chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsRequest.SerializeToString,
             chatmesh_dot_v1_dot_store__pb2.ListOwnerConversationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStoredTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.StoreService/DeleteStoredTurn',
+            chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_store__pb2.DeleteStoredTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

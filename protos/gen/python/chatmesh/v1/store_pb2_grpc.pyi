@@ -53,6 +53,10 @@ class StoreServiceStub:
     """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed)."""
     ListOwnerConversations: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListOwnerConversationsRequest, _store_pb2.ListOwnerConversationsResponse]
     """Lists an owner's conversations, most recently updated first."""
+    DeleteStoredTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredTurnRequest, _store_pb2.DeleteStoredTurnResponse]
+    """Deletes one turn of a conversation: its user message, its replies (regenerations of it included) and their
+    turn records; usage totals stay. NOT_FOUND when the turn is not stored; FAILED_PRECONDITION while it runs.
+    """
     DeleteStoredConversation: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredConversationRequest, _store_pb2.DeleteStoredConversationResponse]
     """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only)."""
     DeleteOwnerData: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteOwnerDataRequest, _store_pb2.DeleteOwnerDataResponse]
@@ -89,6 +93,10 @@ class StoreServiceAsyncStub(StoreServiceStub):
     """Stores a conversation's rolling summary (I3: summaries are stored, never recomputed)."""
     ListOwnerConversations: _aio.UnaryUnaryMultiCallable[_store_pb2.ListOwnerConversationsRequest, _store_pb2.ListOwnerConversationsResponse]  # type: ignore[assignment]
     """Lists an owner's conversations, most recently updated first."""
+    DeleteStoredTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredTurnRequest, _store_pb2.DeleteStoredTurnResponse]  # type: ignore[assignment]
+    """Deletes one turn of a conversation: its user message, its replies (regenerations of it included) and their
+    turn records; usage totals stay. NOT_FOUND when the turn is not stored; FAILED_PRECONDITION while it runs.
+    """
     DeleteStoredConversation: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteStoredConversationRequest, _store_pb2.DeleteStoredConversationResponse]  # type: ignore[assignment]
     """Deletes every row of one conversation (messages, summary, turns; usage totals stay, as numbers only)."""
     DeleteOwnerData: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteOwnerDataRequest, _store_pb2.DeleteOwnerDataResponse]  # type: ignore[assignment]
@@ -176,6 +184,16 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.ListOwnerConversationsResponse, _abc.Awaitable[_store_pb2.ListOwnerConversationsResponse]]:
         """Lists an owner's conversations, most recently updated first."""
+
+    @_abc_1.abstractmethod
+    def DeleteStoredTurn(
+        self,
+        request: _store_pb2.DeleteStoredTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.DeleteStoredTurnResponse, _abc.Awaitable[_store_pb2.DeleteStoredTurnResponse]]:
+        """Deletes one turn of a conversation: its user message, its replies (regenerations of it included) and their
+        turn records; usage totals stay. NOT_FOUND when the turn is not stored; FAILED_PRECONDITION while it runs.
+        """
 
     @_abc_1.abstractmethod
     def DeleteStoredConversation(
