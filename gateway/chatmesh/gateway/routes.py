@@ -53,48 +53,72 @@ class Edge:
         except grpc.aio.AioRpcError as err:
             raise ApiError.from_rpc(err) from None
 
-    async def relay(self, owner: ids.OwnerId, make: Callable[[int], TurnCall], *, new_turn: bool) -> TurnRelay:
+    async def take_stream(self, owner: ids.OwnerId, *, new_turn: bool) -> StreamSlot:
         """Takes an open-stream slot and, for a new turn, a turn and a prompt-token reservation from the budget
-        (after the slot, so a refused stream costs nothing), starts the gRPC turn stream `make(allowance)` and
-        relays it; the reservation is settled as chatmesh.gateway.metering says."""
+        (after the slot, so a refused stream costs nothing). Whoever holds it ends it with `ended` once the turn's
+        stream is over, or `refuse`s it when the turn never started."""
         lease = await self.limits.open_stream(owner)
-        call: TurnCall | None = None
-        charge: TurnCharge | None = None
         try:
-            if new_turn:
-                reservation = await self.limits.admit_turn(owner, self.message_tokens.input_tokens)
-                charge = TurnCharge(self.limits, reservation)
-            call = make(charge.reserved if charge is not None else 0)
-            metered = charge
+            charge = TurnCharge(self.limits, await self.limits.admit_turn(owner, self.message_tokens.input_tokens)) \
+                if new_turn else None
+        except BaseException:
+            await lease.release()
+            raise
+        return StreamSlot(owner, lease, charge)
+
+    async def relay(self, owner: ids.OwnerId, make: Callable[[int], TurnCall], *, new_turn: bool) -> TurnRelay:
+        """Takes a stream slot (`take_stream`), starts the gRPC turn stream `make(allowance)` and relays it; the
+        reservation is settled as chatmesh.gateway.metering says."""
+        slot = await self.take_stream(owner, new_turn=new_turn)
+        call: TurnCall | None = None
+        try:
+            call = make(slot.allowance)
             return await open_relay(
                 call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s, relays=self.relays,
-                on_end=lambda outcome: self._ended(owner, lease, metered, outcome),
-                on_started=metered.started if metered is not None else _not_metered)
+                on_end=lambda outcome: self.ended(slot, outcome), on_started=slot.started)
         except BaseException as exc:
             if call is not None:
                 call.cancel()
-            await lease.release()
-            if charge is not None:
-                await charge.refund()
-                if isinstance(exc, PromptOverAllowance):
-                    raise over_allowance(self.budget, charge.reserved, exc.prompt_tokens) from None
-            raise
+            raise await self.refuse(slot, exc) from None
 
-    async def _ended(self, owner: ids.OwnerId, lease: StreamLease, charge: TurnCharge | None,
-                     outcome: events.Outcome) -> None:
-        log.info("turn_stream_ended", owner_id=owner, outcome=outcome.kind.value if outcome.kind else "disconnected",
-                 prompt_tokens=outcome.prompt_tokens, started_prompt_tokens=outcome.started_prompt_tokens,
+    async def refuse(self, slot: StreamSlot, exc: BaseException) -> BaseException:
+        """Gives a slot back whose turn never started; returns what to raise for `exc`."""
+        await slot.lease.release()
+        if slot.charge is not None:
+            await slot.charge.refund()
+            if isinstance(exc, PromptOverAllowance):
+                return over_allowance(self.budget, slot.charge.reserved, exc.prompt_tokens)
+        return exc
+
+    async def ended(self, slot: StreamSlot, outcome: events.Outcome) -> None:
+        charge = slot.charge
+        log.info("turn_stream_ended", owner_id=slot.owner,
+                 outcome=outcome.kind.value if outcome.kind else "disconnected", prompt_tokens=outcome.prompt_tokens,
+                 started_prompt_tokens=outcome.started_prompt_tokens,
                  reserved=charge.reserved if charge is not None else 0)
         try:
-            await lease.release()
+            await slot.lease.release()
         except Exception as exc:  # the stream is over; a limits backend error must not surface as a traceback
             log.warning("limits_after_stream_failed", exc_info=exc)
         if charge is not None:
             await charge.ended(outcome)
 
 
-async def _not_metered(replayed: bool, prompt_tokens: int | None) -> None:
-    return None
+@dataclass
+class StreamSlot:
+    """An owner's open-stream slot and, for a new turn, its prompt-token reservation (`allowance`, sent to chat)."""
+
+    owner: ids.OwnerId
+    lease: StreamLease
+    charge: TurnCharge | None
+
+    @property
+    def allowance(self) -> int:
+        return self.charge.reserved if self.charge is not None else 0
+
+    async def started(self, replayed: bool, prompt_tokens: int | None) -> None:
+        if self.charge is not None:
+            await self.charge.started(replayed, prompt_tokens)
 
 
 def edge_of(request: Request) -> Edge:

@@ -14,6 +14,10 @@ service (I5: the partial reply is stored as stopped). Each ASGI `send` writes on
 never interleave bytes. On gateway shutdown `Relays.drain` gives open streams `grace_s` to finish, then ends them
 the same way.
 
+Framing: what each event becomes on the wire is a `Framing` (chatmesh's own `turn.*` events by default; the
+OpenAI-compatible surface passes its own, `chat.completion.chunk` or `response.*` events), so both surfaces share
+one relay, its back-pressure, disconnect handling, heartbeats, drain and metering.
+
 Resume: the SSE id is the TurnEvent sequence. The sanitiser may hold back the start of a Markdown construct (a `[`
 that could open a link) at the end of a delta; a client that reconnects right there loses that held text, never
 receives an unsanitised image or link.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from starlette.responses import Response
@@ -79,6 +83,40 @@ async def _noop_started(replayed: bool, prompt_tokens: int | None) -> None:
     return None
 
 
+class Framing(Protocol):
+    """How turn events are written as SSE bytes. `delta` is the hot path (one call per relayed delta)."""
+
+    def delta(self, sequence: int, text: str) -> bytes: ...
+
+    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+        """Any event but a delta (started and the final ones)."""
+        ...
+
+    def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
+        """The stream broke without a final event (the turn failed)."""
+        ...
+
+    async def end(self, outcome: events.Outcome) -> bytes:
+        """Bytes to write after the final event (b"" for none); may await work that must precede them."""
+        ...
+
+
+class ChatmeshFraming:
+    """chatmesh's own events: `id: <sequence>`, `event: turn.<kind>`, `data: <JSON>` (chatmesh.gateway.events)."""
+
+    def delta(self, sequence: int, text: str) -> bytes:
+        return events.delta_frame(sequence, text)
+
+    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+        return events.frame(event.sequence, kind, events.data_of(event, kind))
+
+    def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
+        return events.failed_frame(sequence, message, retryable)
+
+    async def end(self, outcome: events.Outcome) -> bytes:
+        return b""
+
+
 class Relays:
     """The open relays of one gateway process, so shutdown can end them."""
 
@@ -93,8 +131,7 @@ class Relays:
             relay.end()
 
 
-async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
-                     on_end: OnEnd, on_started: OnStarted = _noop_started) -> TurnRelay:
+async def first_event(call: TurnCall) -> chat_pb2.TurnEvent:
     """Awaits the first event of `call`; a gRPC error before it is raised as an ApiError (nothing was sent)."""
     try:
         first: object = await call.read()
@@ -104,7 +141,19 @@ async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float
         raise ApiError.from_rpc(err) from None
     if not isinstance(first, _STREAM_MESSAGES):
         raise ApiError(503, "unavailable", "the chat service ended the turn stream without an event")
-    return TurnRelay(call, first.event, sanitiser, heartbeat_s, relays, on_end, on_started)
+    return first.event
+
+
+async def next_event(call: TurnCall) -> chat_pb2.TurnEvent | None:
+    """The next event of a turn stream, None when it ended without one (gRPC errors propagate)."""
+    message: object = await call.read()
+    return message.event if isinstance(message, _STREAM_MESSAGES) else None
+
+
+async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
+                     on_end: OnEnd, on_started: OnStarted = _noop_started) -> TurnRelay:
+    """Awaits the first event of `call` (see `first_event`), then relays the stream in chatmesh's own events."""
+    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started)
 
 
 class TurnRelay(Response):
@@ -112,8 +161,10 @@ class TurnRelay(Response):
     routes can return it; it writes its own headers and body.)"""
 
     def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
-                 relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started):
+                 relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started,
+                 framing: Framing | None = None):
         super().__init__(status_code=200, media_type="text/event-stream")
+        self._framing: Framing = framing or ChatmeshFraming()
         self._on_started = on_started
         self._started: chat_pb2.TurnStarted | None = None
         self._call = call
@@ -124,6 +175,7 @@ class TurnRelay(Response):
         self._on_end = on_end
         self._last_send = 0.0
         self._outcome = events.Outcome(None, 0)
+        self._final_written = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def end(self) -> None:
@@ -137,6 +189,10 @@ class TurnRelay(Response):
             self._last_send = asyncio.get_running_loop().time()
             self._tasks = [asyncio.create_task(self._pump(send)), asyncio.create_task(self._watch(receive, send))]
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            if self._final_written and not self._tasks[1].done():  # the client is still there
+                closing = await self._framing.end(self._outcome)
+                if closing:
+                    await self._write(send, closing)
         except OSError:  # the client went away before the headers were written
             pass
         finally:
@@ -168,7 +224,7 @@ class TurnRelay(Response):
                 if kind is events.SseEvent.DELTA:
                     text = self._sanitiser.feed(event.delta.text)
                     if text:
-                        await self._write(send, events.delta_frame(event.sequence, text))
+                        await self._write(send, self._framing.delta(event.sequence, text))
                 else:
                     if kind is events.SseEvent.STARTED and self._started is None:
                         self._started = event.started
@@ -177,15 +233,16 @@ class TurnRelay(Response):
                     if kind.is_final:
                         tail = self._sanitiser.flush()
                         if tail:
-                            await self._write(send, events.delta_frame(last_sequence, tail))
+                            await self._write(send, self._framing.delta(last_sequence, tail))
                         self._outcome = _outcome_of(event, kind)
-                    await self._write(send, events.frame(event.sequence, kind, events.data_of(event, kind)))
-                    if kind.is_final:
+                        await self._write(send, self._framing.event(event, kind))
+                        self._final_written = True
                         return
+                    await self._write(send, self._framing.event(event, kind))
                 last_sequence = event.sequence
                 message: object = await self._call.read()
                 if not isinstance(message, _STREAM_MESSAGES):
-                    await self._write(send, events.failed_frame(
+                    await self._write(send, self._framing.failed(
                         last_sequence, "the turn stream ended without an outcome", True))
                     return
                 event = message.event
@@ -195,8 +252,8 @@ class TurnRelay(Response):
             mapped = http_for_grpc(err.code())
             log.warning("turn_stream_failed", grpc_code=err.code().name)
             try:
-                await self._write(send, events.failed_frame(last_sequence, err.details() or mapped.code,
-                                                            mapped.status == 503))
+                await self._write(send, self._framing.failed(last_sequence, err.details() or mapped.code,
+                                                             mapped.status == 503))
             except OSError:
                 pass
         except OSError:  # the client went away mid-write: the watcher sees the disconnect too
