@@ -6,6 +6,9 @@ browser sessions. The gateway creates them at start (`create_all`, idempotent).
 - auth_api_keys: the key's digest, never the key; the key is shown once by `chatmesh keys create`.
   Keys are `cmk_` + 43 URL-safe characters (256 random bits), so a fast digest is enough.
 - auth_sessions: the digest of the cookie value, the CSRF token handed to the page, and an expiry.
+- auth_frontend_keys: the API keys marked as a trusted front-end (`chatmesh keys create NAME --frontend`): a
+  service such as Open WebUI that serves many people through one key and names each end user in a header; only
+  such a key may (see chatmesh.gateway.openai.surface).
 
 Digests are HMAC-SHA256 keyed by CHATMESH_KEY_PEPPER (a secret kept outside the database), so a copy of the
 tables alone cannot even confirm a guessed key. Changing the pepper invalidates every key and session.
@@ -63,6 +66,13 @@ sessions = sa.Table(
     sa.Column("expires_at_ms", sa.BigInteger, nullable=False, index=True),
 )
 
+frontend_keys = sa.Table(
+    "auth_frontend_keys", metadata,
+    sa.Column("key_digest", sa.String(64), sa.ForeignKey("auth_api_keys.key_digest", ondelete="CASCADE"),
+              primary_key=True),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+)
+
 _SCRYPT = {"n": 2**14, "r": 8, "p": 1}
 
 
@@ -106,6 +116,7 @@ class Accounts:
         self._cache_s = cache_s
         self._keys: dict[str, tuple[float, ids.OwnerId | None]] = {}
         self._sessions: dict[str, tuple[float, Session | None]] = {}
+        self._frontends: dict[str, tuple[float, bool]] = {}
 
     def digest(self, secret: str) -> str:
         """What is stored for a key or session token: HMAC-SHA256 under the pepper, hex."""
@@ -123,6 +134,11 @@ class Accounts:
                 if attempt == 2:
                     raise
                 await asyncio.sleep(0.2 * (attempt + 1))
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The engine of the gateway's tables (the OpenAI surface keeps its history index beside them)."""
+        return self._engine
 
     async def close(self) -> None:
         await self._engine.dispose()
@@ -145,7 +161,8 @@ class Accounts:
             found = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
         return ids.OwnerId(found) if found is not None else None
 
-    async def create_key(self, name: str, label: str = "") -> str:
+    async def create_key(self, name: str, label: str = "", *, frontend: bool = False) -> str:
+        """A new API key of user `name`; `frontend` marks it a trusted front-end (it may name end users)."""
         owner = await self.user_named(name)
         if owner is None:
             raise errors.NotFound(f"no user {name!r}")
@@ -153,11 +170,29 @@ class Accounts:
         async with self._engine.begin() as conn:
             await conn.execute(api_keys.insert().values(
                 key_digest=self.digest(key), user_id=owner, label=label, prefix=key[:10], created_at_ms=_now_ms()))
+            if frontend:
+                await conn.execute(frontend_keys.insert().values(key_digest=self.digest(key),
+                                                                 created_at_ms=_now_ms()))
         return key
+
+    async def is_frontend_key(self, key_digest: str) -> bool:
+        """Whether a key is a trusted front-end's (cached like key lookups)."""
+        cached = self._frontends.get(key_digest)
+        now = time.monotonic()
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        async with self._engine.connect() as conn:
+            found = await conn.scalar(sa.select(frontend_keys.c.key_digest).where(
+                frontend_keys.c.key_digest == key_digest))
+        if len(self._frontends) > 50_000:
+            self._frontends.clear()
+        self._frontends[key_digest] = (now + self._cache_s, found is not None)
+        return found is not None
 
     async def revoke_key(self, key: str) -> bool:
         key_digest = self.digest(key)
         self._keys.pop(key_digest, None)
+        self._frontends.pop(key_digest, None)
         async with self._engine.begin() as conn:
             done = await conn.execute(api_keys.update().where(
                 api_keys.c.key_digest == key_digest, api_keys.c.revoked_at_ms.is_(None)).values(

@@ -3,6 +3,7 @@
     chatmesh users create alice                 # a user without a password (API keys only)
     printf 'secret' | chatmesh users create bob --password-stdin
     chatmesh keys create alice --label laptop   # prints the key once; only its digest is stored
+    chatmesh keys create webui --frontend       # a trusted front-end's key: it may name end users (Open WebUI)
     chatmesh keys revoke cmk_...
 """
 
@@ -34,6 +35,9 @@ def register(sub: Any) -> None:
     keys.add_argument("action", choices=("create", "revoke"))
     keys.add_argument("subject", help="user name (create) or the key (revoke)")
     keys.add_argument("--label", default="", help="a note to recognise the key by")
+    keys.add_argument("--frontend", action="store_true",
+                      help="a trusted front-end's key (Open WebUI, LibreChat): it may name the end user of each "
+                           "request (X-OpenWebUI-User-Id), each of whom is then an owner of their own")
     config.add_flags(keys)
     keys.set_defaults(handler=_keys)
 
@@ -51,7 +55,7 @@ async def _with_accounts(cfg: Config, args: argparse.Namespace, password: str | 
         if args.command == "users":
             return await accounts.create_user(args.name, password)
         if args.action == "create":
-            return await accounts.create_key(args.subject, args.label)
+            return await accounts.create_key(args.subject, args.label, frontend=args.frontend)
         return "revoked" if await accounts.revoke_key(args.subject) else "no such active key"
     finally:
         await accounts.close()
