@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chatmesh.chat.core import _whole_context
+from chatmesh.chat.clients import whole_context as _whole_context
 from chatmesh.v1 import common_pb2, store_pb2
 
 
@@ -15,7 +15,7 @@ def claimed(first_index: int | None, summary_through: int | None) -> store_pb2.T
         view.summary.covers_through_index = summary_through
     if first_index is not None:
         for i in range(first_index, first_index + 3):
-            view.messages.append(common_pb2.Message(index=i, content=f"m{i}"))
+            view.messages.append(common_pb2.Message(index=i, role=common_pb2.ROLE_USER, content=f"m{i}"))
     return out
 
 

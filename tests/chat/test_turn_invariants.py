@@ -179,7 +179,7 @@ def _core_for(cluster: Cluster, channels: Channels) -> ChatCore:
     tok = model_tokenizer.load(cfg[MODEL_DIR])
     renderer = ChatMLRenderer(tok)
     options = ChatOptions(
-        limits=context.Limits(8192, 131072, 40), temperature=0, top_p=1, lease_ttl_ms=3000,
+        limits=context.PromptLimits(8192, 131072, 40), temperature=0, top_p=1, lease_ttl_ms=3000,
         progress_interval_s=0.1, engine_deadline_s=60, instance_id="test", salt_secret=b"x",
         system_prompts=dict(DEFAULT_SYSTEM_PROMPTS), default_prompt_version="v1", summary_threshold_tokens=300,
         keep_recent_messages=4)

@@ -1,1 +1,1 @@
-"""chatmesh.chat: ChatService, the turn state machine."""
+"""chatmesh.chat: ChatService, the turn lifecycle (see core.py for its modules, chatmesh.mesh.turn for its states)."""

@@ -1,5 +1,9 @@
-"""gRPC implementations of the chat core's ports. Failures of downstream calls become typed core errors here, in
-one place (`translate`), so the core and the ChatService servicer never see a raw gRPC error."""
+"""gRPC implementations of the chat core's ports: domain values in, protobuf on the wire, domain values out.
+
+Failures of downstream calls become typed core errors here, in one place (`translate`), so the core and the
+ChatService servicer never see a raw gRPC error. The store's messages are read with the store's own conversions
+(`chatmesh.store.wire`), so both sides of that wire share one model.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,15 @@ from typing import TypeVar
 
 import grpc
 
-from chatmesh.chat.ports import OutputScreen, Screening
+from chatmesh.chat.ports import (
+    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
+    Pick, Replica, RouteLeaseId, Screening, TurnKey,
+)
 from chatmesh.mesh import errors
-from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
+from chatmesh.store import wire
+from chatmesh.store.values import Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Summary, TurnRecord
 from chatmesh.v1 import (
     chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc,
 )
@@ -60,87 +69,151 @@ class Channels:
         self._channels.clear()
 
 
+def whole_context(claimed: store_pb2.TurnClaimed) -> History | None:
+    """The context a claim returned, if it holds every message after the summary (else None: the core reads it)."""
+    if not claimed.HasField("context"):
+        return None
+    view = claimed.context
+    start = view.summary.covers_through_index + 1 if view.HasField("summary") and view.summary.text else 0
+    if view.messages and view.messages[0].index != start:
+        return None  # truncated at the claim's context_max_messages
+    return wire.history_of(view)
+
+
 class GrpcStore:
     def __init__(self, channel: grpc.aio.Channel):
         self.stub = store_pb2_grpc.StoreServiceStub(channel)
 
-    async def insert_conversation(self, req: store_pb2.InsertConversationRequest
-                                  ) -> store_pb2.InsertConversationResponse:
-        return await call("store", self.stub.InsertConversation(req))
+    async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation:
+        resp = await call("store", self.stub.InsertConversation(store_pb2.InsertConversationRequest(
+            owner_id=owner, title=title, system_prompt_version=system_prompt_version)))
+        return wire.conversation_of(resp.conversation)
 
-    async def read_conversation(self, req: store_pb2.ReadConversationRequest) -> store_pb2.ReadConversationResponse:
-        return await call("store", self.stub.ReadConversation(req))
+    async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History:
+        return wire.history_of(await call("store", self.stub.ReadConversation(store_pb2.ReadConversationRequest(
+            owner_id=owner, conversation_id=conversation))))
 
-    async def begin_turn(self, req: store_pb2.BeginTurnRequest) -> store_pb2.BeginTurnResponse:
-        return await call("store", self.stub.BeginTurn(req))
+    async def begin_turn(self, claim: ClaimRequest) -> Claim:
+        owner, conv, turn = claim.key
+        resp = await call("store", self.stub.BeginTurn(store_pb2.BeginTurnRequest(
+            owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint, content=claim.content,
+            lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
+            regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages)))
+        return wire.claim_of(resp, whole_context)
 
-    async def finish_turn(self, req: store_pb2.FinishTurnRequest) -> store_pb2.FinishTurnResponse:
-        return await call("store", self.stub.FinishTurn(req))
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
+        resp = await call("store", self.stub.FinishTurn(store_pb2.FinishTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
+            user_token_count=reply.user_token_count, reply=reply.text, reply_token_count=reply.token_count,
+            reply_status=wire.STATUS_PB[reply.status], usage=wire.usage_pb(reply.usage),
+            user_status=wire.STATUS_PB[reply.user_status])))
+        return wire.finished_of(resp)
 
-    async def fail_turn(self, req: store_pb2.FailTurnRequest) -> store_pb2.FailTurnResponse:
-        return await call("store", self.stub.FailTurn(req))
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
+        resp = await call("store", self.stub.FailTurn(store_pb2.FailTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease, reason=reason)))
+        return resp.released
 
-    async def update_turn_progress(self, req: store_pb2.UpdateTurnProgressRequest
-                                   ) -> store_pb2.UpdateTurnProgressResponse:
-        return await call("store", self.stub.UpdateTurnProgress(req))
+    async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
+                                   lease_ttl_ms: int) -> Progress:
+        resp = await call("store", self.stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
+            partial_text=partial_text, event_sequence=event_sequence, lease_ttl_ms=lease_ttl_ms)))
+        return wire.progress_of(resp)
 
-    async def read_turn(self, req: store_pb2.ReadTurnRequest) -> store_pb2.ReadTurnResponse:
-        return await call("store", self.stub.ReadTurn(req))
+    async def read_turn(self, key: TurnKey) -> TurnRecord:
+        resp = await call("store", self.stub.ReadTurn(store_pb2.ReadTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn)))
+        return wire.turn_record_of(resp, key.turn)
 
-    async def save_summary(self, req: store_pb2.SaveSummaryRequest) -> store_pb2.SaveSummaryResponse:
-        return await call("store", self.stub.SaveSummary(req))
+    async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
+                           covers_through_index: int, token_count: int) -> Summary:
+        resp = await call("store", self.stub.SaveSummary(store_pb2.SaveSummaryRequest(
+            owner_id=owner, conversation_id=conversation, text=text, covers_through_index=covers_through_index,
+            token_count=token_count)))
+        return wire.summary_of(resp.summary)
 
-    async def list_conversations(self, req: store_pb2.ListOwnerConversationsRequest
-                                 ) -> store_pb2.ListOwnerConversationsResponse:
-        return await call("store", self.stub.ListOwnerConversations(req))
+    async def list_conversations(self, owner: OwnerId, limit: int) -> list[Conversation]:
+        resp = await call("store", self.stub.ListOwnerConversations(store_pb2.ListOwnerConversationsRequest(
+            owner_id=owner, page_size=limit)))
+        return [wire.conversation_of(c) for c in resp.conversations]
 
-    async def delete_conversation(self, req: store_pb2.DeleteStoredConversationRequest
-                                  ) -> store_pb2.DeleteStoredConversationResponse:
-        return await call("store", self.stub.DeleteStoredConversation(req))
+    async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
+        resp = await call("store", self.stub.DeleteStoredConversation(store_pb2.DeleteStoredConversationRequest(
+            owner_id=owner, conversation_id=conversation)))
+        return [ConversationId(c) for c in resp.evict_conversation_ids]
 
-    async def export(self, req: store_pb2.ExportOwnerDataRequest) -> store_pb2.ExportOwnerDataResponse:
-        return await call("store", self.stub.ExportOwnerData(req))
+    async def export(self, owner: OwnerId) -> str:
+        resp = await call("store", self.stub.ExportOwnerData(store_pb2.ExportOwnerDataRequest(owner_id=owner)))
+        return resp.json
 
-    async def usage(self, req: store_pb2.ReadUsageRequest) -> store_pb2.ReadUsageResponse:
-        return await call("store", self.stub.ReadUsage(req))
+    async def usage(self, owner: OwnerId, days: int) -> list[DailyUsage]:
+        resp = await call("store", self.stub.ReadUsage(store_pb2.ReadUsageRequest(owner_id=owner, days=days)))
+        return [wire.daily_usage_of(d) for d in resp.days]
 
 
 class GrpcRouter:
     def __init__(self, channel: grpc.aio.Channel):
         self.stub = route_pb2_grpc.RouteServiceStub(channel)
 
-    async def pick(self, conversation_id: ConversationId, exclude: Sequence[str] = ()
-                   ) -> route_pb2.PickReplicaResponse:
-        return await call("router", self.stub.PickReplica(route_pb2.PickReplicaRequest(
-            conversation_id=conversation_id, exclude_replica_ids=list(exclude))))
+    async def pick(self, conversation: ConversationId, exclude: Sequence[ReplicaId] = ()) -> Pick:
+        resp = await call("router", self.stub.PickReplica(route_pb2.PickReplicaRequest(
+            conversation_id=conversation, exclude_replica_ids=list(exclude))))
+        return Pick(ReplicaId(resp.replica_id), resp.address, RouteLeaseId(resp.lease_id))
 
-    async def release(self, lease_id: str) -> None:
-        await call("router", self.stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease_id)))
+    async def release(self, lease: RouteLeaseId) -> None:
+        await call("router", self.stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease)))
 
-    async def replicas(self) -> list[route_pb2.ReplicaStatus]:
+    async def replicas(self) -> list[Replica]:
         resp = await call("router", self.stub.ListReplicas(route_pb2.ListReplicasRequest()))
-        return list(resp.replicas)
+        return [Replica(ReplicaId(r.replica_id), r.address) for r in resp.replicas]
+
+
+_FINISH = {generate_pb2.FINISH_REASON_STOP: FinishReason.STOP, generate_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           generate_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED}
+
+
+def engine_event(resp: generate_pb2.GenerateResponse) -> EngineEvent | None:
+    """One engine message as the core's event (None: a kind this version does not know, skipped)."""
+    match resp.WhichOneof("event"):
+        case "started":
+            return EngineStarted(resp.started.cached_prompt_tokens)
+        case "delta":
+            return EngineDelta(resp.delta.text, len(resp.delta.token_ids))
+        case "finished":
+            done = resp.finished
+            # An unspecified reason is no finish the core can store: treated as the engine's error.
+            return EngineFinished(_FINISH.get(done.finish_reason, FinishReason.ERROR), done.usage.output_tokens,
+                                  done.error_message)
+        case _:
+            return None
 
 
 class GrpcEngines:
     def __init__(self, channels: Channels):
         self.channels = channels
 
-    async def generate(self, address: str, req: generate_pb2.GenerateRequest, timeout_s: float
-                       ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+    async def generate(self, address: str, generation: Generation, timeout_s: float
+                       ) -> AsyncGenerator[EngineEvent, None]:
         stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address))
-        rpc = stub.Generate(req, timeout=timeout_s)
+        rpc = stub.Generate(generate_pb2.GenerateRequest(
+            request_id=generation.request_id, conversation_id=generation.conversation,
+            turn_id=generation.turn or "", prompt_token_ids=generation.prompt_token_ids,
+            cache_salt=generation.cache_salt, platform_prefix_tokens=generation.platform_prefix_tokens,
+            max_tokens=generation.max_tokens, temperature=generation.temperature, top_p=generation.top_p),
+            timeout=timeout_s)
         try:
             async for resp in rpc:
-                yield resp
+                if (event := engine_event(resp)) is not None:
+                    yield event
         except grpc.aio.AioRpcError as err:
             raise translate(err, f"engine at {address}") from None
         finally:
             rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
 
-    async def evict(self, address: str, req: generate_pb2.EvictRequest) -> int:
+    async def evict(self, address: str, conversation: ConversationId) -> int:
         stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address))
-        resp = await call(f"engine at {address}", stub.Evict(req))
+        resp = await call(f"engine at {address}", stub.Evict(generate_pb2.EvictRequest(conversation_id=conversation)))
         return resp.blocks_evicted
 
 
@@ -173,11 +246,11 @@ class Moderation:
     def __init__(self, client: ModerationClient):
         self.client = client
 
-    async def check_input(self, text: str, conversation_id: ConversationId) -> Screening:
-        return _screening(await self.client.check_input(text, conversation_id))
+    async def check_input(self, text: str, conversation: ConversationId) -> Screening:
+        return _screening(await self.client.check_input(text, conversation))
 
-    async def open_output(self, conversation_id: ConversationId) -> OutputScreen:
-        return ModerationOutput(self.client.output(conversation_id))
+    async def open_output(self, conversation: ConversationId) -> OutputScreen:
+        return ModerationOutput(self.client.output(conversation))
 
     async def close(self) -> None:
         await self.client.close()
@@ -189,8 +262,8 @@ class GrpcPeers:
     def __init__(self, channels: Channels):
         self.channels = channels
 
-    async def stop(self, address: str, owner: str, conversation_id: str, turn_id: str) -> bool:
+    async def stop(self, address: str, key: TurnKey) -> bool:
         stub = chat_pb2_grpc.ChatServiceStub(self.channels.get(address))
         resp = await call(f"chat process at {address}", stub.StopTurn(chat_pb2.StopTurnRequest(
-            owner_id=owner, conversation_id=conversation_id, turn_id=turn_id), timeout=5))
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn), timeout=5))
         return resp.stopped

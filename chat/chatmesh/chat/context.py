@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.mesh.ids import TurnId
 from chatmesh.model.template import Role as Speaker
 
-__all__ = ["Speaker", "HistoryMessage", "Summary", "Rendered", "Renderer", "PromptTooLong", "Limits", "build",
-           "messages_for", "history_tokens", "summary_cut"]
+__all__ = ["Speaker", "HistoryMessage", "PromptSummary", "Rendered", "Renderer", "PromptTooLong", "PromptLimits",
+           "build", "messages_for", "history_tokens", "summary_cut"]
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,12 @@ class HistoryMessage:
     index: int
     speaker: Speaker
     content: str
-    turn_id: str
+    turn_id: TurnId
     replayable: bool  # False for superseded alternatives and blocked turns
 
 
 @dataclass(frozen=True)
-class Summary:
+class PromptSummary:
     text: str
     covers_until: int  # messages with index < covers_until are replaced by the summary
 
@@ -59,7 +60,7 @@ class PromptTooLong(InvalidArgument):
 
 
 @dataclass(frozen=True)
-class Limits:
+class PromptLimits:
     context_tokens: int
     prompt_cap_tokens: int
     reply_tokens: int
@@ -68,7 +69,7 @@ class Limits:
 SUMMARY_HEADER = "Summary of the earlier conversation:\n"
 
 
-def messages_for(system_prompt: str, summary: Summary | None, history: Sequence[HistoryMessage],
+def messages_for(system_prompt: str, summary: PromptSummary | None, history: Sequence[HistoryMessage],
                  new_message: str | None) -> list[tuple[Speaker, str]]:
     """The prompt's messages in their fixed order. `new_message` None means regenerate: end after the history."""
     out: list[tuple[Speaker, str]] = [(Speaker.SYSTEM, system_prompt)]
@@ -82,7 +83,7 @@ def messages_for(system_prompt: str, summary: Summary | None, history: Sequence[
     return out
 
 
-def build(renderer: Renderer, limits: Limits, system_prompt: str, summary: Summary | None,
+def build(renderer: Renderer, limits: PromptLimits, system_prompt: str, summary: PromptSummary | None,
           history: Sequence[HistoryMessage], new_message: str | None) -> Rendered:
     rendered = renderer.render(messages_for(system_prompt, summary, history, new_message))
     n = len(rendered.token_ids)
@@ -95,13 +96,13 @@ def build(renderer: Renderer, limits: Limits, system_prompt: str, summary: Summa
     return rendered
 
 
-def history_tokens(history: Sequence[HistoryMessage], summary: Summary | None, count: dict[int, int]) -> int:
+def history_tokens(history: Sequence[HistoryMessage], summary: PromptSummary | None, count: dict[int, int]) -> int:
     """Tokens of the replayed history after the summary (count: message index -> token count)."""
     start = summary.covers_until if summary else 0
     return sum(count.get(m.index, 0) for m in history if m.index >= start and m.replayable)
 
 
-def summary_cut(history: Sequence[HistoryMessage], summary: Summary | None, keep_recent: int) -> int | None:
+def summary_cut(history: Sequence[HistoryMessage], summary: PromptSummary | None, keep_recent: int) -> int | None:
     """Where a new summary should end (exclusive message index), keeping `keep_recent` messages verbatim and never
     splitting a user message from its reply; None when there is nothing new to summarise."""
     start = summary.covers_until if summary else 0

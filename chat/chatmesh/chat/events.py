@@ -13,22 +13,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from chatmesh.v1 import common_pb2
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    output_tokens: int = 0
-
-    def to_proto(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
-                                output_tokens=self.output_tokens)
-
-    @staticmethod
-    def from_proto(u: common_pb2.Usage) -> Usage:
-        return Usage(u.prompt_tokens, u.cached_prompt_tokens, u.output_tokens)
+from chatmesh.mesh.turn import Usage
+from chatmesh.store.values import Message, MessageStatus
 
 
 @dataclass(frozen=True)
@@ -65,17 +51,17 @@ class Blocked:
     reason: str = ""  # why, never the checked text
 
 
-EventKind = Started | Delta | Completed | Stopped | Failed | Blocked
+TurnEventKind = Started | Delta | Completed | Stopped | Failed | Blocked
 FINAL = (Completed, Stopped, Failed, Blocked)
 
 
 @dataclass(frozen=True)
 class TurnEvent:
     sequence: int
-    kind: EventKind
+    kind: TurnEventKind
 
 
-def resume_from(text: str, final: EventKind | None, after: int, replayed: bool) -> list[TurnEvent]:
+def resume_from(text: str, final: TurnEventKind | None, after: int, replayed: bool) -> list[TurnEvent]:
     """The events a client that has seen up to sequence `after` still needs, given the reply so far."""
     out: list[TurnEvent] = []
     if after < 1:
@@ -88,17 +74,30 @@ def resume_from(text: str, final: EventKind | None, after: int, replayed: bool) 
     return out
 
 
+def replay(reply: Message, usage: Usage, after: int) -> list[TurnEvent]:
+    """A stored reply as the events a client that has seen up to `after` still needs."""
+    final: TurnEventKind
+    match reply.status:
+        case MessageStatus.STOPPED:
+            final = Stopped(usage=usage)
+        case MessageStatus.BLOCKED:
+            final = Blocked(stage="output" if reply.content else "input", category="")
+        case MessageStatus.COMPLETE:
+            final = Completed(usage=usage, replica_id="")
+    return resume_from(reply.content, final, after, replayed=True)
+
+
 class LiveTurn:
     """A turn being generated in this process: its events so far, and a wakeup for followers."""
 
     def __init__(self) -> None:
         self.text = ""
-        self.final: EventKind | None = None
+        self.final: TurnEventKind | None = None
         self._changed = asyncio.Condition()
         self.stop_requested = asyncio.Event()
         self.lease_lost = False  # set when another process took the turn over
 
-    async def publish(self, kind: EventKind) -> None:
+    async def publish(self, kind: TurnEventKind) -> None:
         async with self._changed:
             match kind:
                 case Delta(text=t):

@@ -1,62 +1,162 @@
-"""What the turn core needs from the other services, as protocols. `clients.py` implements them over gRPC and
-turns gRPC failures into typed core errors; the core itself holds no channel or stub."""
+"""What the chat core needs from the other services, as protocols over domain values.
+
+The store's answers are the store's own values (`chatmesh.store.values`: conversations, messages, history, claims,
+turn records, usage), since they mean the same thing on both sides of the wire; the router's picks, the engine's
+events and moderation's screenings are the small values below. `clients.py` implements the ports over gRPC and
+turns gRPC failures into typed core errors; no module of the core imports grpc or protobuf (a test checks).
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, NewType, Protocol
 
-from chatmesh.mesh.ids import ConversationId
-from chatmesh.v1 import generate_pb2, route_pb2, store_pb2
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
+from chatmesh.store.values import (
+    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Summary, TurnRecord,
+)
+
+
+class TurnKey(NamedTuple):
+    """A turn's identity: the store's key of its record, and this process's key of its live stream."""
+
+    owner: OwnerId
+    conversation: ConversationId
+    turn: TurnId
+
+
+# ---- store ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """BeginTurn: claim `key` for generation, with what a retry must match (`fingerprint`)."""
+
+    key: TurnKey
+    fingerprint: str
+    content: str  # the user's message; "" for a regenerate
+    lease_holder: str
+    lease_ttl_ms: int
+    regenerates: TurnId | None
+    context_messages: int  # a new claim also returns the summary and this many messages after it
 
 
 class StorePort(Protocol):
-    async def insert_conversation(self, req: store_pb2.InsertConversationRequest
-                                  ) -> store_pb2.InsertConversationResponse: ...
+    async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation: ...
 
-    async def read_conversation(self, req: store_pb2.ReadConversationRequest) -> store_pb2.ReadConversationResponse: ...
+    async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History: ...
 
-    async def begin_turn(self, req: store_pb2.BeginTurnRequest) -> store_pb2.BeginTurnResponse: ...
+    async def begin_turn(self, claim: ClaimRequest) -> Claim:
+        """A `Claimed` carries the prompt's context only when it is whole (every message after the summary)."""
+        ...
 
-    async def finish_turn(self, req: store_pb2.FinishTurnRequest) -> store_pb2.FinishTurnResponse: ...
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished: ...
 
-    async def fail_turn(self, req: store_pb2.FailTurnRequest) -> store_pb2.FailTurnResponse: ...
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool: ...
 
-    async def update_turn_progress(self, req: store_pb2.UpdateTurnProgressRequest
-                                   ) -> store_pb2.UpdateTurnProgressResponse: ...
+    async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
+                                   lease_ttl_ms: int) -> Progress: ...
 
-    async def read_turn(self, req: store_pb2.ReadTurnRequest) -> store_pb2.ReadTurnResponse: ...
+    async def read_turn(self, key: TurnKey) -> TurnRecord: ...
 
-    async def save_summary(self, req: store_pb2.SaveSummaryRequest) -> store_pb2.SaveSummaryResponse: ...
+    async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
+                           covers_through_index: int, token_count: int) -> Summary: ...
 
-    async def list_conversations(self, req: store_pb2.ListOwnerConversationsRequest
-                                 ) -> store_pb2.ListOwnerConversationsResponse: ...
+    async def list_conversations(self, owner: OwnerId, limit: int) -> list[Conversation]: ...
 
-    async def delete_conversation(self, req: store_pb2.DeleteStoredConversationRequest
-                                  ) -> store_pb2.DeleteStoredConversationResponse: ...
+    async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
+        """Deletes every stored row; returns the conversations whose engine blocks must be evicted."""
+        ...
 
-    async def export(self, req: store_pb2.ExportOwnerDataRequest) -> store_pb2.ExportOwnerDataResponse: ...
+    async def export(self, owner: OwnerId) -> str: ...
 
-    async def usage(self, req: store_pb2.ReadUsageRequest) -> store_pb2.ReadUsageResponse: ...
+    async def usage(self, owner: OwnerId, days: int) -> list[DailyUsage]: ...
+
+
+# ---- router -----------------------------------------------------------------------------------------------
+
+RouteLeaseId = NewType("RouteLeaseId", str)  # the router's load lease on a replica (not the store's turn lease)
+
+
+@dataclass(frozen=True)
+class Pick:
+    replica_id: ReplicaId
+    address: str
+    lease: RouteLeaseId
+
+
+@dataclass(frozen=True)
+class Replica:
+    replica_id: ReplicaId
+    address: str
 
 
 class RouterPort(Protocol):
-    async def pick(self, conversation_id: ConversationId, exclude: Sequence[str] = ()
-                   ) -> route_pb2.PickReplicaResponse: ...
+    async def pick(self, conversation: ConversationId, exclude: Sequence[ReplicaId] = ()) -> Pick: ...
 
-    async def release(self, lease_id: str) -> None: ...
+    async def release(self, lease: RouteLeaseId) -> None: ...
 
-    async def replicas(self) -> list[route_pb2.ReplicaStatus]: ...
+    async def replicas(self) -> list[Replica]: ...
+
+
+# ---- engine -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation on an engine replica: prompt tokens in, reply tokens out."""
+
+    request_id: str
+    conversation: ConversationId
+    turn: TurnId | None  # None for work that is no turn of its own (a summary)
+    prompt_token_ids: tuple[int, ...]
+    cache_salt: bytes  # the owner's salt: KV past the platform prefix is reused only within the owner (I1)
+    platform_prefix_tokens: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end token
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # the engine cancelled the sequence
+    ERROR = "error"  # the engine failed it (see `EngineFinished.error`)
+
+
+@dataclass(frozen=True)
+class EngineStarted:
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    text: str  # may be "" when the tokens so far end mid-character
+    token_count: int
+
+
+@dataclass(frozen=True)
+class EngineFinished:
+    reason: FinishReason
+    output_tokens: int
+    error: str = ""
+
+
+EngineEvent = EngineStarted | EngineDelta | EngineFinished
 
 
 class EnginePort(Protocol):
-    def generate(self, address: str, req: generate_pb2.GenerateRequest, timeout_s: float
-                 ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+    def generate(self, address: str, generation: Generation, timeout_s: float
+                 ) -> AsyncGenerator[EngineEvent, None]:
         """Streams a generation; closing the iterator cancels the engine sequence."""
         ...
 
-    async def evict(self, address: str, req: generate_pb2.EvictRequest) -> int: ...
+    async def evict(self, address: str, conversation: ConversationId) -> int: ...
+
+
+# ---- moderation ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -75,12 +175,26 @@ class OutputScreen(Protocol):
 
 
 class ModerationPort(Protocol):
-    async def check_input(self, text: str, conversation_id: ConversationId) -> Screening: ...
+    async def check_input(self, text: str, conversation: ConversationId) -> Screening: ...
 
-    async def open_output(self, conversation_id: ConversationId) -> OutputScreen: ...
+    async def open_output(self, conversation: ConversationId) -> OutputScreen: ...
+
+
+# ---- other chat processes -------------------------------------------------------------------------------------
 
 
 class PeerPort(Protocol):
     """Other chat processes: a stop reaching the wrong process is forwarded to the one generating the turn."""
 
-    async def stop(self, address: str, owner: str, conversation_id: str, turn_id: str) -> bool: ...
+    async def stop(self, address: str, key: TurnKey) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The other services, as the core's modules reach them."""
+
+    store: StorePort
+    router: RouterPort
+    engines: EnginePort
+    moderation: ModerationPort
+    peers: PeerPort | None = None

@@ -16,6 +16,7 @@ from chatmesh.chat import context, settings
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcPeers, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
+from chatmesh.store.wire import conversation_pb, message_pb, usage_pb
 from chatmesh.chat.prompting import ChatMLRenderer
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
@@ -38,10 +39,10 @@ def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
         case Delta(text=text):
             out.delta.text = text
         case Completed(usage=usage, replica_id=replica):
-            out.completed.usage.CopyFrom(usage.to_proto())
+            out.completed.usage.CopyFrom(usage_pb(usage))
             out.completed.replica_id = replica
         case Stopped(usage=usage):
-            out.stopped.usage.CopyFrom(usage.to_proto())
+            out.stopped.usage.CopyFrom(usage_pb(usage))
         case Failed(message=message, retryable=retryable):
             out.failed.message = message
             out.failed.retryable = retryable
@@ -62,14 +63,15 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     async def CreateConversation(self, request: chat_pb2.CreateConversationRequest, context: Ctx
                                  ) -> chat_pb2.CreateConversationResponse:
         conv = await self.core.create_conversation(parse_owner_id(request.owner_id), request.title)
-        return chat_pb2.CreateConversationResponse(conversation=conv)
+        return chat_pb2.CreateConversationResponse(conversation=conversation_pb(conv))
 
     @unary_errors
     async def GetConversation(self, request: chat_pb2.GetConversationRequest, context: Ctx
                               ) -> chat_pb2.GetConversationResponse:
         view = await self.core.get_conversation(parse_owner_id(request.owner_id),
                                                 parse_conversation_id(request.conversation_id))
-        return chat_pb2.GetConversationResponse(conversation=view.conversation, messages=view.messages)
+        return chat_pb2.GetConversationResponse(conversation=conversation_pb(view.conversation),
+                                                messages=[message_pb(m) for m in view.messages])
 
     @stream_errors
     async def SendTurn(self, request: chat_pb2.SendTurnRequest, context: Ctx
@@ -95,7 +97,6 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                                        parse_conversation_id(request.conversation_id), parse_turn_id(request.turn_id))
         return chat_pb2.StopTurnResponse(stopped=stopped)
 
-
     @stream_errors
     async def RegenerateTurn(self, request: chat_pb2.RegenerateTurnRequest, context: Ctx
                              ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
@@ -109,7 +110,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     async def ListConversations(self, request: chat_pb2.ListConversationsRequest, context: Ctx
                                 ) -> chat_pb2.ListConversationsResponse:
         convs = await self.core.list_conversations(parse_owner_id(request.owner_id), request.page_size)
-        return chat_pb2.ListConversationsResponse(conversations=convs)
+        return chat_pb2.ListConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
     @unary_errors
     async def DeleteConversation(self, request: chat_pb2.DeleteConversationRequest, context: Ctx
@@ -120,9 +121,9 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
 
     @unary_errors
     async def GetUsage(self, request: chat_pb2.GetUsageRequest, context: Ctx) -> chat_pb2.GetUsageResponse:
-        resp = await self.core.usage(parse_owner_id(request.owner_id), request.days)
-        return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(day=d.day, usage=d.usage, turns=d.turns)
-                                               for d in resp.days])
+        days = await self.core.usage(parse_owner_id(request.owner_id), request.days)
+        return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(day=d.day, usage=usage_pb(d.usage), turns=d.turns)
+                                               for d in days])
 
     @unary_errors
     async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Ctx
@@ -148,7 +149,7 @@ def build(cfg: Config) -> Service:
     if default_version not in prompts:
         raise ValueError(f"CHATMESH_SYSTEM_PROMPT_VERSION {default_version!r} is not among {sorted(prompts)}")
     options = ChatOptions(
-        limits=context.Limits(context_tokens=cfg[settings.CONTEXT_TOKENS],
+        limits=context.PromptLimits(context_tokens=cfg[settings.CONTEXT_TOKENS],
                               prompt_cap_tokens=cfg[settings.PROMPT_CAP_TOKENS],
                               reply_tokens=cfg[settings.MAX_REPLY_TOKENS]),
         temperature=cfg[settings.TEMPERATURE], top_p=cfg[settings.TOP_P],
@@ -158,7 +159,8 @@ def build(cfg: Config) -> Service:
         keep_recent_messages=cfg[settings.KEEP_RECENT_MESSAGES],
         advertise_address=(cfg[settings.ADVERTISE_ADDRESS] or cfg[mesh_settings.LISTEN]
                            or cfg[mesh_settings.CHAT_ADDRESS]),
-        instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}", salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
+        instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}",
+        salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
         system_prompts=prompts, default_prompt_version=default_version)
     moderation = Moderation(ModerationClient.from_config(cfg))
     core = ChatCore(

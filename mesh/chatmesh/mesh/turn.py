@@ -145,17 +145,18 @@ class TurnMachine:
     """One attempt's current state; `advance` moves it or raises IllegalTransition. `observe`, when given, sees
     every move (the chat core's tests check that every transition of the table is exercised)."""
 
+
     def __init__(self, observe: Callable[[Move], None] | None = None) -> None:
         self.state = TurnState.RECEIVED
         self._observe = observe
 
-    def advance(self, to: TurnState) -> None:
+    def check(self, to: TurnState) -> None:
+        """Raises IllegalTransition unless `to` may follow the current state (before a write that enters it)."""
         if to not in TRANSITIONS[self.state]:
             raise IllegalTransition(f"turn cannot move from {self.state.value} to {to.value}")
+
+    def advance(self, to: TurnState) -> None:
+        self.check(to)
         if self._observe is not None:
             self._observe(Move(self.state, to))
         self.state = to
-
-    @property
-    def done(self) -> bool:
-        return self.state in TERMINAL

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typing
 
-from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
@@ -197,7 +197,7 @@ def claim_of(r: store_pb2.BeginTurnResponse, context: typing.Callable[[store_pb2
         case "conflict":
             return Conflicted(r.conflict.stored_fingerprint)
         case other:
-            raise InvalidArgument(f"the store answered BeginTurn with {other!r}")
+            raise Unavailable(f"the store answered BeginTurn with {other!r}")
 
 
 def finished_of(r: store_pb2.FinishTurnResponse) -> Finished:
@@ -208,11 +208,11 @@ def progress_of(r: store_pb2.UpdateTurnProgressResponse) -> Progress:
     return Progress(r.held, r.lease_expires_at_ms)
 
 
-def turn_record_of(r: store_pb2.ReadTurnResponse) -> TurnRecord:
+def turn_record_of(r: store_pb2.ReadTurnResponse, turn: TurnId) -> TurnRecord:
     state = _STATES.get(r.state)
     if state is None:
-        raise InvalidArgument(f"the store reported turn state {r.state}")
-    return TurnRecord(turn_id=TurnId(""), state=state, fingerprint=r.fingerprint, lease_holder=r.lease_holder,
+        raise Unavailable(f"the store reported turn state {r.state}")
+    return TurnRecord(turn_id=turn, state=state, fingerprint=r.fingerprint, lease_holder=r.lease_holder,
                       lease_expires_at_ms=r.lease_expires_at_ms, partial_text=r.partial_text,
                       event_sequence=r.event_sequence,
                       regenerates_turn_id=TurnId(r.regenerates_turn_id) if r.regenerates_turn_id else None,

@@ -1,0 +1,57 @@
+"""What a turn needs before an engine may start it, begun together with its claim: the replica pick and the
+input check.
+
+Neither depends on the claim's answer, and the claim is almost always a new one, so waiting for it first would
+put a whole hop in front of every first token. When the claim says the turn is someone else's (done, in progress,
+conflict), `discard` drops the check and releases the router lease as soon as the pick answers: the router's load
+is back where it was before the caller goes on. Blocked input still never reaches an engine: generation waits for
+the check (`ready`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from chatmesh.chat.ports import ModerationPort, Pick, RouterPort, Screening
+from chatmesh.mesh import errors
+from chatmesh.mesh.ids import ConversationId
+
+T = TypeVar("T")
+
+
+class Admission:
+    def __init__(self, router: RouterPort, moderation: ModerationPort, conv: ConversationId,
+                 content: str | None) -> None:
+        self.router = router
+        self.screening: asyncio.Future[Screening] | None = (
+            asyncio.ensure_future(moderation.check_input(content, conv)) if content is not None else None)
+        self.pick: asyncio.Future[Pick] = asyncio.ensure_future(router.pick(conv))
+
+    async def ready(self, beside: Awaitable[T] | None) -> tuple[Pick, Screening | None, T | None]:
+        """The pick and the check (None for a regenerate, which has no new input), and `beside` awaited with them;
+        if any fails, the others are dropped and the lease released before the error goes on."""
+        extra = asyncio.ensure_future(beside) if beside is not None else None
+        try:
+            await asyncio.gather(*(t for t in (self.screening, extra, self.pick) if t is not None))
+        except BaseException:
+            if extra is not None:
+                extra.cancel()
+            await asyncio.shield(self.discard())
+            raise
+        return (self.pick.result(), self.screening.result() if self.screening is not None else None,
+                extra.result() if extra is not None else None)
+
+    async def discard(self) -> None:
+        if self.screening is not None:
+            self.screening.cancel()
+            with contextlib.suppress(BaseException):
+                await self.screening
+        try:
+            lease = (await self.pick).lease
+        except Exception:  # the pick failed: no lease to release (its error is reported where it is awaited)
+            return
+        with contextlib.suppress(errors.CoreError):
+            await self.router.release(lease)

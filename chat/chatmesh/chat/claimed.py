@@ -1,0 +1,198 @@
+"""A claimed turn, generated to its end: what happens after this process won the turn's claim in the store.
+
+`ClaimedTurn.run` is the owner of one attempt from the won claim to its terminal state, and the only code that
+writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.mesh.turn`):
+
+    RECEIVED   wait for the replica pick and the input check begun with the claim (`admission.py`)
+               blocked input            -> BLOCKED (stored as blocked, never reaches an engine)
+    -> QUEUED  the prompt built (a summary made first at a boundary, `prompt.py`), sent to the picked replica
+    -> PREFILL / DECODE  as the engine admits the prompt and streams (`stream.py`)
+    -> STORED | STOPPED | BLOCKED  one FinishTurn: user message, reply as the user saw it, usage; one transaction
+    -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry)
+
+A heartbeat writes the reply so far to the turn record and renews the lease every `progress_interval_s`, so
+other chat processes can follow the turn and take it over if this one dies; when a renewal says the lease is no
+longer ours (another process took the turn over), the stream is stopped and nothing is stored (`LeaseLost`).
+
+Every exit frees the engine sequence and the router lease (I5): the engine stream is closed in a `finally`
+(closing it cancels the RPC, which cancels the sequence), the lease is released in another, and the turn is
+either stored once or failed. A final state is entered only after its store write succeeded, so a failed write
+still ends in FAILED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import assert_never
+
+from chatmesh.chat.admission import Admission
+from chatmesh.chat.context import Rendered
+from chatmesh.chat.events import Blocked, Completed, Failed, LiveTurn, Started, Stopped, TurnEventKind
+from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.ports import EngineFinished, FinishReason, Generation, Pick, Ports, TurnKey
+from chatmesh.chat.prompt import Prompts
+from chatmesh.chat.stream import OutputBlocked, StoppedHere, StreamCut, relay
+from chatmesh.mesh import errors, logs
+from chatmesh.mesh.ids import LeaseId, TurnId
+from chatmesh.mesh.turn import TurnMachine, TurnState, Usage
+from chatmesh.store.values import History, MessageStatus, Reply
+
+log = logs.get("chatmesh.chat")
+
+
+class LeaseLost(errors.Unavailable):
+    """Another process took the turn over (our lease lapsed); this process must not store it."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a claimed turn generates: a reply to `content`, or (regenerate) a new reply to the last user message."""
+
+    key: TurnKey
+    content: str
+    regenerates: TurnId | None
+    lease: LeaseId  # the store's turn lease
+    admission: Admission
+    view: History | None  # the prompt's context read with the claim; None: read it
+
+
+class ClaimedTurn:
+    def __init__(self, job: Job, machine: TurnMachine, live: LiveTurn, ports: Ports, prompts: Prompts,
+                 options: ChatOptions, forget: Callable[[], None]):
+        self.job = job
+        self.machine = machine
+        self.live = live
+        self.store, self.router = ports.store, ports.router
+        self.ports = ports
+        self.prompts = prompts
+        self.opt = options
+        self.forget = forget  # drops the live turn from this process's registry, before the final event
+
+    async def run(self) -> None:
+        """Generates the turn to its end and publishes the final event; every path stores it once or fails it."""
+        turn = self.job.key
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            await self.live.publish(Started(replayed=False))
+            final = await self._generate()
+        except errors.CoreError as err:
+            log.warning("turn_failed", conversation_id=turn.conversation, turn_id=turn.turn,
+                        error=type(err).__name__, reason=str(err))
+            self.machine.advance(TurnState.FAILED)
+            final = Failed(message=str(err), retryable=isinstance(err, errors.Unavailable))
+            if not isinstance(err, LeaseLost):
+                await self._fail(type(err).__name__)
+        except Exception as err:  # a bug must still leave the turn failed, not half stored
+            log.error("turn_crashed", conversation_id=turn.conversation, turn_id=turn.turn, exc_info=err)
+            self.machine.advance(TurnState.FAILED)
+            final = Failed(message="internal error; retry with the same turn id", retryable=True)
+            await self._fail(type(err).__name__)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            self.forget()
+        await self.live.publish(final)
+
+    async def _generate(self) -> TurnEventKind:
+        owner, conv, _ = self.job.key
+        # The pick and the input check started with the claim, which brought the prompt's context with it; only
+        # when it could not (more messages since the summary than one claim returns) is the history read here,
+        # beside the other two.
+        read = self.store.read_conversation(owner, conv) if self.job.view is None else None
+        pick, screening, fresh = await self.job.admission.ready(read)
+        try:
+            user_tokens = 0
+            if screening is not None:
+                user_tokens = self.prompts.count_tokens(self.job.content)
+                if screening.blocked:
+                    await self._end(TurnState.BLOCKED, lambda: self._finish(user_tokens, "", 0, MessageStatus.BLOCKED,
+                                                                            Usage()))
+                    log.info("input_blocked", conversation_id=conv, turn_id=self.job.key.turn,
+                             category=screening.category)
+                    return Blocked(stage="input", category=screening.category, reason=screening.reason)
+            view = self.job.view if self.job.view is not None else fresh
+            assert view is not None  # read above exactly when the claim brought no whole context
+            summary = await self.prompts.summary_for(owner, conv, view)
+            rendered = self.prompts.render(view, summary, self.job.content if self.job.regenerates is None else None,
+                                           self.job.regenerates)
+            self.machine.advance(TurnState.QUEUED)
+            return await self._stream(rendered, pick, user_tokens)
+        finally:
+            with contextlib.suppress(errors.CoreError):
+                await self.router.release(pick.lease)
+
+    async def _stream(self, rendered: Rendered, pick: Pick, user_tokens: int) -> TurnEventKind:
+        owner, conv, turn = self.job.key
+        generation = Generation(
+            request_id=turn, conversation=conv, turn=turn, prompt_token_ids=rendered.token_ids,
+            cache_salt=self.prompts.cache_salt(owner), platform_prefix_tokens=rendered.platform_prefix_tokens,
+            max_tokens=self.opt.limits.reply_tokens, temperature=self.opt.temperature, top_p=self.opt.top_p)
+        ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine, pick.address,
+                                    generation, self.opt.engine_deadline_s)
+        if self.live.lease_lost:
+            raise LeaseLost(f"turn {turn} was taken over by another chat process")
+        usage, text, output = tally.usage, self.live.text, tally.output_tokens
+
+        async def store(to: TurnState, status: MessageStatus) -> None:
+            await self._end(to, lambda: self._finish(user_tokens, text, output, status, usage))
+
+        match ending:
+            case StoppedHere():
+                await store(TurnState.STOPPED, MessageStatus.STOPPED)
+                return Stopped(usage=usage)
+            case OutputBlocked(verdict=verdict):
+                await store(TurnState.BLOCKED, MessageStatus.BLOCKED)
+                return Blocked(stage="output", category=verdict.category, reason=verdict.reason)
+            case StreamCut():
+                raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing it "
+                                         "(no reason); retry with the same turn id")
+            case EngineFinished(reason=reason, error=error):
+                match reason:
+                    case FinishReason.CANCELLED:
+                        await store(TurnState.STOPPED, MessageStatus.STOPPED)
+                        return Stopped(usage=usage)
+                    case FinishReason.STOP | FinishReason.LENGTH:
+                        await store(TurnState.STORED, MessageStatus.COMPLETE)
+                        return Completed(usage=usage, replica_id=pick.replica_id)
+                    case FinishReason.ERROR:
+                        raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing "
+                                                 f"it ({error or 'no reason'}); retry with the same turn id")
+                    case _:
+                        assert_never(reason)
+            case _:
+                assert_never(ending)
+
+    async def _end(self, to: TurnState, write: Callable[[], Awaitable[None]]) -> None:
+        """A final move: checked first, entered once the store write succeeded."""
+        self.machine.check(to)
+        await write()
+        self.machine.advance(to)
+
+    async def _finish(self, user_tokens: int, reply: str, reply_tokens: int, status: MessageStatus,
+                      usage: Usage) -> None:
+        await self.store.finish_turn(self.job.key, self.job.lease, Reply(
+            user_token_count=user_tokens, text=reply, token_count=reply_tokens, status=status, usage=usage))
+
+    async def _fail(self, reason: str) -> None:
+        with contextlib.suppress(errors.CoreError):
+            await self.store.fail_turn(self.job.key, self.job.lease, reason)
+
+    async def _heartbeat(self) -> None:
+        """Writes the reply so far and renews the turn's lease, so other processes can follow or take over."""
+        while True:
+            await asyncio.sleep(self.opt.progress_interval_s)
+            text = self.live.text
+            try:
+                progress = await self.store.update_turn_progress(self.job.key, self.job.lease, text, 1 + len(text),
+                                                                 self.opt.lease_ttl_ms)
+            except errors.CoreError as err:
+                log.warning("progress_write_failed", turn_id=self.job.key.turn, error=type(err).__name__)
+                continue
+            if not progress.held:
+                self.live.lease_lost = True
+                self.live.stop_requested.set()
+                return

@@ -1,0 +1,60 @@
+"""Conversation reads and deletion: what a user's conversation list, export and usage pages ask of the store, and
+deletion reaching every copy (I4): the stored rows, then the conversation's KV blocks on every engine replica."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from chatmesh.chat.ports import EnginePort, RouterPort, StorePort
+from chatmesh.mesh import errors, logs
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.store.values import Conversation, DailyUsage, History
+
+log = logs.get("chatmesh.chat")
+
+MAX_TITLE_CHARS = 200
+
+
+class Conversations:
+    def __init__(self, store: StorePort, router: RouterPort, engines: EnginePort, default_prompt_version: str,
+                 stop_turns: Callable[[OwnerId, ConversationId], None]):
+        self.store = store
+        self.router = router
+        self.engines = engines
+        self.default_prompt_version = default_prompt_version
+        self.stop_turns = stop_turns  # stops this process's turns of a conversation being deleted
+
+    async def create(self, owner: OwnerId, title: str) -> Conversation:
+        if len(title) > MAX_TITLE_CHARS:
+            raise errors.InvalidArgument(f"title must be at most {MAX_TITLE_CHARS} characters")
+        return await self.store.insert_conversation(owner, title, self.default_prompt_version)
+
+    async def get(self, owner: OwnerId, conv: ConversationId) -> History:
+        return await self.store.read_conversation(owner, conv)
+
+    async def list_owned(self, owner: OwnerId, page_size: int) -> list[Conversation]:
+        if page_size < 0 or page_size > 500:
+            raise errors.InvalidArgument("page_size must be between 0 and 500")
+        return await self.store.list_conversations(owner, page_size or 50)
+
+    async def delete(self, owner: OwnerId, conv: ConversationId) -> int:
+        """Deletes every stored row, then evicts the conversation's KV blocks on every engine (I4)."""
+        self.stop_turns(owner, conv)
+        evict = await self.store.delete_conversation(owner, conv)
+        evicted = 0
+        for replica in await self.router.replicas():
+            for conversation_id in evict:
+                try:
+                    evicted += await self.engines.evict(replica.address, conversation_id)
+                except errors.Unavailable:
+                    # A replica that is down holds nothing it could serve; its cache dies with it.
+                    log.warning("evict_unreachable", replica_id=replica.replica_id, conversation_id=conv)
+        return evicted
+
+    async def usage(self, owner: OwnerId, days: int) -> list[DailyUsage]:
+        if days < 0 or days > 366:
+            raise errors.InvalidArgument("days must be between 0 and 366")
+        return await self.store.usage(owner, days or 30)
+
+    async def export(self, owner: OwnerId) -> str:
+        return await self.store.export(owner)

@@ -1,0 +1,125 @@
+"""A turn's prompt: the stored conversation replayed through the context builder, and summaries at turn boundaries.
+
+`context.build` fixes the order (system prompt, stored summary, recent turns verbatim, the new message) so prompt
+n+1 starts with prompt n plus reply n (I3). This module decides what is replayed (not superseded replies, not
+blocked turns, not the reply being regenerated) and when older turns are summarised: when the replayed history
+passes `summary_threshold_tokens`, the turns before the last `keep_recent_messages` messages are summarised by the
+engine at the turn boundary, before the prompt is built, and the summary is stored; later turns rebuild the same
+prompt from the stored summary instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+from collections.abc import Callable
+
+from chatmesh.chat import context
+from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.ports import EngineDelta, Generation, Ports
+from chatmesh.mesh import errors, logs
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.store.values import History, MessageStatus, Role
+
+log = logs.get("chatmesh.chat")
+
+DEFAULT_SYSTEM_PROMPTS = {
+    "v1": "You are a helpful, concise assistant. Answer the user's questions accurately and briefly.",
+}
+SUMMARY_PROMPT = ("You summarise conversations. Write a short factual summary of the conversation below, keeping "
+                  "names, numbers, decisions and open questions. Write only the summary.")
+SUMMARY_MAX_TOKENS = 200
+
+_SPEAKERS = {Role.SYSTEM: context.Speaker.SYSTEM, Role.USER: context.Speaker.USER,
+             Role.ASSISTANT: context.Speaker.ASSISTANT}
+
+
+def stored_summary(view: History) -> context.PromptSummary | None:
+    if view.summary is None or not view.summary.text:
+        return None
+    return context.PromptSummary(view.summary.text, view.summary.covers_through_index + 1)
+
+
+def history(view: History, regenerates: TurnId | None = None) -> list[context.HistoryMessage]:
+    """Stored messages as the prompt replays them: superseded and blocked ones are not replayed, nor the reply
+    being regenerated."""
+    blocked_turns = {m.turn_id for m in view.messages if m.status is MessageStatus.BLOCKED}
+    return [context.HistoryMessage(
+        index=m.index, speaker=_SPEAKERS[m.role], content=m.content, turn_id=m.turn_id,
+        replayable=(not m.superseded and m.turn_id not in blocked_turns
+                    and not (regenerates and m.turn_id == regenerates and m.role is Role.ASSISTANT)))
+        for m in view.messages]
+
+
+class Prompts:
+    def __init__(self, ports: Ports, renderer: context.Renderer, count_tokens: Callable[[str], int],
+                 options: ChatOptions):
+        self.store, self.router, self.engines = ports.store, ports.router, ports.engines
+        self.renderer = renderer
+        self.count_tokens = count_tokens
+        self.opt = options
+
+    def cache_salt(self, owner: OwnerId) -> bytes:
+        """Per-owner salt for KV reuse past the platform prefix (I1); keyed so salts cannot be guessed."""
+        return hmac.new(self.opt.salt_secret, owner.encode(), hashlib.sha256).digest()[:16]
+
+    def render(self, view: History, summary: context.PromptSummary | None, new_message: str | None,
+               regenerates: TurnId | None = None) -> context.Rendered:
+        return context.build(self.renderer, self.opt.limits, self._system_prompt(view), summary,
+                             history(view, regenerates), new_message)
+
+    async def next_prompt(self, owner: OwnerId, conv: ConversationId, new_message: str) -> context.Rendered:
+        """The prompt the next turn with `new_message` would send (no summarising side effect)."""
+        view = await self.store.read_conversation(owner, conv)
+        return self.render(view, stored_summary(view), new_message)
+
+    async def summary_for(self, owner: OwnerId, conv: ConversationId, view: History) -> context.PromptSummary | None:
+        """The stored summary, refreshed first when the replayed history is over the threshold."""
+        summary = stored_summary(view)
+        replayed = history(view)
+        counts = {m.index: m.token_count for m in view.messages}
+        if context.history_tokens(replayed, summary, counts) <= self.opt.summary_threshold_tokens:
+            return summary
+        cut = context.summary_cut(replayed, summary, self.opt.keep_recent_messages)
+        if cut is None:
+            return summary
+        start = summary.covers_until if summary else 0
+        transcript = "\n".join(f"{m.speaker.value}: {m.content}" for m in replayed
+                               if start <= m.index < cut and m.replayable)
+        if summary is not None:
+            transcript = f"Earlier summary: {summary.text}\n{transcript}"
+        text = await self._summarise(owner, conv, transcript)
+        saved = await self.store.save_summary(owner, conv, text, cut - 1, self.count_tokens(text))
+        log.info("summary_stored", conversation_id=conv, covers_through_index=cut - 1)
+        return context.PromptSummary(saved.text, saved.covers_through_index + 1)
+
+    def _system_prompt(self, view: History) -> str:
+        version = view.conversation.system_prompt_version or self.opt.default_prompt_version
+        prompt = self.opt.system_prompts.get(version)
+        if prompt is None:
+            raise errors.FailedPrecondition(f"system prompt version {version!r} is not configured")
+        return prompt
+
+    async def _summarise(self, owner: OwnerId, conv: ConversationId, transcript: str) -> str:
+        rendered = self.renderer.render([(context.Speaker.SYSTEM, SUMMARY_PROMPT), (context.Speaker.USER, transcript)])
+        pick = await self.router.pick(conv)
+        parts: list[str] = []
+        try:
+            stream = self.engines.generate(pick.address, Generation(
+                request_id=f"summary-{conv}", conversation=conv, turn=None, prompt_token_ids=rendered.token_ids,
+                cache_salt=self.cache_salt(owner), platform_prefix_tokens=rendered.platform_prefix_tokens,
+                max_tokens=SUMMARY_MAX_TOKENS, temperature=0.0, top_p=1.0), self.opt.engine_deadline_s)
+            try:
+                async for event in stream:
+                    if isinstance(event, EngineDelta):
+                        parts.append(event.text)
+            finally:
+                await stream.aclose()
+        finally:
+            with contextlib.suppress(errors.CoreError):
+                await self.router.release(pick.lease)
+        text = "".join(parts).strip()
+        if not text:
+            raise errors.Unavailable("the engine returned an empty summary; retry the turn")
+        return text

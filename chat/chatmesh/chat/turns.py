@@ -1,0 +1,223 @@
+"""The turn lifecycle's entry points: send, regenerate, attach and stop, and the claim that decides who generates.
+
+Idempotency (I2), across chat processes. The store's turn record is the idempotency record: `BeginTurn`
+atomically answers exactly one of claimed (this process generates, holding a lease), in progress (another process
+holds a live lease), done (the stored reply) or conflict (same turn id, other content). Each answer is one path
+of the state machine (`chatmesh.mesh.turn`), driven here for every attempt:
+
+    claimed      -> a `ClaimedTurn` task generates the turn into a `LiveTurn` (claimed.py); the caller's
+                    stream, and any retry reaching this process, follow it (ATTACHED for the retries)
+    done         -> REPLAYED: the stored reply streamed again
+    in progress  -> ATTACHED: follow the holder's stored progress (follow.py); if the holder dies, its lease
+                    lapses and this retry takes the turn over as a new attempt
+    conflict     -> REJECTED, as is bad input and a regenerate with nothing to regenerate
+
+Either way: one generation, one bill. The caller going away stops a turn it owns (I5: the partial reply the
+user saw is stored as stopped). A stop reaching a process that does not generate the turn is forwarded to the
+one that does (the lease holder records `name@address`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import assert_never
+
+from chatmesh.chat.admission import Admission
+from chatmesh.chat.claimed import ClaimedTurn, Job
+from chatmesh.chat.events import LiveTurn, TurnEvent, replay
+from chatmesh.chat.follow import StoredFollower
+from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.ports import ClaimRequest, Ports, TurnKey
+from chatmesh.chat.prompt import Prompts
+from chatmesh.mesh import errors
+from chatmesh.mesh.ids import TurnId
+from chatmesh.mesh.turn import RECORD_ACTIVE, Move, TurnMachine, TurnState
+from chatmesh.store.values import Claimed, Conflicted, Done, InProgress, MessageStatus, Role
+
+MAX_CONTENT_BYTES = 512 * 1024
+CONTEXT_MESSAGES = 1000  # messages after the summary a claim returns (the store's cap); more: a separate read
+# The caller's own mistakes end an attempt as REJECTED; anything else (a dependency down) as FAILED.
+REJECTIONS = (errors.InvalidArgument, errors.NotFound, errors.Conflict, errors.FailedPrecondition)
+
+
+def fingerprint(kind: str, content: str) -> str:
+    return hashlib.sha256(f"{kind}\0{content}".encode()).hexdigest()
+
+
+def validate_content(content: str) -> str:
+    if not content or not content.strip():
+        raise errors.InvalidArgument("content must be a non-empty string")
+    if len(content.encode()) > MAX_CONTENT_BYTES:
+        raise errors.InvalidArgument(f"content is over the {MAX_CONTENT_BYTES // 1024} KiB limit")
+    return content
+
+
+@contextlib.contextmanager
+def ending_on_error(machine: TurnMachine) -> Iterator[None]:
+    """A step of an attempt still in RECEIVED: an error from it ends the attempt as REJECTED or FAILED."""
+    try:
+        yield
+    except REJECTIONS:
+        machine.advance(TurnState.REJECTED)
+        raise
+    except errors.CoreError:
+        machine.advance(TurnState.FAILED)
+        raise
+
+
+class Turns:
+    def __init__(self, ports: Ports, prompts: Prompts, options: ChatOptions, observe: Callable[[Move], None] | None,
+                 now_ms: Callable[[], float]):
+        self.ports = ports
+        self.store = ports.store
+        self.prompts = prompts
+        self.opt = options
+        self.observe = observe
+        self.now_ms = now_ms
+        self.live: dict[TurnKey, LiveTurn] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def lease_holder(self) -> str:
+        """This process as recorded in the turns it holds: `name@address`, so a peer can forward a stop here."""
+        return f"{self.opt.instance_id}@{self.opt.advertise_address}" if self.opt.advertise_address \
+            else self.opt.instance_id
+
+    async def send(self, key: TurnKey, content: str) -> AsyncIterator[TurnEvent]:
+        machine = TurnMachine(self.observe)
+        with ending_on_error(machine):
+            validate_content(content)
+        async for event in self._attempt(machine, key, content, None, fingerprint("send", content)):
+            yield event
+
+    async def regenerate(self, key: TurnKey) -> AsyncIterator[TurnEvent]:
+        """A new reply to the last user message under a new turn id; a retry of the same id replays it."""
+        machine = TurnMachine(self.observe)
+        with ending_on_error(machine):
+            target = await self._regenerate_target(key)
+        async for event in self._attempt(machine, key, "", target, fingerprint("regenerate", target)):
+            yield event
+
+    async def attach(self, key: TurnKey, after: int) -> AsyncIterator[TurnEvent]:
+        machine = TurnMachine(self.observe)
+        if after < 0:
+            machine.advance(TurnState.REJECTED)
+            raise errors.InvalidArgument("after_sequence must be >= 0")
+        machine.advance(TurnState.ATTACHED)
+        if (live := self.live.get(key)) is not None:
+            async for event in live.follow(after, replayed=True):
+                yield event
+            return
+        async for event in self._follow_stored(key, after, None):
+            yield event
+
+    async def stop(self, key: TurnKey) -> bool:
+        """Stops a turn in progress here, or forwards the stop to the chat process generating it."""
+        live = self.live.get(key)
+        if live is not None and live.final is None:
+            live.stop_requested.set()
+            return True
+        record = await self.store.read_turn(key)
+        if record.state not in RECORD_ACTIVE:
+            return False
+        _, _, address = record.lease_holder.partition("@")
+        if not address or address == self.opt.advertise_address or self.ports.peers is None:
+            raise errors.FailedPrecondition(f"turn {key.turn} is generating in chat process "
+                                            f"{record.lease_holder!r}, which this process cannot reach")
+        return await self.ports.peers.stop(address, key)
+
+    async def close(self) -> None:
+        for live in list(self.live.values()):
+            live.stop_requested.set()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _regenerate_target(self, key: TurnKey) -> TurnId:
+        with contextlib.suppress(errors.NotFound):  # a retry: keep the target the first attempt chose
+            record = await self.store.read_turn(key)
+            if record.regenerates_turn_id:
+                return record.regenerates_turn_id
+            raise errors.Conflict(f"turn id {key.turn} was already used for a message; use a new turn id")
+        view = await self.store.read_conversation(key.owner, key.conversation)
+        replies = [m for m in view.messages if m.role is Role.ASSISTANT and not m.superseded
+                   and m.status is not MessageStatus.BLOCKED]
+        if not replies or view.messages[-1].role is not Role.ASSISTANT:
+            raise errors.FailedPrecondition("there is no reply to regenerate in this conversation")
+        return replies[-1].turn_id
+
+    async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
+                       fp: str) -> AsyncIterator[TurnEvent]:
+        if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
+            machine.advance(TurnState.ATTACHED)
+            async for event in live.follow(0, replayed=True):
+                yield event
+            return
+        admission = Admission(self.ports.router, self.ports.moderation, key.conversation,
+                              content if regenerates is None else None)
+        try:
+            with ending_on_error(machine):
+                claim = await self.store.begin_turn(ClaimRequest(
+                    key=key, fingerprint=fp, content=content, lease_holder=self.lease_holder,
+                    lease_ttl_ms=self.opt.lease_ttl_ms, regenerates=regenerates, context_messages=CONTEXT_MESSAGES))
+        except BaseException:
+            await asyncio.shield(admission.discard())
+            raise
+        if not isinstance(claim, Claimed):
+            await admission.discard()
+        match claim:
+            case Claimed(lease_id=lease, context=view):
+                async for event in self._own(machine, Job(key, content, regenerates, lease, admission, view)):
+                    yield event
+            case Done(reply=reply, usage=usage):
+                machine.advance(TurnState.REPLAYED)
+                for event in replay(reply, usage, 0):
+                    yield event
+            case InProgress():
+                machine.advance(TurnState.ATTACHED)
+                async for event in self._follow_stored(key, 0, (content, regenerates, fp)):
+                    yield event
+            case Conflicted():
+                machine.advance(TurnState.REJECTED)
+                raise errors.Conflict(f"turn id {key.turn} was already used for different content; use a new turn id")
+            case _:
+                assert_never(claim)
+
+    async def _own(self, machine: TurnMachine, job: Job) -> AsyncIterator[TurnEvent]:
+        """Starts generating a claimed turn and follows it; the caller going away stops it (I5)."""
+        live = LiveTurn()
+        self.live[job.key] = live
+        claimed = ClaimedTurn(job, machine, live, self.ports, self.prompts, self.opt,
+                              forget=lambda: self._forget(job.key))
+        task = asyncio.create_task(claimed.run())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        stream = live.follow(0)
+        try:
+            async for event in stream:
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            live.stop_requested.set()
+            raise
+        finally:
+            await stream.aclose()
+
+    def _forget(self, key: TurnKey) -> None:
+        self.live.pop(key, None)
+
+    async def _follow_stored(self, key: TurnKey, after: int, retry: tuple[str, TurnId | None, str] | None
+                             ) -> AsyncIterator[TurnEvent]:
+        """Follows a turn generated by another process; with `retry` (the caller has the turn's content), a
+        lapsed or failed claim is taken over: a new attempt, claimed and generated here."""
+        follower = StoredFollower(self.store, key, after, retry is not None, self.opt.follow_poll_s, self.now_ms)
+        async for event in follower.events():
+            yield event
+        if not follower.take_over:
+            return
+        assert retry is not None
+        content, regenerates, fp = retry
+        async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp):
+            if event.sequence > follower.seen:
+                yield event

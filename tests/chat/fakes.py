@@ -1,0 +1,339 @@
+"""In-memory ports for the chat core's unit tests: a store with the real store's claim semantics (one record per
+turn id, leases that lapse by a clock the test moves, the record moves of `chatmesh.mesh.turn`), a router that
+counts open leases, a scripted engine that can pause, fail and tell whether it was cancelled, and moderation that
+blocks on marker words. No I/O, no sleeps beyond what a test asks for."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field, replace
+
+from chatmesh.chat import context
+from chatmesh.chat.ports import (
+    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
+    Pick, Replica, RouteLeaseId, Screening, TurnKey,
+)
+from chatmesh.mesh import errors
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
+from chatmesh.mesh.turn import RECORD_ACTIVE, RECORD_FINAL, TurnRecordState, Usage, require_record_move
+from chatmesh.store.values import (
+    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
+    MessageStatus, Progress, Reply, Role, Summary, TurnRecord,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ms = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.ms
+
+
+@dataclass
+class _Record:
+    state: TurnRecordState
+    fingerprint: str
+    content: str
+    lease: LeaseId | None
+    holder: str
+    expires_ms: float
+    regenerates: TurnId | None
+    partial: str = ""
+    reply: Message | None = None
+    usage: Usage = Usage()
+
+
+@dataclass
+class _Conversation:
+    conversation: Conversation
+    messages: list[Message] = field(default_factory=list)
+    summary: Summary | None = None
+
+
+class FakeStore:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.conversations: dict[tuple[OwnerId, ConversationId], _Conversation] = {}
+        self.records: dict[TurnKey, _Record] = {}
+        self.leases = (LeaseId(f"lease-{n}") for n in itertools.count())
+        self.down: set[str] = set()  # method names that answer Unavailable
+        self.calls: list[str] = []
+        self.renew_refused = False  # progress answers "not held" (another process took the turn over)
+
+    def _enter(self, method: str) -> None:
+        self.calls.append(method)
+        if method in self.down:
+            raise errors.Unavailable(f"store unavailable ({method})")
+
+    def _conv(self, owner: OwnerId, conv: ConversationId) -> _Conversation:
+        found = self.conversations.get((owner, conv))
+        if found is None:
+            raise errors.NotFound(f"conversation {conv} not found")
+        return found
+
+    def _history(self, c: _Conversation) -> History:
+        return History(replace(c.conversation, message_count=len(c.messages)), list(c.messages), c.summary)
+
+    async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation:
+        self._enter("insert_conversation")
+        conv = ConversationId(f"00000000-0000-4000-8000-{len(self.conversations):012d}")
+        made = Conversation(conv, owner, title, system_prompt_version, 0, 0, 0)
+        self.conversations[(owner, conv)] = _Conversation(made)
+        return made
+
+    async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History:
+        self._enter("read_conversation")
+        return self._history(self._conv(owner, conversation))
+
+    async def begin_turn(self, claim: ClaimRequest) -> Claim:
+        self._enter("begin_turn")
+        c = self._conv(claim.key.owner, claim.key.conversation)
+        now = self.clock()
+        record = self.records.get(claim.key)
+        if record is not None:
+            if record.fingerprint != claim.fingerprint:
+                return Conflicted(record.fingerprint)
+            if record.state in RECORD_FINAL:
+                assert record.reply is not None
+                return Done(record.reply, record.usage)
+            if record.state in RECORD_ACTIVE and record.expires_ms > now:
+                return InProgress(record.holder, int(record.expires_ms))
+            require_record_move(claim.key.turn, record.state, TurnRecordState.RECEIVED)
+        lease = next(self.leases)
+        self.records[claim.key] = _Record(TurnRecordState.RECEIVED, claim.fingerprint, claim.content, lease,
+                                          claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates)
+        return Claimed(lease, int(now + claim.lease_ttl_ms), self._history(c) if claim.context_messages else None)
+
+    def _held(self, key: TurnKey, lease: LeaseId) -> _Record:
+        record = self.records.get(key)
+        if record is None:
+            raise errors.NotFound(f"turn {key.turn} not found")
+        return record
+
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
+        self._enter("finish_turn")
+        record = self._held(key, lease)
+        c = self._conv(key.owner, key.conversation)
+        if record.state in RECORD_FINAL:
+            assert record.reply is not None
+            return Finished(True, record.reply)
+        if record.lease != lease:
+            raise errors.FailedPrecondition(f"turn {key.turn}: lease {lease} is not held")
+        target = TurnRecordState.STOPPED if reply.status is MessageStatus.STOPPED else TurnRecordState.STORED
+        require_record_move(key.turn, record.state, target)
+        now = int(self.clock())
+        if record.regenerates is None:
+            c.messages.append(Message(len(c.messages), Role.USER, record.content, reply.user_token_count,
+                                      reply.user_status, key.turn, now))
+        else:
+            c.messages = [replace(m, superseded=True) if m.role is Role.ASSISTANT and m.index == len(c.messages) - 1
+                          else m for m in c.messages]
+        stored = Message(len(c.messages), Role.ASSISTANT, reply.text, reply.token_count, reply.status, key.turn, now)
+        c.messages.append(stored)
+        record.state, record.reply, record.usage, record.partial = target, stored, reply.usage, ""
+        return Finished(False, stored)
+
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
+        self._enter("fail_turn")
+        record = self._held(key, lease)
+        if record.lease != lease or record.state not in RECORD_ACTIVE:
+            return False
+        require_record_move(key.turn, record.state, TurnRecordState.FAILED)
+        record.state, record.lease, record.partial, record.expires_ms = TurnRecordState.FAILED, None, "", 0
+        return True
+
+    async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
+                                   lease_ttl_ms: int) -> Progress:
+        self._enter("update_turn_progress")
+        record = self._held(key, lease)
+        if self.renew_refused or record.lease != lease or record.state not in RECORD_ACTIVE:
+            return Progress(False, 0)
+        require_record_move(key.turn, record.state, TurnRecordState.RUNNING)
+        record.state, record.partial = TurnRecordState.RUNNING, partial_text
+        record.expires_ms = self.clock() + lease_ttl_ms
+        return Progress(True, int(record.expires_ms))
+
+    async def read_turn(self, key: TurnKey) -> TurnRecord:
+        self._enter("read_turn")
+        record = self.records.get(key)
+        if record is None:
+            raise errors.NotFound(f"turn {key.turn} not found")
+        return TurnRecord(key.turn, record.state, record.fingerprint, record.holder, int(record.expires_ms),
+                          record.partial, 1 + len(record.partial), record.regenerates, record.reply, record.usage)
+
+    async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
+                           covers_through_index: int, token_count: int) -> Summary:
+        self._enter("save_summary")
+        c = self._conv(owner, conversation)
+        c.summary = Summary(text, covers_through_index, token_count, int(self.clock()))
+        return c.summary
+
+    async def list_conversations(self, owner: OwnerId, limit: int) -> list[Conversation]:
+        self._enter("list_conversations")
+        return [c.conversation for (o, _), c in self.conversations.items() if o == owner][:limit]
+
+    async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
+        self._enter("delete_conversation")
+        self._conv(owner, conversation)
+        del self.conversations[(owner, conversation)]
+        for key in [k for k in self.records if (k.owner, k.conversation) == (owner, conversation)]:
+            del self.records[key]
+        return [conversation]
+
+    async def export(self, owner: OwnerId) -> str:
+        self._enter("export")
+        return json.dumps({"conversations": [c.conversation.conversation_id
+                                             for (o, _), c in self.conversations.items() if o == owner]})
+
+    async def usage(self, owner: OwnerId, days: int) -> list[DailyUsage]:
+        self._enter("usage")
+        total = Usage()
+        for key, r in self.records.items():
+            if key.owner == owner and r.state in RECORD_FINAL:
+                total = Usage(total.prompt_tokens + r.usage.prompt_tokens,
+                              total.cached_prompt_tokens + r.usage.cached_prompt_tokens,
+                              total.output_tokens + r.usage.output_tokens)
+        return [DailyUsage("2026-12-01", total, sum(1 for k in self.records if k.owner == owner))]
+
+
+class FakeRouter:
+    def __init__(self, replicas: Sequence[str] = ("engine-0",)) -> None:
+        self.replica_ids = [ReplicaId(r) for r in replicas]
+        self.open: set[RouteLeaseId] = set()
+        self.picks = 0
+        self.down = False
+        self._ids = (RouteLeaseId(f"route-{n}") for n in itertools.count())
+
+    async def pick(self, conversation: ConversationId, exclude: Sequence[ReplicaId] = ()) -> Pick:
+        if self.down:
+            raise errors.Unavailable("router unavailable")
+        self.picks += 1
+        lease = next(self._ids)
+        self.open.add(lease)
+        replica = self.replica_ids[0]
+        return Pick(replica, f"addr-{replica}", lease)
+
+    async def release(self, lease: RouteLeaseId) -> None:
+        self.open.discard(lease)
+
+    async def replicas(self) -> list[Replica]:
+        return [Replica(r, f"addr-{r}") for r in self.replica_ids]
+
+
+class EngineLost(Exception):
+    """Marker in a script: the engine connection drops here."""
+
+
+@dataclass
+class Script:
+    """What the engine does for one generation: `events` in order; before event i, wait for `gates[i]` if set."""
+
+    events: list[EngineEvent | EngineLost]
+    gates: dict[int, asyncio.Event] = field(default_factory=dict)
+
+
+def reply_script(*chunks: str, reason: FinishReason = FinishReason.STOP, cached: int = 0) -> Script:
+    events: list[EngineEvent | EngineLost] = [EngineStarted(cached)]
+    events += [EngineDelta(c, 1 + c.count(" ")) for c in chunks]
+    events.append(EngineFinished(reason, sum(1 + c.count(" ") for c in chunks)))
+    return Script(events)
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.scripts: list[Script] = []
+        self.default = reply_script("Hello", " there", ".")
+        self.generations: list[Generation] = []
+        self.closed_early = 0  # streams the caller closed before the engine finished (cancelled sequences)
+        self.running = 0
+        self.evicted: list[tuple[str, ConversationId]] = []
+
+    def generate(self, address: str, generation: Generation, timeout_s: float) -> AsyncGenerator[EngineEvent, None]:
+        self.generations.append(generation)
+        return self._run(self.scripts.pop(0) if self.scripts else self.default)
+
+    async def _run(self, script: Script) -> AsyncGenerator[EngineEvent, None]:
+        self.running += 1
+        finished = False
+        try:
+            for i, event in enumerate(script.events):
+                if (gate := script.gates.get(i)) is not None:
+                    await gate.wait()
+                if isinstance(event, EngineLost):
+                    raise errors.Unavailable("engine at addr unavailable (UNAVAILABLE): connection lost")
+                finished = isinstance(event, EngineFinished)
+                yield event
+                await asyncio.sleep(0)
+        finally:
+            self.running -= 1
+            if not finished:
+                self.closed_early += 1
+
+    async def evict(self, address: str, conversation: ConversationId) -> int:
+        self.evicted.append((address, conversation))
+        return 1
+
+
+class _Screen:
+    def __init__(self, words: set[str]) -> None:
+        self.words = words
+        self.closed = False
+
+    async def check(self, chunk: str, final: bool = False) -> Screening:
+        hit = next((w for w in self.words if w in chunk), None)
+        return Screening(blocked=hit is not None, category="abuse" if hit else "", reason="marker" if hit else "")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeModeration:
+    def __init__(self) -> None:
+        self.input_words = {"BLOCKME"}
+        self.output_words = {"BADWORD"}
+        self.screens: list[_Screen] = []
+        self.inputs_checked = 0
+
+    async def check_input(self, text: str, conversation: ConversationId) -> Screening:
+        self.inputs_checked += 1
+        hit = any(w in text for w in self.input_words)
+        return Screening(blocked=hit, category="abuse" if hit else "", reason="marker" if hit else "")
+
+    async def open_output(self, conversation: ConversationId) -> OutputScreen:
+        screen = _Screen(self.output_words)
+        self.screens.append(screen)
+        return screen
+
+
+class FakePeers:
+    def __init__(self) -> None:
+        self.stops: list[tuple[str, TurnKey]] = []
+
+    async def stop(self, address: str, key: TurnKey) -> bool:
+        self.stops.append((address, key))
+        return True
+
+
+class WordRenderer:
+    """A prefix-stable renderer: each message encodes on its own (a role marker, then one id per word)."""
+
+    MARKERS = {context.Speaker.SYSTEM: 1, context.Speaker.USER: 2, context.Speaker.ASSISTANT: 3}
+
+    def render(self, messages: Sequence[tuple[context.Speaker, str]]) -> context.Rendered:
+        ids: list[int] = []
+        prefix = 0
+        for i, (speaker, text) in enumerate(messages):
+            ids.append(self.MARKERS[speaker])
+            ids.extend(10 + sum(map(ord, word)) % 1000 for word in text.split())
+            if i == 0:
+                prefix = len(ids)
+        ids.append(self.MARKERS[context.Speaker.ASSISTANT])
+        return context.Rendered(tuple(ids), prefix)
+
+    @staticmethod
+    def count(text: str) -> int:
+        return len(text.split())
