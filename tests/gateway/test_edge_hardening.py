@@ -82,11 +82,11 @@ async def test_slow_header_slow_body_and_idle_connections_are_dropped(start_gate
     conns = [await asyncio.open_connection(url.hostname, url.port) for _ in range(30)]
     idle, slow_header, slow_body = conns[:10], conns[10:20], conns[20:]
     for _, writer in slow_header:
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
     async with gw.client() as client:
         conv = (await client.post("/v1/conversations")).json()["id"]
     for _, writer in slow_body:
-        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: x\r\ncontent-type: application/json"
+        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json"
                      f"\r\ncontent-length: 1000\r\n\r\n{{\"turn_id\": \"".encode())
     for _, writer in slow_header + slow_body:
         await writer.drain()
@@ -117,7 +117,7 @@ async def test_a_kept_alive_connection_is_closed_when_idle(start_gateway: StartG
     url = urlsplit(gw.url)
     assert url.hostname is not None and url.port is not None
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
-    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200")
@@ -133,7 +133,7 @@ async def test_a_client_gone_mid_body_is_not_an_error(gateway: Gateway, fake: Fa
         conv = (await client.post("/v1/conversations")).json()["id"]
     for _ in range(5):
         reader, writer = await asyncio.open_connection(url.hostname, url.port)
-        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: x\r\ncontent-length: 500\r\n\r\n"
+        writer.write(f"POST /v1/conversations/{conv}/turns HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-length: 500\r\n\r\n"
                      '{"turn_id": "'.encode())
         await writer.drain()
         await asyncio.sleep(0.05)
@@ -142,3 +142,14 @@ async def test_a_client_gone_mid_body_is_not_an_error(gateway: Gateway, fake: Fa
     async with gateway.client() as client:
         assert (await client.get("/healthz")).status_code == 200
     assert fake.convs[conv].turns == {}
+
+
+async def test_the_development_identity_refuses_rebound_host_names_and_cross_site_posts(gateway: Gateway) -> None:
+    async with gateway.client() as client:
+        rebound = await client.get("/v1/conversations", headers={"host": "evil.example"})
+        cross_site = await client.post("/v1/conversations", json={}, headers={"origin": "https://evil.example"})
+        own_page = await client.post("/v1/conversations", json={}, headers={"origin": gateway.url})
+        by_name = await client.get("/v1/conversations", headers={"host": "localhost:8080"})
+    assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "misdirected_request"
+    assert cross_site.status_code == 403 and cross_site.json()["error"]["code"] == "forbidden_origin"
+    assert own_page.status_code == 201 and by_name.status_code == 200

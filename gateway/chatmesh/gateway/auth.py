@@ -3,7 +3,8 @@
 Order: an `Authorization: Bearer <api key>` header; else the session cookie of a browser login, and then, for a
 state-changing method (POST, PUT, PATCH, DELETE), the `X-CSRF-Token` header must equal the session's CSRF token
 (a cross-site form or fetch cannot read it, so it cannot forge it: the synchroniser-token pattern on top of the
-SameSite cookie); else, with CHATMESH_AUTH=local, the development identity; else 401.
+SameSite cookie); else, with CHATMESH_AUTH=local, the development identity, for requests to a loopback host
+name that are not cross-site (`check_local_origin`: DNS rebinding and CSRF); else 401.
 
 Secrets are stored as keyed digests (HMAC-SHA256 under CHATMESH_KEY_PEPPER of a 256-bit random token: a slow
 hash adds nothing at that entropy); see chatmesh.gateway.accounts for the tables.
@@ -12,13 +13,14 @@ hash adds nothing at that entropy); see chatmesh.gateway.accounts for the tables
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Protocol
 
 from starlette.requests import Request
 
 from chatmesh.gateway.errors import ApiError
-from chatmesh.gateway.identity import Principal, Via
+from chatmesh.gateway.identity import Principal, Via, is_loopback
 from chatmesh.mesh import ids
 
 SESSION_COOKIE = "chatmesh_session"
@@ -73,5 +75,28 @@ class Authenticator:
                         raise ApiError(403, "csrf", f"missing or wrong {CSRF_HEADER} header for a session request")
                 return Principal(session.owner, Via.SESSION)
         if self._local_owner is not None:
+            check_local_origin(request)
             return Principal(self._local_owner, Via.LOCAL)
         raise unauthenticated()
+
+
+def _host_part(authority: str) -> str:
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0]
+    return authority.rpartition(":")[0] if authority.count(":") == 1 else authority
+
+
+def check_local_origin(request: Request) -> None:
+    """The development identity answers only requests a page on this machine made. A web page elsewhere can
+    point its own host name at 127.0.0.1 (DNS rebinding) and read the local user's data as same-origin, or
+    post to it cross-site (CSRF): so the Host must be a loopback name, and a state-changing request that says
+    where it comes from (`Origin`) must come from a loopback origin."""
+    host = _host_part(request.headers.get("host", ""))
+    if not is_loopback(host):
+        raise ApiError(421, "misdirected_request",
+                       "the development identity answers only loopback host names (localhost, 127.0.0.1, ::1)")
+    origin = request.headers.get("origin")
+    if request.method not in _SAFE_METHODS and origin is not None:
+        parsed = urlsplit(origin)
+        if parsed.hostname is None or not is_loopback(parsed.hostname):
+            raise ApiError(403, "forbidden_origin", "cross-site requests cannot act as the development identity")

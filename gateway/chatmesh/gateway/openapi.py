@@ -20,13 +20,18 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    meaning = {400: "invalid argument (the message names the field)", 401: "not authenticated",
-               403: "CSRF token missing or wrong (session requests)", 404: "not found (or not yours)",
+    meaning = {400: "invalid argument (the message names the field; code message_too_long names the size limit)",
+               401: "not authenticated",
+               403: "CSRF token missing or wrong (session requests), or a cross-site request to the development "
+                    "identity", 404: "not found (or not yours)",
+               408: "the request body did not arrive in time (CHATMESH_EDGE_BODY_TIMEOUT_S)",
                409: "conflict: turn id reused with other content, or the state forbids it",
-               413: "body or content too large", 429: "a per-user limit is reached (see Retry-After)",
+               413: "body too large (CHATMESH_MAX_BODY_BYTES)",
+               421: "the development identity answers only loopback host names",
+               429: "a per-user limit is reached; the message names it (see Retry-After)",
                503: "a dependency is unavailable; retry"}
     out: dict[str, Any] = {}
-    for status in (401, 403, *statuses, 503):
+    for status in (401, 403, 408, 421, *statuses, 503):
         response = {"description": meaning[status], **_json(_ref("Error"))}
         if status == 429:
             response["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}

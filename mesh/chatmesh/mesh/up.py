@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -80,9 +81,20 @@ def replicas_serving(trust: Trust, router: str, timeout_s: float = 1.0) -> bool:
         return bool(resp.replicas) and all(r.state == route_pb2.REPLICA_STATE_SERVING for r in resp.replicas)
 
 
+def _probe_tls() -> ssl.SSLContext:
+    """TLS for the local readiness probe: it sends nothing secret and only asks whether the gateway answers, so
+    it does not verify the certificate (which may name a public host, or chain to a CA this machine lacks)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
 def http_answers(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether `url` (http or https) answers below 500."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        context = _probe_tls() if url.startswith("https:") else None
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             return int(resp.status) < 500
     except urllib.error.HTTPError as err:
         return err.code < 500
@@ -118,8 +130,10 @@ class Mesh:
 
     @property
     def gateway_url(self) -> str:
+        """The edge's URL: https when CHATMESH_TLS_CERT is set (the gateway then speaks only TLS)."""
         cfg = self.cfg
-        return f"http://{cfg[settings.HOST]}:{cfg[settings.GATEWAY_PORT]}"
+        scheme = "https" if self.env.get("CHATMESH_TLS_CERT") else "http"
+        return f"{scheme}://{cfg[settings.HOST]}:{cfg[settings.GATEWAY_PORT]}"
 
     @property
     def metrics_urls(self) -> dict[str, str]:
