@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -55,3 +56,13 @@ def postgres_url() -> str:
 def redis_url() -> Iterator[str]:
     need(port_open("127.0.0.1", 6379), "Redis at 127.0.0.1:6379")
     yield REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def mesh_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Development certificates and owner-token keys for every mesh identity (tests/trust.py acts with them)."""
+    from chatmesh.mesh import pki
+
+    folder = tmp_path_factory.mktemp("mesh-certs") / "certs"
+    pki.ensure(folder)
+    return folder

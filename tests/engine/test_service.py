@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,9 +18,10 @@ from chatmesh.engine_adapter.backend import Residency
 from chatmesh.engine_adapter.local import backend as local_backend
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId
-from chatmesh.mesh.trust import Trust
+from chatmesh.mesh import identity
 from chatmesh.mesh.server import serve
 from tests.conftest import free_port
+from tests.trust import channel_as, trust_as
 
 
 def _config(**extra: str) -> Config:
@@ -31,13 +33,15 @@ def _config(**extra: str) -> Config:
 
 
 @pytest.fixture
-async def stub() -> AsyncIterator[generate_pb2_grpc.GenerateServiceAsyncStub]:
+async def stub(mesh_certs: Path) -> AsyncIterator[generate_pb2_grpc.GenerateServiceAsyncStub]:
+    """The engine over mutual TLS, called as chat with a valid owner token for each request's owner."""
     port = free_port()
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(engine_service.build(_config()), f"127.0.0.1:{port}", 0.5, ready, stop,
-                                     trust=Trust.insecure()))
+    trust = trust_as(mesh_certs, identity.ENGINE)
+    task = asyncio.create_task(serve(engine_service.build(_config(), trust), f"127.0.0.1:{port}", 0.5, ready, stop,
+                                     trust=trust))
     await asyncio.wait_for(ready.wait(), 10)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with channel_as(mesh_certs, identity.CHAT, f"127.0.0.1:{port}", "engine", owner_tokens=True) as channel:
         yield generate_pb2_grpc.GenerateServiceStub(channel)
     stop.set()
     await asyncio.wait_for(task, 10)
@@ -46,7 +50,7 @@ async def stub() -> AsyncIterator[generate_pb2_grpc.GenerateServiceAsyncStub]:
 def _request(prompt: list[int] | None = None, max_tokens: int = 5, **kw: object) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         request_id=str(uuid.uuid4()), conversation_id=str(uuid.uuid4()), turn_id=str(uuid.uuid4()),
-        prompt_token_ids=prompt if prompt is not None else list(range(1, 70)), cache_salt=b"owner-a",
+        prompt_token_ids=prompt if prompt is not None else list(range(1, 70)), owner_id="owner-a",
         platform_prefix_tokens=0, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
@@ -103,7 +107,7 @@ async def test_evict_and_stats(stub: generate_pb2_grpc.GenerateServiceAsyncStub)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=-1)).read()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    resp = await stub.Evict(generate_pb2.EvictRequest(conversation_id=str(uuid.uuid4())))
+    resp = await stub.Evict(generate_pb2.EvictRequest(conversation_id=str(uuid.uuid4()), owner_id="owner-a"))
     assert resp.blocks_evicted == 0
     [r async for r in stub.Generate(_request(max_tokens=2))]
     stats = (await stub.GetStats(generate_pb2.GetStatsRequest())).stats
@@ -132,7 +136,7 @@ async def test_watch_stats_streams_which_conversations_are_cached(
         if held.get(request.conversation_id) == 96:  # updates sent while it ran may show fewer
             break
     assert held[request.conversation_id] == 96
-    await stub.Evict(generate_pb2.EvictRequest(conversation_id=request.conversation_id))
+    await stub.Evict(generate_pb2.EvictRequest(conversation_id=request.conversation_id, owner_id="owner-a"))
     for _ in range(100):
         update = await watch.read()
         assert isinstance(update, generate_pb2.WatchStatsResponse)

@@ -37,7 +37,8 @@ class Running:
 
 
 async def start_engine(replica_id: str, address: str) -> Running:
-    cfg = Config(env={"CHATMESH_ENGINE": "sim", "CHATMESH_REPLICA_ID": replica_id, "CHATMESH_SIM_STEP_MS": "5",
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_ENGINE": "sim", "CHATMESH_REPLICA_ID": replica_id,
+                      "CHATMESH_SIM_STEP_MS": "5",
                       "CHATMESH_DEVICE_BLOCKS": "256", "CHATMESH_HOST_BLOCKS": "0", "CHATMESH_SIM_TEXT": "words"})
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(serve(engine_service.build(cfg), address, 0.2, ready, stop, trust=Trust.insecure()))

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.trust import Trust
+from chatmesh.mesh import identity
 from chatmesh.mesh.server import serve
 from chatmesh.store.service import build
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
@@ -21,12 +21,14 @@ from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
 if TYPE_CHECKING:
     from chatmesh.v1.store_pb2_grpc import StoreServiceAsyncStub as Stub
 from tests.conftest import free_port
+from tests.trust import channel_as, trust_as
 from tests.store.conftest import Backend
 
 
 
 @pytest.fixture
-async def stub(backend: Backend, tmp_path: Path) -> AsyncIterator[Stub]:
+async def stub(backend: Backend, tmp_path: Path, mesh_certs: Path) -> AsyncIterator[Stub]:
+    """The store over mutual TLS, called as chat with a valid owner token for each request's owner."""
     env = {"CHATMESH_DATA_DIR": str(tmp_path / "data"), "CHATMESH_MAX_MESSAGE_BYTES": "1000",
            "CHATMESH_STORE_PURGE_INTERVAL_S": "0"}
     if backend.schema is not None:
@@ -34,10 +36,11 @@ async def stub(backend: Backend, tmp_path: Path) -> AsyncIterator[Stub]:
         env["CHATMESH_DATABASE_SCHEMA"] = backend.schema
     address = f"127.0.0.1:{free_port()}"
     ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(serve(build(Config(env=env)), address, 0.5, ready=ready, stop=stop,
-                                     trust=Trust.insecure()))
+    trust = trust_as(mesh_certs, identity.STORE)
+    task = asyncio.create_task(serve(build(Config(env=env), trust), address, 0.5, ready=ready, stop=stop,
+                                     trust=trust))
     await asyncio.wait_for(ready.wait(), 20)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with channel_as(mesh_certs, identity.CHAT, address, "store", owner_tokens=True) as channel:
         yield store_pb2_grpc.StoreServiceStub(channel)
     stop.set()
     await asyncio.wait_for(task, 10)
@@ -194,8 +197,9 @@ async def test_list_usage_export_delete_purge(stub: Stub) -> None:
     assert code == grpc.StatusCode.NOT_FOUND
     everything = await stub.DeleteOwnerData(store_pb2.DeleteOwnerDataRequest(owner_id="alice"))
     assert list(everything.evict_conversation_ids) == [second]
-    purged = await stub.PurgeExpired(store_pb2.PurgeExpiredRequest())
-    assert len(purged.purged) == 0 and purged.abandoned_turns == 0
+    # the retention purge is the operator's (tests/mesh/test_authz_rpcs.py calls it as the operator), not chat's
+    code, details = await code_of(stub.PurgeExpired(store_pb2.PurgeExpiredRequest()))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "spiffe://chatmesh/chat may not call" in details
 
 
 async def test_begin_turn_returns_context(stub: Stub) -> None:

@@ -4,11 +4,19 @@ It converts protobuf to core values and back; validation lives in `GenerateParam
 (InvalidArgument, ResourceExhausted) become status codes in chatmesh.mesh.server's decorators. The backend is
 chosen by CHATMESH_ENGINE through `BACKENDS`: each entry is a module imported only when chosen (so `sim` needs
 neither torch nor tritonclient) exposing `build_backend(cfg) -> Backend`.
+
+Trust: Generate and Evict act for an owner, so with mutual TLS each needs an owner token for the request's
+`owner_id` (mesh/owner_guard.py), and the cache salt is derived here, from the verified owner
+(`OwnerSalts`: HMAC of CHATMESH_CACHE_SALT_SECRET), never taken from the caller: no caller can reuse or evict
+another owner's cached prefix by naming its salt. Who may call what: `AUTHZ`. In plaintext a caller's owner id
+is believed, and a request without one still uses the salt it carries (callers that predate owner_id).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import importlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol, cast
@@ -31,10 +39,13 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.engine_adapter.residency import FROM_START
+from chatmesh.mesh import identity
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.mesh.ids import ConversationId, TurnId, parse_conversation_id, parse_turn_id
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_conversation_id, parse_turn_id
+from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
+from chatmesh.mesh.trust import Trust
 
 BACKENDS: dict[str, str] = {
     "sim": "chatmesh.engine_adapter.sim",
@@ -56,10 +67,38 @@ def build_backend(cfg: Config) -> Backend:
     return module.build_backend(cfg)
 
 
-def params_from_proto(req: generate_pb2.GenerateRequest) -> GenerateParams:
+AUTHZ = {"chatmesh.v1.GenerateService": {
+    "Generate": [identity.CHAT],
+    "Evict": [identity.CHAT],
+    "GetStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
+    "WatchStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
+}}
+
+
+class OwnerSalts:
+    """Per-owner cache salts (I1): blocks past the platform prefix are reused only under the same salt; keyed,
+    so a salt cannot be computed without the secret."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._cache: dict[OwnerId, bytes] = {}
+
+    def of(self, owner: OwnerId) -> bytes:
+        salt = self._cache.get(owner)
+        if salt is None:
+            if len(self._cache) > 65_536:
+                self._cache.clear()
+            salt = self._cache[owner] = hmac.new(self._secret, owner.encode(), hashlib.sha256).digest()[:16]
+        return salt
+
+
+def conversation_of(req: generate_pb2.GenerateRequest) -> ConversationId | None:
+    return parse_conversation_id(req.conversation_id) if req.conversation_id else None
+
+
+def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes) -> GenerateParams:
     """A validated GenerateParams; InvalidArgument names the bad field."""
-    conversation: ConversationId | None = (
-        parse_conversation_id(req.conversation_id) if req.conversation_id else None)
+    conversation = conversation_of(req)
     turn: TurnId | None = parse_turn_id(req.turn_id) if req.turn_id else None
     return GenerateParams(
         prompt_token_ids=tuple(req.prompt_token_ids),
@@ -67,7 +106,7 @@ def params_from_proto(req: generate_pb2.GenerateRequest) -> GenerateParams:
         request_id=req.request_id,
         conversation_id=conversation,
         turn_id=turn,
-        cache_salt=req.cache_salt,
+        cache_salt=cache_salt,
         platform_prefix_tokens=req.platform_prefix_tokens,
         sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p or 1.0, seed=req.seed),
         stop_token_ids=frozenset(req.stop_token_ids),
@@ -128,14 +167,24 @@ def residency_to_proto(r: Residency) -> list[generate_pb2.ResidencyUpdate]:
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Protobuf <-> Backend."""
 
-    def __init__(self, backend: Backend, replica_id: str):
+    def __init__(self, backend: Backend, replica_id: str, guard: OwnerGuard = OwnerGuard(None),
+                 salts: OwnerSalts = OwnerSalts(b"")) -> None:
         self.backend = backend
         self.replica_id = replica_id
+        self.guard = guard
+        self.salts = salts
+
+    def _salt(self, context: grpc.aio.ServicerContext[object, object], owner_id: str,
+              conversation: ConversationId | None, legacy: bytes) -> bytes:
+        if not owner_id and self.guard.verifier is None:
+            return legacy  # plaintext caller that names no owner: its own salt
+        return self.salts.of(self.guard.owner(context, owner_id, conversation))
 
     @stream_errors
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        params = params_from_proto(request)
+        params = params_from_proto(request, self._salt(context, request.owner_id, conversation_of(request),
+                                                       request.cache_salt))
         # Cancelling the RPC cancels this coroutine inside backend.generate, whose cleanup cancels the sequence.
         async for event in self.backend.generate(params):
             yield event_to_proto(event, self.replica_id)
@@ -145,13 +194,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.EvictResponse:
         match request.WhichOneof("target"):
             case "conversation_id":
-                n = await self.backend.evict_conversation(parse_conversation_id(request.conversation_id))
+                conversation = parse_conversation_id(request.conversation_id)
+                if request.owner_id or self.guard.verifier is not None:
+                    self.guard.owner(context, request.owner_id, conversation)
+                n = await self.backend.evict_conversation(conversation)
             case "cache_salt":
+                if self.guard.verifier is not None:
+                    raise InvalidArgument("evict an owner's blocks by owner_id: the engine derives salts itself")
                 if not request.cache_salt:
                     raise InvalidArgument("cache_salt must not be empty")
                 n = await self.backend.evict_salt(request.cache_salt)
+            case None if request.owner_id:
+                owner = self.guard.owner(context, request.owner_id, owner_wide=True)
+                n = await self.backend.evict_salt(self.salts.of(owner))
             case _:
-                raise InvalidArgument("set conversation_id or cache_salt")
+                raise InvalidArgument("set conversation_id, or owner_id alone (every block of that owner)")
         return generate_pb2.EvictResponse(blocks_evicted=n)
 
     @unary_errors
@@ -179,16 +236,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             await asyncio.sleep(interval)
 
 
-def service_for(backend: Backend, replica_id: str) -> Service:
+def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure(), salt_secret: bytes = b""
+                ) -> Service:
     """A Service running `backend` (tests build one around any backend)."""
-    servicer = GenerateServicer(backend, replica_id)
+    servicer = GenerateServicer(backend, replica_id, OwnerGuard(trust.verifier), OwnerSalts(salt_secret))
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
         return [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
 
-    return Service(name="engine", register=register, start=backend.start, close=backend.close)
+    return Service(name="engine", register=register, start=backend.start, close=backend.close, authz=AUTHZ)
 
 
-def build(cfg: Config) -> Service:
-    return service_for(build_backend(cfg), cfg[settings.REPLICA_ID])
+def build(cfg: Config, trust: Trust | None = None) -> Service:
+    """The engine; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/engine)."""
+    return service_for(build_backend(cfg), cfg[settings.REPLICA_ID], trust or Trust.from_config(cfg, identity.ENGINE),
+                       cfg[settings.CACHE_SALT_SECRET].encode())

@@ -41,3 +41,6 @@ def step_token_budget(cfg: Config, backend_default: int) -> int:
         raise ValueError(f"CHATMESH_STEP_TOKEN_BUDGET must be at least 1 (or -1 for the backend's default), "
                          f"got {budget}")
     return budget
+CACHE_SALT_SECRET = Setting(
+    "CHATMESH_CACHE_SALT_SECRET", "chatmesh-dev-salt",
+    "key for deriving per-owner cache salts (set a secret in production)", str)

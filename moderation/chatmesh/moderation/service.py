@@ -29,6 +29,7 @@ from typing import Any, TypeVar, assert_never
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from chatmesh.mesh import identity
 from chatmesh.mesh import logs, metrics
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
@@ -45,6 +46,9 @@ from chatmesh.v1 import moderate_pb2
 log = logs.get("chatmesh.moderation.service")
 
 SERVICE_NAME = moderate_pb2.DESCRIPTOR.services_by_name["ModerateService"].full_name
+# Who may call what (authz.py): chat screens input and output; no one else.
+AUTHZ = {SERVICE_NAME: {"CheckInput": [identity.CHAT], "CheckOutput": [identity.CHAT],
+                        "CheckOutputBatch": [identity.CHAT]}}
 Context = grpc.aio.ServicerContext[Any, Any]
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
@@ -346,5 +350,5 @@ def build(cfg: Config, moderator: Moderator | None = None) -> Service:
             guard.close()
 
     return Service(name="moderation", register=lambda server: _register(server, servicer), start=start,
-                   close=close, stopping=servicer.end_streams, metrics=registry)
+                   close=close, stopping=servicer.end_streams, metrics=registry, authz=AUTHZ)
 

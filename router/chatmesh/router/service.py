@@ -142,6 +142,11 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         ])
 
 
+# Who may call what (authz.py): chat routes turns; the operator (and `chatmesh up`) may list replicas.
+AUTHZ = {"chatmesh.v1.RouteService": {"PickReplica": [identity.CHAT], "ReleaseLease": [identity.CHAT],
+                                      "ListReplicas": [identity.CHAT, identity.OPERATOR]}}
+
+
 def build(cfg: Config, trust: Trust | None = None) -> Service:
     """The router; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/router)."""
     trust = trust or Trust.from_config(cfg, identity.ROUTER)
@@ -152,7 +157,7 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     registry = metrics.Registry()
     servicer = RouteServicer(membership, Metrics(membership, registry))
     service = Service(name="router", register=lambda server: _register(server, servicer),
-                      close=membership.close, metrics=registry)
+                      close=membership.close, metrics=registry, authz=AUTHZ)
 
     async def start() -> None:
         service.background.extend(membership.watchers(cfg[settings.ROUTER_STATS_INTERVAL_MS]))

@@ -13,15 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from chatmesh.mesh import logs
+from chatmesh.mesh import identity, logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.ids import parse_conversation_id, parse_lease_id, parse_owner_id, parse_turn_id
+from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_lease_id, parse_turn_id
+from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.server import Service, unary_errors
+from chatmesh.mesh.trust import Trust
 from chatmesh.store import settings
 from chatmesh.store.core import ConversationStore, FieldLimits
 from chatmesh.store.db import database_url, make_engine
@@ -38,15 +40,47 @@ log = logs.get("chatmesh.store.service")
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
+# Who may call what (authz.py): only chat reads or writes conversations, and each such call also needs the
+# owner's token (owner_guard.py); the operator runs the retention purge.
+AUTHZ = {"chatmesh.v1.StoreService": {
+    **{rpc: [identity.CHAT] for rpc in (
+        "InsertConversation", "ReadConversation", "BeginTurn", "FinishTurn", "FailTurn", "UpdateTurnProgress",
+        "ReadTurn", "SaveSummary", "ListOwnerConversations", "DeleteStoredConversation", "DeleteStoredTurn",
+        "DeleteOwnerData",
+        "ExportOwnerData", "ReadUsage")},
+    "PurgeExpired": [identity.OPERATOR],
+}}
+
+
+class _OwnerScoped(Protocol):
+    @property
+    def owner_id(self) -> str: ...
+
+
+class _ConversationScoped(_OwnerScoped, Protocol):
+    @property
+    def conversation_id(self) -> str: ...
+
+
 class StoreServicer(store_pb2_grpc.StoreServiceServicer):
-    def __init__(self, store: ConversationStore) -> None:
+    def __init__(self, store: ConversationStore, guard: OwnerGuard = OwnerGuard(None)) -> None:
         self.store = store
+        self.guard = guard
+
+    def _in_conversation(self, request: _ConversationScoped, context: Context) -> tuple[OwnerId, ConversationId]:
+        """The request's owner and conversation, once the owner token allows them."""
+        conversation = parse_conversation_id(request.conversation_id)
+        return self.guard.owner(context, request.owner_id, conversation), conversation
+
+    def _owner_wide(self, request: _OwnerScoped, context: Context) -> OwnerId:
+        """The request's owner, for a call across all of its conversations (an owner-wide token)."""
+        return self.guard.owner(context, request.owner_id, owner_wide=True)
 
     @unary_errors
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
                                  context: Context) -> store_pb2.InsertConversationResponse:
         conv, created = await self.store.create_conversation(
-            parse_owner_id(request.owner_id), request.title, request.system_prompt_version,
+            self._owner_wide(request, context), request.title, request.system_prompt_version,
             conversation=parse_conversation_id(request.conversation_id) if request.conversation_id else None,
             seed=[seed_of(m, f"messages[{i}]") for i, m in enumerate(request.messages)])
         return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv), created=created)
@@ -55,13 +89,13 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
         return history_pb(await self.store.read_conversation(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            *self._in_conversation(request, context),
             from_index=request.from_index, max_messages=request.max_messages))
 
     @unary_errors
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
         outcome = await self.store.begin_turn(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
@@ -77,7 +111,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
                       usage=parse_usage(request.usage),
                       user_status=parse_status(request.user_status, "user_status", MessageStatus.COMPLETE))
         finished = await self.store.finish_turn(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), reply)
         return store_pb2.FinishTurnResponse(already_finished=finished.already_finished,
                                             reply=message_pb(finished.reply))
@@ -85,7 +119,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
         released = await self.store.fail_turn(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
         return store_pb2.FailTurnResponse(released=released)
 
@@ -93,7 +127,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def UpdateTurnProgress(self, request: store_pb2.UpdateTurnProgressRequest,
                                  context: Context) -> store_pb2.UpdateTurnProgressResponse:
         progress = await self.store.update_turn_progress(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id),
+            *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.partial_text,
             request.event_sequence, request.lease_ttl_ms)
         return store_pb2.UpdateTurnProgressResponse(held=progress.held,
@@ -101,8 +135,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
 
     @unary_errors
     async def ReadTurn(self, request: store_pb2.ReadTurnRequest, context: Context) -> store_pb2.ReadTurnResponse:
-        turn = await self.store.read_turn(parse_owner_id(request.owner_id),
-                                          parse_conversation_id(request.conversation_id),
+        turn = await self.store.read_turn(*self._in_conversation(request, context),
                                           parse_turn_id(request.turn_id))
         return turn_record_pb(turn)
 
@@ -110,46 +143,44 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
                           context: Context) -> store_pb2.SaveSummaryResponse:
         summary = await self.store.save_summary(
-            parse_owner_id(request.owner_id), parse_conversation_id(request.conversation_id), request.text,
+            *self._in_conversation(request, context), request.text,
             request.covers_through_index, request.token_count)
         return store_pb2.SaveSummaryResponse(summary=summary_pb(summary))
 
     @unary_errors
     async def ListOwnerConversations(self, request: store_pb2.ListOwnerConversationsRequest,
                                      context: Context) -> store_pb2.ListOwnerConversationsResponse:
-        convs = await self.store.list_conversations(parse_owner_id(request.owner_id), request.page_size)
+        convs = await self.store.list_conversations(self._owner_wide(request, context), request.page_size)
         return store_pb2.ListOwnerConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
     @unary_errors
     async def DeleteStoredConversation(self, request: store_pb2.DeleteStoredConversationRequest,
                                        context: Context) -> store_pb2.DeleteStoredConversationResponse:
-        evict = await self.store.delete_conversation(parse_owner_id(request.owner_id),
-                                                     parse_conversation_id(request.conversation_id))
+        evict = await self.store.delete_conversation(*self._in_conversation(request, context))
         return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
 
     @unary_errors
     async def DeleteStoredTurn(self, request: store_pb2.DeleteStoredTurnRequest,
                                context: Context) -> store_pb2.DeleteStoredTurnResponse:
-        evict, deleted = await self.store.delete_turn(parse_owner_id(request.owner_id),
-                                                      parse_conversation_id(request.conversation_id),
+        evict, deleted = await self.store.delete_turn(*self._in_conversation(request, context),
                                                       parse_turn_id(request.turn_id))
         return store_pb2.DeleteStoredTurnResponse(evict_conversation_ids=evict, messages_deleted=deleted)
 
     @unary_errors
     async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,
                               context: Context) -> store_pb2.DeleteOwnerDataResponse:
-        evict = await self.store.delete_user_data(parse_owner_id(request.owner_id))
+        evict = await self.store.delete_user_data(self._owner_wide(request, context))
         return store_pb2.DeleteOwnerDataResponse(evict_conversation_ids=evict)
 
     @unary_errors
     async def ExportOwnerData(self, request: store_pb2.ExportOwnerDataRequest,
                               context: Context) -> store_pb2.ExportOwnerDataResponse:
-        document = await self.store.export_user_data(parse_owner_id(request.owner_id))
+        document = await self.store.export_user_data(self._owner_wide(request, context))
         return store_pb2.ExportOwnerDataResponse(json=json.dumps(document, ensure_ascii=False))
 
     @unary_errors
     async def ReadUsage(self, request: store_pb2.ReadUsageRequest, context: Context) -> store_pb2.ReadUsageResponse:
-        days = await self.store.usage(parse_owner_id(request.owner_id), request.days)
+        days = await self.store.usage(self._owner_wide(request, context), request.days)
         return store_pb2.ReadUsageResponse(days=[
             store_pb2.UsageDay(day=d.day, usage=usage_pb(d.usage), turns=d.turns) for d in days])
 
@@ -173,15 +204,17 @@ async def purge_periodically(store: ConversationStore, interval_s: float) -> Non
             log.exception("purge_failed")
 
 
-def build(cfg: Config) -> Service:
+def build(cfg: Config, trust: Trust | None = None) -> Service:
+    """The store; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/store)."""
+    trust = trust or Trust.from_config(cfg, identity.STORE)
     url = database_url(cfg[settings.DATABASE_URL], cfg[mesh_settings.DATA_DIR])
     engine = make_engine(url, pool_size=cfg[settings.DATABASE_POOL_SIZE],
                          search_path=cfg[settings.DATABASE_SCHEMA] or None)
     store = ConversationStore(engine, FieldLimits(
         max_content_bytes=cfg[mesh_settings.MAX_MESSAGE_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
         retention_days=cfg[settings.RETENTION_DAYS]))
-    servicer = StoreServicer(store)
-    service = Service(name="store", register=lambda server: _register(server, servicer))
+    servicer = StoreServicer(store, OwnerGuard(trust.verifier))
+    service = Service(name="store", register=lambda server: _register(server, servicer), authz=AUTHZ)
 
     async def start() -> None:
         await prepare_schema(engine)

@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from chatmesh.v1 import common_pb2 as chatmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/generate.proto\x12\x0b\x63hatmesh.v1\x1a\x18\x63hatmesh/v1/common.proto\"\xfb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x1e\n\x16platform_prefix_tokens\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\"\xac\x01\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.chatmesh.v1.GenerateStartedH\x00\x12+\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1a.chatmesh.v1.GenerateDeltaH\x00\x12\x31\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1d.chatmesh.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"f\n\x0fGenerateStarted\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12!\n\x19host_cached_prompt_tokens\x18\x03 \x01(\x05\"0\n\rGenerateDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"~\n\x10GenerateFinished\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.chatmesh.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.chatmesh.v1.Usage\x12\x15\n\rerror_message\x18\x03 \x01(\t\"I\n\x0c\x45victRequest\x12\x19\n\x0f\x63onversation_id\x18\x01 \x01(\tH\x00\x12\x14\n\ncache_salt\x18\x02 \x01(\x0cH\x00\x42\x08\n\x06target\"\'\n\rEvictResponse\x12\x16\n\x0e\x62locks_evicted\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.chatmesh.v1.EngineStats\"C\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\x12\x19\n\x11include_residency\x18\x02 \x01(\x08\"n\n\x12WatchStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.chatmesh.v1.EngineStats\x12/\n\tresidency\x18\x02 \x01(\x0b\x32\x1c.chatmesh.v1.ResidencyUpdate\"Z\n\x0fResidencyUpdate\x12\x0c\n\x04\x66ull\x18\x01 \x01(\x08\x12\x39\n\rconversations\x18\x02 \x03(\x0b\x32\".chatmesh.v1.ConversationResidency\"G\n\x15\x43onversationResidency\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\"d\n\x0bKvTierStats\x12\x14\n\x0c\x62locks_total\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x03 \x01(\x03\x12\x15\n\rblocks_cached\x18\x04 \x01(\x03\"\xe6\x02\n\x0b\x45ngineStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x03\x12\x19\n\x11running_sequences\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12(\n\x06\x64\x65vice\x18\x06 \x01(\x0b\x32\x18.chatmesh.v1.KvTierStats\x12&\n\x04host\x18\x07 \x01(\x0b\x32\x18.chatmesh.v1.KvTierStats\x12\x12\n\nhit_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bmiss_tokens\x18\t \x01(\x03\x12\x17\n\x0fhost_hit_tokens\x18\n \x01(\x03\x12\x18\n\x10\x64\x65vice_evictions\x18\x0b \x01(\x03\x12\x16\n\x0ehost_evictions\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x13\n\x0bgenerations\x18\x0e \x01(\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb6\x02\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.chatmesh.v1.GenerateRequest\x1a\x1d.chatmesh.v1.GenerateResponse0\x01\x12>\n\x05\x45vict\x12\x19.chatmesh.v1.EvictRequest\x1a\x1a.chatmesh.v1.EvictResponse\x12G\n\x08GetStats\x12\x1c.chatmesh.v1.GetStatsRequest\x1a\x1d.chatmesh.v1.GetStatsResponse\x12O\n\nWatchStats\x12\x1e.chatmesh.v1.WatchStatsRequest\x1a\x1f.chatmesh.v1.WatchStatsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hatmesh/v1/generate.proto\x12\x0b\x63hatmesh.v1\x1a\x18\x63hatmesh/v1/common.proto\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x0f\n\x07turn_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x16\n\ncache_salt\x18\x05 \x01(\x0c\x42\x02\x18\x01\x12\x1e\n\x16platform_prefix_tokens\x18\x06 \x01(\x05\x12\x12\n\nmax_tokens\x18\x07 \x01(\x05\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_p\x18\t \x01(\x02\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x10\n\x08owner_id\x18\x0c \x01(\t\"\xac\x01\n\x10GenerateResponse\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.chatmesh.v1.GenerateStartedH\x00\x12+\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1a.chatmesh.v1.GenerateDeltaH\x00\x12\x31\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1d.chatmesh.v1.GenerateFinishedH\x00\x42\x07\n\x05\x65vent\"f\n\x0fGenerateStarted\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12!\n\x19host_cached_prompt_tokens\x18\x03 \x01(\x05\"0\n\rGenerateDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"~\n\x10GenerateFinished\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.chatmesh.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.chatmesh.v1.Usage\x12\x15\n\rerror_message\x18\x03 \x01(\t\"_\n\x0c\x45victRequest\x12\x19\n\x0f\x63onversation_id\x18\x01 \x01(\tH\x00\x12\x18\n\ncache_salt\x18\x02 \x01(\x0c\x42\x02\x18\x01H\x00\x12\x10\n\x08owner_id\x18\x03 \x01(\tB\x08\n\x06target\"\'\n\rEvictResponse\x12\x16\n\x0e\x62locks_evicted\x18\x01 \x01(\x03\"\x11\n\x0fGetStatsRequest\";\n\x10GetStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.chatmesh.v1.EngineStats\"C\n\x11WatchStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\x12\x19\n\x11include_residency\x18\x02 \x01(\x08\"n\n\x12WatchStatsResponse\x12\'\n\x05stats\x18\x01 \x01(\x0b\x32\x18.chatmesh.v1.EngineStats\x12/\n\tresidency\x18\x02 \x01(\x0b\x32\x1c.chatmesh.v1.ResidencyUpdate\"Z\n\x0fResidencyUpdate\x12\x0c\n\x04\x66ull\x18\x01 \x01(\x08\x12\x39\n\rconversations\x18\x02 \x03(\x0b\x32\".chatmesh.v1.ConversationResidency\"G\n\x15\x43onversationResidency\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x15\n\rcached_tokens\x18\x02 \x01(\x03\"d\n\x0bKvTierStats\x12\x14\n\x0c\x62locks_total\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_used\x18\x02 \x01(\x03\x12\x13\n\x0b\x62locks_free\x18\x03 \x01(\x03\x12\x15\n\rblocks_cached\x18\x04 \x01(\x03\"\xe6\x02\n\x0b\x45ngineStats\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\x03\x12\x19\n\x11running_sequences\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12(\n\x06\x64\x65vice\x18\x06 \x01(\x0b\x32\x18.chatmesh.v1.KvTierStats\x12&\n\x04host\x18\x07 \x01(\x0b\x32\x18.chatmesh.v1.KvTierStats\x12\x12\n\nhit_tokens\x18\x08 \x01(\x03\x12\x13\n\x0bmiss_tokens\x18\t \x01(\x03\x12\x17\n\x0fhost_hit_tokens\x18\n \x01(\x03\x12\x18\n\x10\x64\x65vice_evictions\x18\x0b \x01(\x03\x12\x16\n\x0ehost_evictions\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x13\n\x0bgenerations\x18\x0e \x01(\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb6\x02\n\x0fGenerateService\x12I\n\x08Generate\x12\x1c.chatmesh.v1.GenerateRequest\x1a\x1d.chatmesh.v1.GenerateResponse0\x01\x12>\n\x05\x45vict\x12\x19.chatmesh.v1.EvictRequest\x1a\x1a.chatmesh.v1.EvictResponse\x12G\n\x08GetStats\x12\x1c.chatmesh.v1.GetStatsRequest\x1a\x1d.chatmesh.v1.GetStatsResponse\x12O\n\nWatchStats\x12\x1e.chatmesh.v1.WatchStatsRequest\x1a\x1f.chatmesh.v1.WatchStatsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1786
-  _globals['_FINISHREASON']._serialized_end=1935
+  _globals['_GENERATEREQUEST'].fields_by_name['cache_salt']._loaded_options = None
+  _globals['_GENERATEREQUEST'].fields_by_name['cache_salt']._serialized_options = b'\030\001'
+  _globals['_EVICTREQUEST'].fields_by_name['cache_salt']._loaded_options = None
+  _globals['_EVICTREQUEST'].fields_by_name['cache_salt']._serialized_options = b'\030\001'
+  _globals['_FINISHREASON']._serialized_start=1830
+  _globals['_FINISHREASON']._serialized_end=1979
   _globals['_GENERATEREQUEST']._serialized_start=70
-  _globals['_GENERATEREQUEST']._serialized_end=321
-  _globals['_GENERATERESPONSE']._serialized_start=324
-  _globals['_GENERATERESPONSE']._serialized_end=496
-  _globals['_GENERATESTARTED']._serialized_start=498
-  _globals['_GENERATESTARTED']._serialized_end=600
-  _globals['_GENERATEDELTA']._serialized_start=602
-  _globals['_GENERATEDELTA']._serialized_end=650
-  _globals['_GENERATEFINISHED']._serialized_start=652
-  _globals['_GENERATEFINISHED']._serialized_end=778
-  _globals['_EVICTREQUEST']._serialized_start=780
-  _globals['_EVICTREQUEST']._serialized_end=853
-  _globals['_EVICTRESPONSE']._serialized_start=855
-  _globals['_EVICTRESPONSE']._serialized_end=894
-  _globals['_GETSTATSREQUEST']._serialized_start=896
-  _globals['_GETSTATSREQUEST']._serialized_end=913
-  _globals['_GETSTATSRESPONSE']._serialized_start=915
-  _globals['_GETSTATSRESPONSE']._serialized_end=974
-  _globals['_WATCHSTATSREQUEST']._serialized_start=976
-  _globals['_WATCHSTATSREQUEST']._serialized_end=1043
-  _globals['_WATCHSTATSRESPONSE']._serialized_start=1045
-  _globals['_WATCHSTATSRESPONSE']._serialized_end=1155
-  _globals['_RESIDENCYUPDATE']._serialized_start=1157
-  _globals['_RESIDENCYUPDATE']._serialized_end=1247
-  _globals['_CONVERSATIONRESIDENCY']._serialized_start=1249
-  _globals['_CONVERSATIONRESIDENCY']._serialized_end=1320
-  _globals['_KVTIERSTATS']._serialized_start=1322
-  _globals['_KVTIERSTATS']._serialized_end=1422
-  _globals['_ENGINESTATS']._serialized_start=1425
-  _globals['_ENGINESTATS']._serialized_end=1783
-  _globals['_GENERATESERVICE']._serialized_start=1938
-  _globals['_GENERATESERVICE']._serialized_end=2248
+  _globals['_GENERATEREQUEST']._serialized_end=343
+  _globals['_GENERATERESPONSE']._serialized_start=346
+  _globals['_GENERATERESPONSE']._serialized_end=518
+  _globals['_GENERATESTARTED']._serialized_start=520
+  _globals['_GENERATESTARTED']._serialized_end=622
+  _globals['_GENERATEDELTA']._serialized_start=624
+  _globals['_GENERATEDELTA']._serialized_end=672
+  _globals['_GENERATEFINISHED']._serialized_start=674
+  _globals['_GENERATEFINISHED']._serialized_end=800
+  _globals['_EVICTREQUEST']._serialized_start=802
+  _globals['_EVICTREQUEST']._serialized_end=897
+  _globals['_EVICTRESPONSE']._serialized_start=899
+  _globals['_EVICTRESPONSE']._serialized_end=938
+  _globals['_GETSTATSREQUEST']._serialized_start=940
+  _globals['_GETSTATSREQUEST']._serialized_end=957
+  _globals['_GETSTATSRESPONSE']._serialized_start=959
+  _globals['_GETSTATSRESPONSE']._serialized_end=1018
+  _globals['_WATCHSTATSREQUEST']._serialized_start=1020
+  _globals['_WATCHSTATSREQUEST']._serialized_end=1087
+  _globals['_WATCHSTATSRESPONSE']._serialized_start=1089
+  _globals['_WATCHSTATSRESPONSE']._serialized_end=1199
+  _globals['_RESIDENCYUPDATE']._serialized_start=1201
+  _globals['_RESIDENCYUPDATE']._serialized_end=1291
+  _globals['_CONVERSATIONRESIDENCY']._serialized_start=1293
+  _globals['_CONVERSATIONRESIDENCY']._serialized_end=1364
+  _globals['_KVTIERSTATS']._serialized_start=1366
+  _globals['_KVTIERSTATS']._serialized_end=1466
+  _globals['_ENGINESTATS']._serialized_start=1469
+  _globals['_ENGINESTATS']._serialized_end=1827
+  _globals['_GENERATESERVICE']._serialized_start=1982
+  _globals['_GENERATESERVICE']._serialized_end=2292
 # @@protoc_insertion_point(module_scope)

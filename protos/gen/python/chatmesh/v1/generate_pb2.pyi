@@ -22,7 +22,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids")
+    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     conversation_id: str
     turn_id: str
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     top_p: float
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
@@ -86,12 +88,14 @@ class GenerateFinished(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("conversation_id", "cache_salt")
+    __slots__ = ("conversation_id", "cache_salt", "owner_id")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     cache_salt: bytes
-    def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    owner_id: str
+    def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., owner_id: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("blocks_evicted",)

@@ -1,0 +1,148 @@
+"""Owner tokens at the store and the engine, over real gRPC and TLS, with chat's own certificate: without a
+token, with alice's token for bob, or with an expired, foreign-key or tampered token, bob's data is not read,
+charged or deleted; with bob's token it is."""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+
+from chatmesh.engine_adapter import service as engine_service
+from chatmesh.mesh import identity as ident
+from chatmesh.mesh import tokens
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.mesh.server import start_server
+from chatmesh.store import service as store_service
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc, store_pb2, store_pb2_grpc
+from tests.trust import channel_as, issuer_of, make_certs, trust_as
+
+if TYPE_CHECKING:
+    from chatmesh.v1.generate_pb2_grpc import GenerateServiceAsyncStub
+    from chatmesh.v1.store_pb2_grpc import StoreServiceAsyncStub
+
+
+def StoreStub(channel: grpc.aio.Channel) -> StoreServiceAsyncStub:
+    return store_pb2_grpc.StoreServiceStub(channel)
+
+
+def EngineStub(channel: grpc.aio.Channel) -> GenerateServiceAsyncStub:
+    return generate_pb2_grpc.GenerateServiceStub(channel)
+
+ALICE, BOB = OwnerId("alice"), OwnerId("bob")
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_certs(tmp_path_factory.mktemp("tokens") / "certs")
+
+
+@pytest.fixture
+async def mesh(certs: Path, tmp_path: Path) -> AsyncIterator[tuple[grpc.aio.Channel, grpc.aio.Channel]]:
+    """(chat -> store channel, chat -> engine channel); no token is added: each call says which it carries."""
+    cfg = Config(env={"CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_ENGINE": "sim", "CHATMESH_SIM_TEXT": "words",
+                      "CHATMESH_STORE_PURGE_INTERVAL_S": "0"})
+    store = store_service.build(cfg, trust_as(certs, ident.STORE))
+    engine = engine_service.build(cfg, trust_as(certs, ident.ENGINE))
+    s = await start_server(store, "127.0.0.1:0", trust=trust_as(certs, ident.STORE))
+    e = await start_server(engine, "127.0.0.1:0", trust=trust_as(certs, ident.ENGINE))
+    async with channel_as(certs, ident.CHAT, f"127.0.0.1:{s.port}", "store") as sc, \
+            channel_as(certs, ident.CHAT, f"127.0.0.1:{e.port}", "engine") as ec:
+        yield sc, ec
+    await s.stop(store, 0)
+    await e.stop(engine, 0)
+
+
+def token(certs: Path, owner: OwnerId, conversation: str | None = None, ttl_s: int = 300) -> str:
+    return issuer_of(certs).mint(owner, ConversationId(conversation) if conversation else None, ttl_s).token
+
+
+def md(tok: str | None) -> tuple[tuple[str, str], ...]:
+    return tokens.metadata_of(tok)
+
+
+async def refused(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code(), err.value.details() or ""
+
+
+async def bobs_conversation(store: StoreServiceAsyncStub, certs: Path) -> str:
+    bob = md(token(certs, BOB))
+    conv = (await store.InsertConversation(store_pb2.InsertConversationRequest(
+        owner_id=BOB, title="bob's", system_prompt_version="v1"), metadata=bob)).conversation.conversation_id
+    turn = str(uuid.uuid4())
+    claimed = await store.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id=BOB, conversation_id=conv, turn_id=turn, content="bob's secret", lease_holder="t"), metadata=bob)
+    await store.FinishTurn(store_pb2.FinishTurnRequest(
+        owner_id=BOB, conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id, user_token_count=3,
+        reply="noted", reply_token_count=1), metadata=bob)
+    return conv
+
+
+async def test_no_token_or_alices_token_opens_nothing_of_bobs(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel]) -> None:
+    store = StoreStub(mesh[0])
+    engine = EngineStub(mesh[1])
+    conv = await bobs_conversation(store, certs)
+    alice, alice_in_bobs = md(token(certs, ALICE)), md(token(certs, ALICE, conv))
+    for metadata, code in ((md(None), grpc.StatusCode.UNAUTHENTICATED), (alice, grpc.StatusCode.PERMISSION_DENIED),
+                           (alice_in_bobs, grpc.StatusCode.PERMISSION_DENIED)):
+        assert (await refused(store.ReadConversation(store_pb2.ReadConversationRequest(
+            owner_id=BOB, conversation_id=conv), metadata=metadata)))[0] == code
+        assert (await refused(store.ExportOwnerData(store_pb2.ExportOwnerDataRequest(owner_id=BOB),
+                                                    metadata=metadata)))[0] == code
+        assert (await refused(store.DeleteOwnerData(store_pb2.DeleteOwnerDataRequest(owner_id=BOB),
+                                                    metadata=metadata)))[0] == code
+        assert (await refused(engine.Generate(generate_pb2.GenerateRequest(
+            owner_id=BOB, conversation_id=conv, prompt_token_ids=[1, 2, 3], max_tokens=4),
+            metadata=metadata).read()))[0] == code
+        assert (await refused(engine.Evict(generate_pb2.EvictRequest(owner_id=BOB),
+                                           metadata=metadata)))[0] == code
+    # a token bound to one conversation is not an owner-wide token
+    bob_in_conv = md(token(certs, BOB, conv))
+    code, details = await refused(store.DeleteOwnerData(store_pb2.DeleteOwnerDataRequest(owner_id=BOB),
+                                                        metadata=bob_in_conv))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "owner-wide" in details
+    # nothing of bob's was read, charged or deleted: his own token sees it all, the engine ran nothing
+    stats = (await engine.GetStats(generate_pb2.GetStatsRequest())).stats
+    assert stats.generations == 0
+    bob = md(token(certs, BOB))
+    history = await store.ReadConversation(store_pb2.ReadConversationRequest(owner_id=BOB, conversation_id=conv),
+                                           metadata=bob_in_conv)
+    assert [m.content for m in history.messages] == ["bob's secret", "noted"]
+    usage = await store.ReadUsage(store_pb2.ReadUsageRequest(owner_id=BOB), metadata=bob)
+    assert [d.turns for d in usage.days] == [1]
+    exported = json.loads((await store.ExportOwnerData(store_pb2.ExportOwnerDataRequest(owner_id=BOB),
+                                                       metadata=bob)).json)
+    assert len(exported["conversations"]) == 1
+    events = [r.WhichOneof("event") async for r in engine.Generate(generate_pb2.GenerateRequest(
+        owner_id=BOB, conversation_id=conv, prompt_token_ids=[1, 2, 3], max_tokens=4), metadata=bob_in_conv)]
+    assert events[0] == "started" and events[-1] == "finished"
+
+
+def _tampered(tok: str) -> str:
+    header, payload, signature = tok.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=="))
+    forged = base64.urlsafe_b64encode(json.dumps({**claims, "sub": "bob"}).encode()).rstrip(b"=").decode()
+    return f"{header}.{forged}.{signature}"
+
+
+async def test_expired_foreign_and_tampered_tokens_are_refused(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel], tmp_path: Path) -> None:
+    store = StoreStub(mesh[0])
+    conv = await bobs_conversation(store, certs)
+    expired = issuer_of(certs).mint(BOB, now=1_000_000).token
+    foreign = issuer_of(make_certs(tmp_path / "other")).mint(BOB).token
+    tampered = _tampered(token(certs, ALICE))
+    for bad, why in ((expired, "expired"), (foreign, "unknown key"), (tampered, "signature does not verify")):
+        code, details = await refused(store.ReadConversation(store_pb2.ReadConversationRequest(
+            owner_id=BOB, conversation_id=conv), metadata=md(bad)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and why in details, (code, details)
