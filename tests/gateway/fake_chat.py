@@ -208,9 +208,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
                 turn.grew.notify_all()
 
 
-async def start_fake_chat(port: int) -> tuple[grpc.aio.Server, FakeChat]:
+async def start_fake_chat(port: int, fake: FakeChat | None = None) -> tuple[grpc.aio.Server, FakeChat]:
     server = grpc.aio.server()
-    fake = FakeChat()
+    fake = fake or FakeChat()
     chat_pb2_grpc.add_ChatServiceServicer_to_server(fake, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()

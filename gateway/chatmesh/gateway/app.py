@@ -46,13 +46,12 @@ from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
 from chatmesh.gateway.tokens import MessageTokens
-from chatmesh.mesh import ids, logs, metrics
-from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh import channels, ids, logs, metrics
 from chatmesh.mesh.trust import service_trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
-from chatmesh.v1 import chat_pb2_grpc
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
 log = logs.get("chatmesh.gateway")
 
@@ -81,6 +80,24 @@ def _limits(cfg: Config) -> LimitBackend:
     if cfg[settings.REDIS_URL]:
         return RedisLimits(cfg[settings.REDIS_URL], budget_of(cfg))
     return MemoryLimits(budget_of(cfg))
+
+
+# ChatService calls safe to send again after UNAVAILABLE (before a first response): the turn calls are idempotent
+# by turn id, the rest read or are idempotent. CreateConversation is not among them: a lost answer would make two.
+_RETRIED = ("SendTurn", "AttachTurn", "RegenerateTurn", "StopTurn", "GetConversation", "ListConversations",
+            "DeleteConversation", "GetUsage", "ExportUserData")
+
+
+def chat_target(cfg: Config) -> str:
+    return channels.target_for(cfg[settings.CHAT_ADDRESSES] or cfg[mesh_settings.CHAT_ADDRESS])
+
+
+def chat_channel(cfg: Config) -> grpc.aio.Channel:
+    """One channel over every chat address: round robin over those connected, so a chat process that dies
+    stops getting turns when its connection drops and one that returns gets them within about a second."""
+    service = chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name
+    return channels.open_channel(service_trust(cfg, "gateway"), chat_target(cfg), "chat",
+                                 channels.balanced_options(service, _RETRIED))
 
 
 def route_table() -> list[BaseRoute]:
@@ -165,7 +182,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        channel = open_channel(service_trust(cfg, "gateway"), cfg[mesh_settings.CHAT_ADDRESS], "chat")
+        channel = chat_channel(cfg)
         limits = _limits(cfg)
         accounts = accounts_for(cfg)
         await accounts.create_tables()
@@ -181,7 +198,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None
         if exporter is not None:
             await exporter.start()
-        log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH],
+        log.info("gateway_ready", chat=chat_target(cfg), auth=cfg[settings.AUTH],
                  metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
         try:
             yield

@@ -35,6 +35,11 @@ LINK_ALLOWLIST: Setting[tuple[str, ...]] = Setting("CHATMESH_LINK_ALLOWLIST", ()
 MAX_BODY_BYTES = Setting("CHATMESH_MAX_BODY_BYTES", 4 * 1024 * 1024,
                          "largest request body the edge accepts (413 above it): a largest message "
                          "(CHATMESH_MAX_MESSAGE_BYTES) plus JSON escaping", int)
+CHAT_ADDRESSES = Setting(
+    "CHATMESH_CHAT_ADDRESSES", "",
+    "ChatService addresses the gateway spreads turns over, round robin, and fails over between: IP:port, "
+    "comma-separated, or a gRPC target such as dns:///chat.internal:50051 (every address of the name); "
+    "empty: CHATMESH_CHAT_ADDRESS", str)
 CHAT_DEADLINE_S = Setting("CHATMESH_GATEWAY_RPC_DEADLINE_S", 10.0, "deadline of the edge's unary ChatService calls",
                           float)
 SECURE_COOKIES = Setting("CHATMESH_SECURE_COOKIES", False,

@@ -11,11 +11,28 @@ Rotation: a gRPC channel's credentials are fixed when it is made, so the TLS cha
 at the watched certificate files (at most once a second, `reload.Watched`) when a call starts; after a change it
 opens a new channel for new calls, and closes the old one with a long grace (`RETIRE_GRACE_S`), so calls and
 streams already open on it finish on the connection they started on. Stubs are made once, over the wrapper.
+
+Reconnect backoff. A channel whose connection attempt fails waits before the next one, by gRPC's connection
+backoff (doc/connection-backoff.md in grpc): 1 s, then x1.6 per failure with 20% jitter, up to 120 s. A peer that
+is down for 10 s (a restart) is then retried ~10 s after it is back: calls fail fast meanwhile (no call waits for
+a connection), so recovery is as slow as the backoff. Inside the mesh every peer is a few hops away and a
+connection attempt costs a SYN, so every `open_channel` channel gets `RECONNECT`: it starts at 100 ms and caps
+at `MAX_RECONNECT_BACKOFF_MS` (1 s), so a peer that comes back is reached within about a second, at the cost of
+one connect attempt a second while it is down. MIN_CONNECT_TIMEOUT (the time one attempt may take, 20 s) is
+left alone: a slow TLS handshake still completes.
+
+Several addresses. `target_for("10.0.0.1:50051,10.0.0.2:50051")` is gRPC's static `ipv4:` resolver target, and
+`dns:///chat.internal:50051` (every A record of a name, re-resolved when connections fail) passes through; with
+`balanced_options` the channel keeps a connection to each address and spreads calls round robin over those that
+are connected, so a dead address stops receiving calls as soon as its connection drops. (With TLS the target
+name is the service's, whichever address answers.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -24,11 +41,23 @@ import grpc
 
 from chatmesh.mesh import identity as ident
 from chatmesh.mesh import tls, tracing
+from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.reload import Watched
 from chatmesh.mesh.trust import Trust
 
 RETIRE_GRACE_S = 600.0
 Options = Sequence[tuple[str, Any]]
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
+RECONNECT: Options = (
+    ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+)
+
+
+def _with_reconnect(options: Options) -> list[tuple[str, Any]]:
+    given = {key for key, _ in options}
+    return [*(o for o in RECONNECT if o[0] not in given), *options]
 
 
 def _tls_options(service: str, options: Options) -> list[tuple[str, Any]]:
@@ -36,10 +65,13 @@ def _tls_options(service: str, options: Options) -> list[tuple[str, Any]]:
 
 
 def open_channel(trust: Trust, address: str, service: str, options: Options = ()) -> grpc.aio.Channel:
-    """A channel to `service` (one of identity.SERVICES) at `address`, secured as `trust` says."""
+    """A channel to `service` (one of identity.SERVICES) at `address` (a host:port or any target `target_for`
+    returns), secured as `trust` says, with `RECONNECT` unless `options` sets those keys."""
+    options = _with_reconnect(options)
     if trust.tls is None:
-        trust.check_address(address, f"dialling {service} at")
-        return grpc.aio.insecure_channel(address, options=list(options) or None,
+        for one in addresses_of(address):
+            trust.check_address(one, f"dialling {service} at")
+        return grpc.aio.insecure_channel(address, options=options,
                                          interceptors=tracing.client_interceptors() or None)
     return RotatingChannel(trust.tls, address, service, options)
 
@@ -50,6 +82,60 @@ def open_blocking_channel(trust: Trust, address: str, service: str, options: Opt
         trust.check_address(address, f"dialling {service} at")
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, tls.channel_credentials(trust.tls.current()), _tls_options(service, options))
+
+
+def target_for(addresses: str) -> str:
+    """A gRPC target for one address, a comma-separated list of IP literal addresses (`localhost` allowed), or
+    a target with a scheme (`dns:///name:port`, `ipv4:...`), which is passed through."""
+    text = addresses.strip()
+    if not text:
+        raise InvalidArgument("expected an address (host:port), a list of them, or a gRPC target; got nothing")
+    if "://" in text or text.startswith(("ipv4:", "ipv6:", "unix:")):
+        return text
+    items = [item.strip() for item in text.split(",")]
+    if len(items) == 1:
+        return items[0]
+    families = {_family(item) for item in items}
+    if len(families) != 1:
+        raise InvalidArgument(f"addresses {text!r} mix IPv4 and IPv6; list one family, or use a dns:/// target")
+    return f"{families.pop()}:{','.join(item.replace('localhost:', '127.0.0.1:') for item in items)}"
+
+
+def addresses_of(target: str) -> list[str]:
+    """The host:port addresses of a static `ipv4:`/`ipv6:` list target; any other target as it is."""
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            return target.removeprefix(scheme).split(",")
+    return [target]
+
+
+def _family(item: str) -> str:
+    host, sep, port = item.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise InvalidArgument(f"expected host:port in an address list, got {item!r}")
+    if host == "localhost":
+        return "ipv4"
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        raise InvalidArgument(
+            f"an address list takes IP addresses; {host!r} is a name: use one dns:///{host}:{port} target, "
+            "which spreads calls over every address the name resolves to") from None
+    return "ipv4" if ip.version == 4 else "ipv6"
+
+
+def balanced_options(retry_service: str = "", retry_methods: Sequence[str] = ()) -> Options:
+    """Round-robin balancing over every address of the target, and, for the named methods of
+    `retry_service` (safe to repeat: idempotent by a request id), up to 3 attempts of a call answered UNAVAILABLE
+    before its first response (a stream that has delivered a message is never retried by gRPC)."""
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if retry_service and retry_methods:
+        config["methodConfig"] = [{
+            "name": [{"service": retry_service, "method": m} for m in retry_methods],
+            "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }]
+    return (("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1))
 
 
 class RotatingChannel(grpc.aio.Channel):
