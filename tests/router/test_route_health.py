@@ -159,3 +159,16 @@ async def test_no_serving_replica_is_unavailable_with_reasons(mesh: Mesh) -> Non
     details = err.value.details() or ""
     assert details.startswith("no healthy replica: none of 3 replicas is serving")
     assert all(rid in details for rid in ENGINES)
+
+
+async def test_an_engine_that_returns_is_routed_to_within_a_second_or_two_of_serving(mesh: Mesh) -> None:
+    """Down for long enough that gRPC's default reconnect backoff would have grown to a ~4 s gap (1, 1.6, 2.6 s
+    ...), the engine is routed to again within 2 s of its server answering health checks."""
+    await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
+    await halt(mesh.engines["engine-0"])
+    await until("engine-0 down", lambda r: states(r)["engine-0"] != SERVING, mesh)
+    await asyncio.sleep(5.5)
+    mesh.engines["engine-0"] = await start_engine("engine-0", mesh.addresses["engine-0"])
+    serving_at = time.monotonic()  # start_engine returns once the engine serves
+    await until("engine-0 back", lambda r: states(r)["engine-0"] == SERVING, mesh, timeout_s=10)
+    assert time.monotonic() - serving_at < 2.0

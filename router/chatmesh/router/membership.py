@@ -10,7 +10,10 @@ For each replica two watchers run on one channel:
   conversations spill to the next replica and come back when it serves again). Until the first answer a replica
   is not serving ("connecting"): the router never sends a turn to an engine it has not heard from.
 - load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load.
-Both reconnect with capped exponential backoff.
+Both calls wait for the channel to connect (wait_for_ready) instead of failing while the engine is down, and the
+channel retries its connection at most a second apart (`chatmesh.mesh.channels.RECONNECT`, on every `open_channel` channel), so an engine that
+comes back is watched, and routed to, within about a second of serving (gRPC's default backoff grows to ~10 s
+gaps after ten seconds down). A stream that ends or fails is opened again after a capped exponential backoff.
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ class Membership:
         backoff = BACKOFF_MIN_S
         while True:
             try:
-                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=GENERATE_SERVICE)):
+                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=GENERATE_SERVICE),
+                                             wait_for_ready=True):
                     backoff = BACKOFF_MIN_S
                     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
                     self.mark(replica_id, resp.status == health_pb2.HealthCheckResponse.SERVING, f"health {status}")
@@ -143,7 +147,8 @@ class Membership:
         while True:
             delay = backoff
             try:
-                async for resp in stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=interval_ms)):
+                async for resp in stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=interval_ms),
+                                                  wait_for_ready=True):
                     backoff = delay = BACKOFF_MIN_S
                     self.ring.set_engine_load(replica_id, resp.stats.running_sequences + resp.stats.queue_depth)
             except grpc.aio.AioRpcError as err:
