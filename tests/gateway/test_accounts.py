@@ -80,3 +80,29 @@ async def test_digests_are_keyed_by_the_pepper(tmp_path: Path) -> None:
     finally:
         await peppered.close()
         await other.close()
+
+
+async def test_auth_tables_live_in_the_configured_schema(postgres_url: str) -> None:
+    """CHATMESH_DATABASE_SCHEMA puts the gateway's auth_ tables in that schema, as it does the store's."""
+    from chatmesh.gateway.cli import accounts_for
+    from chatmesh.mesh.config import Config
+
+    schema = f"auth_schema_{uuid.uuid4().hex[:12]}"
+    admin = create_async_engine(postgres_url)
+    async with admin.begin() as conn:
+        await conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    found = accounts_for(Config(env={"CHATMESH_DATABASE_URL": postgres_url, "CHATMESH_DATABASE_SCHEMA": schema}))
+    try:
+        await found.create_tables()
+        owner = await found.create_user("carol")
+        async with admin.connect() as conn:
+            tables = set((await conn.execute(sa.text(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = :s"), {"s": schema})).scalars())
+            row = (await conn.execute(sa.text(f'SELECT user_id FROM "{schema}".auth_users'))).scalar_one()
+        assert {"auth_users", "auth_api_keys", "auth_sessions"} <= tables
+        assert row == owner
+    finally:
+        await found.close()
+        async with admin.begin() as conn:
+            await conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        await admin.dispose()

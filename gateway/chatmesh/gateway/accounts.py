@@ -254,12 +254,15 @@ class Accounts:
 
 
 def open_accounts(database_url: str, data_dir: str, session_ttl_s: int = 7 * 24 * 3600, *, cache_s: float = 0.5,
-                  pepper: str = KEY_PEPPER.default) -> Accounts:
+                  pepper: str = KEY_PEPPER.default, schema: str = "") -> Accounts:
     """The auth_ tables on the store's database: `database_url` if set, else the embedded SQLite file (WAL and
-    a busy timeout, so the gateway and the store processes can share it)."""
+    a busy timeout, so the gateway and the store processes can share it). On PostgreSQL, `schema`
+    (CHATMESH_DATABASE_SCHEMA) is the search path, so the tables live beside the store's in that schema."""
     url = resolve_url(database_url, data_dir)
     if not url.startswith("sqlite"):
-        return Accounts(create_async_engine(url, pool_size=5, max_overflow=5), session_ttl_s, cache_s, pepper)
+        connect_args = {"server_settings": {"search_path": schema}} if schema else {}
+        return Accounts(create_async_engine(url, pool_size=5, max_overflow=5, connect_args=connect_args),
+                        session_ttl_s, cache_s, pepper)
     engine = create_async_engine(url, connect_args={"timeout": 30})
 
     @sa.event.listens_for(engine.sync_engine, "connect")

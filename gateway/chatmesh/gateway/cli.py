@@ -45,7 +45,8 @@ def register(sub: Any) -> None:
 def accounts_for(cfg: Config) -> Accounts:
     url = cfg[settings.AUTH_DATABASE_URL] or cfg[store_settings.DATABASE_URL]
     return open_accounts(url, cfg[mesh_settings.DATA_DIR], cfg[settings.SESSION_TTL_S],
-                         cache_s=cfg[settings.AUTH_CACHE_S], pepper=cfg[settings.KEY_PEPPER])
+                         cache_s=cfg[settings.AUTH_CACHE_S], pepper=cfg[settings.KEY_PEPPER],
+                         schema=cfg[store_settings.DATABASE_SCHEMA])
 
 
 async def _with_accounts(cfg: Config, args: argparse.Namespace, password: str | None) -> str:

@@ -16,4 +16,5 @@ RETENTION_DAYS = Setting("CHATMESH_STORE_RETENTION_DAYS", 30,
 PURGE_INTERVAL_S = Setting("CHATMESH_STORE_PURGE_INTERVAL_S", 3600.0,
                            "seconds between retention purges run by the store service (0: never)", float)
 DATABASE_SCHEMA = Setting("CHATMESH_DATABASE_SCHEMA", "",
-                          "PostgreSQL schema holding the store's tables (sets search_path; empty: the default)", str)
+                          "PostgreSQL schema holding every chatmesh table, the store's and the gateway's auth_ "
+                          "tables (sets search_path; the schema must exist; empty: the default)", str)
