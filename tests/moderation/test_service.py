@@ -144,3 +144,59 @@ async def test_batch_stream_refuses_a_missing_reply_id(channel: grpc.aio.Channel
     with pytest.raises(grpc.aio.AioRpcError) as err:
         _ = [r async for r in stub.CheckOutputBatch(iter([request]))]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+_DYING_CLIENT = r'''
+import asyncio, sys, grpc
+from chatmesh.v1 import moderate_pb2, moderate_pb2_grpc
+
+async def main() -> None:
+    stub = moderate_pb2_grpc.ModerateServiceStub(grpc.aio.insecure_channel(sys.argv[1]))
+    chunk = moderate_pb2.CheckOutputBatchRequest(chunks=[moderate_pb2.OutputChunk(reply_id="1", text="hello")])
+
+    async def busy(call) -> None:
+        while True:
+            await call.write(chunk)
+            await call.read()
+
+    calls = [stub.CheckOutputBatch() for _ in range(6)]
+    for call in calls[:3]:  # idle streams: their reads wait when the process dies
+        await call.write(chunk)
+        await call.read()
+    tasks = [asyncio.ensure_future(busy(call)) for call in calls[3:]]
+    print("ready", flush=True)
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+'''
+
+
+async def test_a_client_killed_mid_stream_leaves_no_unretrieved_task_exception() -> None:
+    """A chat process dying with CheckOutputBatch streams open must not leave `Task exception was never retrieved
+    ... StopAsyncIteration` in moderation's log (a read pending when grpc cancelled the handler)."""
+    import asyncio
+    import gc
+    import subprocess
+    import sys
+
+    unhandled: list[str] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(str(ctx.get("message"))))
+    try:
+        async with running() as address:
+            for _ in range(3):
+                proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _DYING_CLIENT, address,
+                                                            stdout=subprocess.PIPE)
+                assert proc.stdout is not None
+                assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"ready"
+                await asyncio.sleep(0.2)
+                proc.kill()
+                await proc.wait()
+                await asyncio.sleep(0.3)
+                gc.collect()
+            await asyncio.sleep(0.2)
+            gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+    assert unhandled == []

@@ -163,20 +163,27 @@ class ModerateServicer:
         """`requests` until the client ends them or shutdown begins."""
         it = aiter(requests)
         stopping = asyncio.ensure_future(self._stopping.wait())
+        received: asyncio.Future[T] | None = None
         try:
             while True:
                 received = asyncio.ensure_future(anext(it))
                 await asyncio.wait({received, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if not received.done():
-                    received.cancel()
                     return
                 try:
                     item = received.result()
                 except StopAsyncIteration:
                     return
+                received = None
                 yield item
         finally:
             stopping.cancel()
+            # The RPC can be cancelled while a read is pending (its client died): the read ends too, usually with
+            # StopAsyncIteration, before or after this, and nothing else would retrieve it ("Task exception was
+            # never retrieved" in the log). Cancel it if it still runs, and retrieve whatever it ended with.
+            if received is not None:
+                received.cancel()
+                received.add_done_callback(_retrieve)
 
     async def _run(self, direction: Direction, check: Callable[[], Verdict],
                    late: Callable[[], object] = lambda: None, text_bytes: int = 0) -> Verdict:
@@ -290,6 +297,11 @@ class ModerateServicer:
         finally:
             for reply in replies.values():
                 reply.log()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class _Reply:
