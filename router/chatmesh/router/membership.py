@@ -11,9 +11,9 @@ For each replica two watchers run on one channel:
   is not serving ("connecting"): the router never sends a turn to an engine it has not heard from.
 - load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load.
 Both calls wait for the channel to connect (wait_for_ready) instead of failing while the engine is down, and the
-channel retries its connection at most a second apart (`chatmesh.mesh.channels.RECONNECT`, on every `open_channel` channel), so an engine that
-comes back is watched, and routed to, within about a second of serving (gRPC's default backoff grows to ~10 s
-gaps after ten seconds down). A stream that ends or fails is opened again after a capped exponential backoff.
+channel retries its connection at most a second apart (`chatmesh.mesh.channels.RECONNECT`, on every channel
+`open_channel` makes), so an engine that comes back is watched, and routed to, within about a second of
+serving (gRPC's default backoff grows to ~10 s gaps after ten seconds down). A stream that ends or fails is opened again after a capped exponential backoff.
 """
 
 from __future__ import annotations
