@@ -15,21 +15,22 @@ from chatmesh.mesh.secrets_guard import DevelopmentSecrets, defaults_in_use, ref
 
 def test_the_guard_names_each_default_secret_off_loopback() -> None:
     defaults = Config(env={})
-    assert defaults_in_use(defaults, "chat") == ["CHATMESH_CACHE_SALT_SECRET"]
+    assert defaults_in_use(defaults, "engine") == ["CHATMESH_CACHE_SALT_SECRET"]  # it derives the cache salts
+    assert defaults_in_use(defaults, "chat") == []
     assert defaults_in_use(defaults, "gateway") == ["CHATMESH_KEY_PEPPER"]
     assert defaults_in_use(defaults, "store") == []
     for loopback in ("127.0.0.1:50051", "[::1]:50051", "localhost:50051", "127.0.0.1"):
-        refuse_development_secrets(defaults, "chat", loopback)
+        refuse_development_secrets(defaults, "engine", loopback)
     with pytest.raises(DevelopmentSecrets, match="CHATMESH_CACHE_SALT_SECRET"):
-        refuse_development_secrets(defaults, "chat", "0.0.0.0:50051")
+        refuse_development_secrets(defaults, "engine", "0.0.0.0:50054")
     with pytest.raises(DevelopmentSecrets, match="CHATMESH_KEY_PEPPER"):
         refuse_development_secrets(defaults, "gateway", "10.0.0.5")
-    refuse_development_secrets(Config(env={"CHATMESH_CACHE_SALT_SECRET": "ours"}), "chat", "0.0.0.0:50051")
+    refuse_development_secrets(Config(env={"CHATMESH_CACHE_SALT_SECRET": "ours"}), "engine", "0.0.0.0:50054")
     refuse_development_secrets(defaults, "store", "0.0.0.0:50052")  # uses neither
 
 
 @pytest.mark.parametrize(("service", "env", "setting"), [
-    ("chat", {"CHATMESH_LISTEN": "0.0.0.0:0"}, "CHATMESH_CACHE_SALT_SECRET"),
+    ("engine", {"CHATMESH_LISTEN": "0.0.0.0:0", "CHATMESH_ENGINE": "sim"}, "CHATMESH_CACHE_SALT_SECRET"),
     ("gateway", {"CHATMESH_HOST": "0.0.0.0", "CHATMESH_AUTH": "required", "CHATMESH_GATEWAY_PORT": "0"},
      "CHATMESH_KEY_PEPPER"),
 ])

@@ -250,7 +250,7 @@ class FakeEngine:
         self.generations: list[Generation] = []
         self.closed_early = 0  # streams the caller closed before the engine finished (cancelled sequences)
         self.running = 0
-        self.evicted: list[tuple[str, ConversationId]] = []
+        self.evicted: list[tuple[str, OwnerId, ConversationId]] = []
 
     def generate(self, address: str, generation: Generation, timeout_s: float) -> AsyncGenerator[EngineEvent, None]:
         self.generations.append(generation)
@@ -273,8 +273,8 @@ class FakeEngine:
             if not finished:
                 self.closed_early += 1
 
-    async def evict(self, address: str, conversation: ConversationId) -> int:
-        self.evicted.append((address, conversation))
+    async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int:
+        self.evicted.append((address, owner, conversation))
         return 1
 
 

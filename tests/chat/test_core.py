@@ -72,7 +72,7 @@ def world(**options: object) -> World:
     opt = ChatOptions(
         limits=context.PromptLimits(context_tokens=4096, prompt_cap_tokens=4096, reply_tokens=64),
         temperature=0.0, top_p=1.0, lease_ttl_ms=10_000, progress_interval_s=0.005, engine_deadline_s=5,
-        instance_id="chat-a", salt_secret=b"s", system_prompts=dict(DEFAULT_SYSTEM_PROMPTS),
+        instance_id="chat-a", system_prompts=dict(DEFAULT_SYSTEM_PROMPTS),
         default_prompt_version="v1", summary_threshold_tokens=10_000, keep_recent_messages=2,
         advertise_address="10.0.0.1:50051", follow_poll_s=0.001)
     for name, value in options.items():
@@ -547,8 +547,28 @@ async def prompt_n_plus_one_extends_prompt_n_with_reply_n() -> World:
         reply = renderer.render([(context.Speaker.ASSISTANT, "Hello there.")]).token_ids[:-1]
         assert after[:len(before) - 1] == before[:-1]  # everything but the generation prompt is kept
         assert after[len(before) - 1:len(before) - 1 + len(reply)] == reply
-    salts = {g.cache_salt for g in w.engine.generations}
-    assert len(salts) == 1 and b"" not in salts  # one owner, one salt
+    # every generation names its owner: the engine salts the cache by it, so these turns share their prefix
+    assert {g.owner for g in w.engine.generations} == {OWNER}
+    return w
+
+
+@scenario
+async def each_owners_generations_and_evictions_name_that_owner() -> World:
+    """The engine derives the cache salt from the owner a generation names (I1): two owners' turns, summaries
+    included, name their own owner, and deleting a conversation evicts it as its owner."""
+    w = world(summary_threshold_tokens=8, keep_recent_messages=2)
+    bob = OwnerId("bob")
+    alices = await w.conversation()
+    bobs = (await w.core.create_conversation(bob, "b")).conversation_id
+    for n in range(3):
+        await collect(w.core.send_turn(OWNER, alices, w.key(alices).turn, f"alice asks question number {n}"))
+        await collect(w.core.send_turn(bob, bobs, TurnId(str(uuid.uuid4())), f"bob asks question number {n}"))
+        await w.settled()
+    by_conversation = {(g.conversation, g.owner) for g in w.engine.generations}
+    assert by_conversation == {(alices, OWNER), (bobs, bob)}
+    assert {g.owner for g in w.engine.generations if g.turn is None} == {OWNER, bob}  # the summaries too
+    await w.core.delete_conversation(bob, bobs)
+    assert w.engine.evicted == [("addr-engine-0", bob, bobs)]
     return w
 
 
@@ -563,7 +583,7 @@ async def delete_stops_live_turns_and_evicts_on_every_replica() -> World:
     events = await task
     await w.settled()
     assert isinstance(final_of(events), (Stopped, Failed))  # stopped; its store write finds no conversation
-    assert evicted == 2 and sorted(a for a, _ in w.engine.evicted) == ["addr-engine-0", "addr-engine-1"]
+    assert evicted == 2 and sorted(a for a, _, _ in w.engine.evicted) == ["addr-engine-0", "addr-engine-1"]
     assert (OWNER, conv) not in w.store.conversations and w.idle()
     return w
 

@@ -24,6 +24,7 @@ from chatmesh.chat import context
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.prompting import ChatMLRenderer
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh import settings
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.up import Extra, Mesh
@@ -180,17 +181,17 @@ def _core_for(cluster: Cluster, channels: Channels) -> ChatCore:
     renderer = ChatMLRenderer(tok)
     options = ChatOptions(
         limits=context.PromptLimits(8192, 131072, 40), temperature=0, top_p=1, lease_ttl_ms=3000,
-        progress_interval_s=0.1, engine_deadline_s=60, instance_id="test", salt_secret=b"x",
+        progress_interval_s=0.1, engine_deadline_s=60, instance_id="test",
         system_prompts=dict(DEFAULT_SYSTEM_PROMPTS), default_prompt_version="v1", summary_threshold_tokens=300,
         keep_recent_messages=4)
-    return ChatCore(GrpcStore(channels.get(cfg[settings.STORE_ADDRESS])),
-                    GrpcRouter(channels.get(cfg[settings.ROUTER_ADDRESS])), GrpcEngines(channels),
-                    Moderation(ModerationClient.from_config(cfg, registry=CollectorRegistry())), renderer, renderer.count,
-                    options)
+    return ChatCore(GrpcStore(channels.get(cfg[settings.STORE_ADDRESS], "store")),
+                    GrpcRouter(channels.get(cfg[settings.ROUTER_ADDRESS], "router")), GrpcEngines(channels),
+                    Moderation(ModerationClient.from_config(cfg, registry=CollectorRegistry(), trust=channels.trust)),
+                    renderer, renderer.count, options)
 
 
 async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Cluster) -> None:
-    channels = Channels()
+    channels = Channels(cluster.mesh.trust(ident.CHAT))
     core = _core_for(cluster, channels)
     assert isinstance(core.renderer, ChatMLRenderer)
     tok = core.renderer.tokenizer

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from chatmesh.chat import service as chat_service
 from chatmesh.engine_adapter import service as engine_service
 from chatmesh.mesh import authz, pki
 from chatmesh.mesh import identity as ident
@@ -24,8 +25,11 @@ from chatmesh.router import service as router_service
 from chatmesh.store import service as store_service
 from tests.trust import channel_as, make_certs, trust_as
 
-CHAT, ROUTER, OPERATOR = ident.CHAT, ident.ROUTER, ident.OPERATOR
+CHAT, ROUTER, OPERATOR, GATEWAY, CLIENT = ident.CHAT, ident.ROUTER, ident.OPERATOR, ident.GATEWAY, ident.client("dev")
 EXPECTED: dict[str, dict[str, set[Identity]]] = {
+    "chatmesh.v1.ChatService": {**{rpc: {GATEWAY, CLIENT} for rpc in (
+        "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
+        "DeleteConversation", "GetUsage", "ExportUserData")}, "StopTurn": {GATEWAY, CLIENT, CHAT}},
     "chatmesh.v1.StoreService": {**{rpc: {CHAT} for rpc in (
         "InsertConversation", "ReadConversation", "BeginTurn", "FinishTurn", "FailTurn", "UpdateTurnProgress",
         "ReadTurn", "SaveSummary", "ListOwnerConversations", "DeleteStoredConversation", "DeleteStoredTurn",
@@ -36,7 +40,7 @@ EXPECTED: dict[str, dict[str, set[Identity]]] = {
     "chatmesh.v1.RouteService": {"PickReplica": {CHAT}, "ReleaseLease": {CHAT}, "ListReplicas": {CHAT, OPERATOR}},
     "chatmesh.v1.ModerateService": {"CheckInput": {CHAT}, "CheckOutput": {CHAT}, "CheckOutputBatch": {CHAT}},
 }
-SERVER_NAME = {"chatmesh.v1.StoreService": "store", "chatmesh.v1.GenerateService": "engine",
+SERVER_NAME = {"chatmesh.v1.ChatService": "chat", "chatmesh.v1.StoreService": "store", "chatmesh.v1.GenerateService": "engine",
                "chatmesh.v1.RouteService": "router", "chatmesh.v1.ModerateService": "moderation"}
 CALLERS = pki.default_identities(["dev"])
 
@@ -52,6 +56,7 @@ async def servers(certs: Path, tmp_path: Path) -> AsyncIterator[dict[str, int]]:
     cfg = Config(env={"CHATMESH_DATA_DIR": str(data), "CHATMESH_ENGINE": "sim", "CHATMESH_SIM_TEXT": "words",
                       "CHATMESH_STORE_PURGE_INTERVAL_S": "0", "CHATMESH_ROUTER_HEALTH": "false"})
     built: list[tuple[str, Service, Identity]] = [
+        ("chatmesh.v1.ChatService", chat_service.build(cfg, trust_as(certs, CHAT)), CHAT),
         ("chatmesh.v1.StoreService", store_service.build(cfg, trust_as(certs, ident.STORE)), ident.STORE),
         ("chatmesh.v1.GenerateService", engine_service.build(cfg, trust_as(certs, ident.ENGINE)), ident.ENGINE),
         ("chatmesh.v1.RouteService", router_service.build(cfg, trust_as(certs, ROUTER)), ROUTER),

@@ -128,8 +128,8 @@ class ClaimedTurn:
     async def _stream(self, rendered: Rendered, pick: Pick, user_tokens: int) -> TurnEventKind:
         owner, conv, turn = self.job.key
         generation = Generation(
-            request_id=turn, conversation=conv, turn=turn, prompt_token_ids=rendered.token_ids,
-            cache_salt=self.prompts.cache_salt(owner), platform_prefix_tokens=rendered.platform_prefix_tokens,
+            request_id=turn, conversation=conv, turn=turn, owner=owner, prompt_token_ids=rendered.token_ids,
+            platform_prefix_tokens=rendered.platform_prefix_tokens,
             max_tokens=self.opt.limits.reply_tokens, temperature=self.opt.temperature, top_p=self.opt.top_p)
         ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine, pick.address,
                                     generation, self.opt.engine_deadline_s)

@@ -3,6 +3,15 @@
 Failures of downstream calls become typed core errors here, in one place (`translate`), so the core and the
 ChatService servicer never see a raw gRPC error. The store's messages are read with the store's own conversions
 (`chatmesh.store.wire`), so both sides of that wire share one model.
+
+Trust: every channel comes from `chatmesh.mesh.channels.open_channel` with chat's own trust (mutual TLS as
+spiffe://chatmesh/chat, expecting the named service's certificate). Owner tokens: the ChatService servicer
+verifies the token a request arrives with (`OwnerGuard`), which keeps it as the request's `tokens.current`;
+every owner-scoped call below (store, engine, a peer chat process) carries it on with `tokens.forwarded()`. The
+core never handles the credential: tasks it starts for a turn (the claimed turn, its heartbeat) copy the
+request's context when they are created, so the token travels with the work it authorises, and a call made
+outside any request carries none and is refused by the store (fail closed, never another owner's token). The
+router and moderation act for no owner and get no token.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
     Pick, Replica, RouteLeaseId, Screening, TurnKey,
 )
-from chatmesh.mesh import errors
+from chatmesh.mesh import errors, tokens
+from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
 from chatmesh.store import wire
@@ -26,6 +37,8 @@ from chatmesh.v1 import (
 )
 
 T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 _BY_CODE: dict[grpc.StatusCode, type[errors.CoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
@@ -33,6 +46,8 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.CoreError]] = {
     grpc.StatusCode.ALREADY_EXISTS: errors.Conflict,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,  # the owner token, e.g. expired mid-turn
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
 }
 
 
@@ -52,16 +67,23 @@ async def call(service: str, awaitable: Awaitable[T]) -> T:
         raise translate(err, service) from None
 
 
+async def _owned(rpc: grpc.aio.UnaryUnaryMultiCallable[Req, Resp], request: Req) -> Resp:
+    """A store call for the request's owner, carrying its owner token."""
+    return await call("store", rpc(request, metadata=tokens.forwarded()))
+
+
 class Channels:
-    """One channel per address, reused by every call (connection setup is the expensive part of a hop)."""
+    """One channel per (address, service), reused by every call (connection setup is the expensive part of a
+    hop); `service` is the one whose certificate the channel expects there."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, trust: Trust) -> None:
+        self.trust = trust
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
-        return self._channels[address]
+    def get(self, address: str, service: str) -> grpc.aio.Channel:
+        if (address, service) not in self._channels:
+            self._channels[(address, service)] = open_channel(self.trust, address, service)
+        return self._channels[(address, service)]
 
     async def close(self) -> None:
         for ch in self._channels.values():
@@ -81,74 +103,76 @@ def whole_context(claimed: store_pb2.TurnClaimed) -> History | None:
 
 
 class GrpcStore:
+    """Every store call acts for an owner: each carries the request's owner token (`_owned`)."""
+
     def __init__(self, channel: grpc.aio.Channel):
         self.stub = store_pb2_grpc.StoreServiceStub(channel)
 
     async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation:
-        resp = await call("store", self.stub.InsertConversation(store_pb2.InsertConversationRequest(
-            owner_id=owner, title=title, system_prompt_version=system_prompt_version)))
+        resp = await _owned(self.stub.InsertConversation, store_pb2.InsertConversationRequest(
+            owner_id=owner, title=title, system_prompt_version=system_prompt_version))
         return wire.conversation_of(resp.conversation)
 
     async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History:
-        return wire.history_of(await call("store", self.stub.ReadConversation(store_pb2.ReadConversationRequest(
-            owner_id=owner, conversation_id=conversation))))
+        return wire.history_of(await _owned(self.stub.ReadConversation, store_pb2.ReadConversationRequest(
+            owner_id=owner, conversation_id=conversation)))
 
     async def begin_turn(self, claim: ClaimRequest) -> Claim:
         owner, conv, turn = claim.key
-        resp = await call("store", self.stub.BeginTurn(store_pb2.BeginTurnRequest(
+        resp = await _owned(self.stub.BeginTurn, store_pb2.BeginTurnRequest(
             owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint, content=claim.content,
             lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
-            regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages)))
+            regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages))
         return wire.claim_of(resp, whole_context)
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
-        resp = await call("store", self.stub.FinishTurn(store_pb2.FinishTurnRequest(
+        resp = await _owned(self.stub.FinishTurn, store_pb2.FinishTurnRequest(
             owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
             user_token_count=reply.user_token_count, reply=reply.text, reply_token_count=reply.token_count,
             reply_status=wire.STATUS_PB[reply.status], usage=wire.usage_pb(reply.usage),
-            user_status=wire.STATUS_PB[reply.user_status])))
+            user_status=wire.STATUS_PB[reply.user_status]))
         return wire.finished_of(resp)
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
-        resp = await call("store", self.stub.FailTurn(store_pb2.FailTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease, reason=reason)))
+        resp = await _owned(self.stub.FailTurn, store_pb2.FailTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease, reason=reason))
         return resp.released
 
     async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
                                    lease_ttl_ms: int) -> Progress:
-        resp = await call("store", self.stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+        resp = await _owned(self.stub.UpdateTurnProgress, store_pb2.UpdateTurnProgressRequest(
             owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
-            partial_text=partial_text, event_sequence=event_sequence, lease_ttl_ms=lease_ttl_ms)))
+            partial_text=partial_text, event_sequence=event_sequence, lease_ttl_ms=lease_ttl_ms))
         return wire.progress_of(resp)
 
     async def read_turn(self, key: TurnKey) -> TurnRecord:
-        resp = await call("store", self.stub.ReadTurn(store_pb2.ReadTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn)))
+        resp = await _owned(self.stub.ReadTurn, store_pb2.ReadTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn))
         return wire.turn_record_of(resp, key.turn)
 
     async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
                            covers_through_index: int, token_count: int) -> Summary:
-        resp = await call("store", self.stub.SaveSummary(store_pb2.SaveSummaryRequest(
+        resp = await _owned(self.stub.SaveSummary, store_pb2.SaveSummaryRequest(
             owner_id=owner, conversation_id=conversation, text=text, covers_through_index=covers_through_index,
-            token_count=token_count)))
+            token_count=token_count))
         return wire.summary_of(resp.summary)
 
     async def list_conversations(self, owner: OwnerId, limit: int) -> list[Conversation]:
-        resp = await call("store", self.stub.ListOwnerConversations(store_pb2.ListOwnerConversationsRequest(
-            owner_id=owner, page_size=limit)))
+        resp = await _owned(self.stub.ListOwnerConversations, store_pb2.ListOwnerConversationsRequest(
+            owner_id=owner, page_size=limit))
         return [wire.conversation_of(c) for c in resp.conversations]
 
     async def delete_conversation(self, owner: OwnerId, conversation: ConversationId) -> list[ConversationId]:
-        resp = await call("store", self.stub.DeleteStoredConversation(store_pb2.DeleteStoredConversationRequest(
-            owner_id=owner, conversation_id=conversation)))
+        resp = await _owned(self.stub.DeleteStoredConversation, store_pb2.DeleteStoredConversationRequest(
+            owner_id=owner, conversation_id=conversation))
         return [ConversationId(c) for c in resp.evict_conversation_ids]
 
     async def export(self, owner: OwnerId) -> str:
-        resp = await call("store", self.stub.ExportOwnerData(store_pb2.ExportOwnerDataRequest(owner_id=owner)))
+        resp = await _owned(self.stub.ExportOwnerData, store_pb2.ExportOwnerDataRequest(owner_id=owner))
         return resp.json
 
     async def usage(self, owner: OwnerId, days: int) -> list[DailyUsage]:
-        resp = await call("store", self.stub.ReadUsage(store_pb2.ReadUsageRequest(owner_id=owner, days=days)))
+        resp = await _owned(self.stub.ReadUsage, store_pb2.ReadUsageRequest(owner_id=owner, days=days))
         return [wire.daily_usage_of(d) for d in resp.days]
 
 
@@ -195,13 +219,13 @@ class GrpcEngines:
 
     async def generate(self, address: str, generation: Generation, timeout_s: float
                        ) -> AsyncGenerator[EngineEvent, None]:
-        stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address))
+        stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address, "engine"))
         rpc = stub.Generate(generate_pb2.GenerateRequest(
             request_id=generation.request_id, conversation_id=generation.conversation,
-            turn_id=generation.turn or "", prompt_token_ids=generation.prompt_token_ids,
-            cache_salt=generation.cache_salt, platform_prefix_tokens=generation.platform_prefix_tokens,
-            max_tokens=generation.max_tokens, temperature=generation.temperature, top_p=generation.top_p),
-            timeout=timeout_s)
+            turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
+            platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
+            temperature=generation.temperature, top_p=generation.top_p),
+            timeout=timeout_s, metadata=tokens.forwarded())
         try:
             async for resp in rpc:
                 if (event := engine_event(resp)) is not None:
@@ -211,9 +235,10 @@ class GrpcEngines:
         finally:
             rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
 
-    async def evict(self, address: str, conversation: ConversationId) -> int:
-        stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address))
-        resp = await call(f"engine at {address}", stub.Evict(generate_pb2.EvictRequest(conversation_id=conversation)))
+    async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int:
+        stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address, "engine"))
+        resp = await call(f"engine at {address}", stub.Evict(generate_pb2.EvictRequest(
+            owner_id=owner, conversation_id=conversation), metadata=tokens.forwarded()))
         return resp.blocks_evicted
 
 
@@ -257,13 +282,14 @@ class Moderation:
 
 
 class GrpcPeers:
-    """Forwards a stop to the chat process that holds the turn's lease."""
+    """Forwards a stop to the chat process that holds the turn's lease (as chat, with the stop's owner token)."""
 
     def __init__(self, channels: Channels):
         self.channels = channels
 
     async def stop(self, address: str, key: TurnKey) -> bool:
-        stub = chat_pb2_grpc.ChatServiceStub(self.channels.get(address))
+        stub = chat_pb2_grpc.ChatServiceStub(self.channels.get(address, "chat"))
         resp = await call(f"chat process at {address}", stub.StopTurn(chat_pb2.StopTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn), timeout=5))
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn), timeout=5,
+            metadata=tokens.forwarded()))
         return resp.stopped

@@ -45,7 +45,7 @@ class Conversations:
         for replica in await self.router.replicas():
             for conversation_id in evict:
                 try:
-                    evicted += await self.engines.evict(replica.address, conversation_id)
+                    evicted += await self.engines.evict(replica.address, owner, conversation_id)
                 except errors.Unavailable:
                     # A replica that is down holds nothing it could serve; its cache dies with it.
                     log.warning("evict_unreachable", replica_id=replica.replica_id, conversation_id=conv)

@@ -6,7 +6,7 @@
     claimed.py        a claimed turn generated to its end: heartbeat, finish or fail, once (I5)
     follow.py         following a turn another chat process generates, and taking it over when it dies
     admission.py      the replica pick and the input check, begun with the claim
-    prompt.py         the prompt: what is replayed, summaries at turn boundaries (I3), the owner's cache salt (I1)
+    prompt.py         the prompt: what is replayed, summaries at turn boundaries (I3), generations by owner (I1)
     context.py        the context builder's fixed order (pure)
     stream.py         engine events relayed to the user, each chunk screened first
     events.py         the turn's stream events and the live-turn broadcast

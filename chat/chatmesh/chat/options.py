@@ -16,7 +16,6 @@ class ChatOptions:
     progress_interval_s: float
     engine_deadline_s: float
     instance_id: str
-    salt_secret: bytes
     system_prompts: dict[str, str]
     default_prompt_version: str
     summary_threshold_tokens: int

@@ -111,8 +111,8 @@ class Generation:
     request_id: str
     conversation: ConversationId
     turn: TurnId | None  # None for work that is no turn of its own (a summary)
+    owner: OwnerId  # whose generation: the engine salts KV past the platform prefix by this owner (I1)
     prompt_token_ids: tuple[int, ...]
-    cache_salt: bytes  # the owner's salt: KV past the platform prefix is reused only within the owner (I1)
     platform_prefix_tokens: int
     max_tokens: int
     temperature: float
@@ -153,7 +153,7 @@ class EnginePort(Protocol):
         """Streams a generation; closing the iterator cancels the engine sequence."""
         ...
 
-    async def evict(self, address: str, conversation: ConversationId) -> int: ...
+    async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int: ...
 
 
 # ---- moderation ---------------------------------------------------------------------------------------------

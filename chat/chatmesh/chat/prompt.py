@@ -6,13 +6,15 @@ blocked turns, not the reply being regenerated) and when older turns are summari
 passes `summary_threshold_tokens`, the turns before the last `keep_recent_messages` messages are summarised by the
 engine at the turn boundary, before the prompt is built, and the summary is stored; later turns rebuild the same
 prompt from the stored summary instead of recomputing it.
+
+The prefix cache (I1): every generation names its owner (`Generation.owner`), and the engine derives the owner's
+cache salt from it (and, with mutual TLS, only from a verified owner token), so one owner's turns reuse each
+other's KV past the platform prefix and two owners never share it. Chat holds no salt secret.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 from collections.abc import Callable
 
 from chatmesh.chat import context
@@ -60,10 +62,6 @@ class Prompts:
         self.count_tokens = count_tokens
         self.opt = options
 
-    def cache_salt(self, owner: OwnerId) -> bytes:
-        """Per-owner salt for KV reuse past the platform prefix (I1); keyed so salts cannot be guessed."""
-        return hmac.new(self.opt.salt_secret, owner.encode(), hashlib.sha256).digest()[:16]
-
     def render(self, view: History, summary: context.PromptSummary | None, new_message: str | None,
                regenerates: TurnId | None = None) -> context.Rendered:
         return context.build(self.renderer, self.opt.limits, self._system_prompt(view), summary,
@@ -107,8 +105,8 @@ class Prompts:
         parts: list[str] = []
         try:
             stream = self.engines.generate(pick.address, Generation(
-                request_id=f"summary-{conv}", conversation=conv, turn=None, prompt_token_ids=rendered.token_ids,
-                cache_salt=self.cache_salt(owner), platform_prefix_tokens=rendered.platform_prefix_tokens,
+                request_id=f"summary-{conv}", conversation=conv, turn=None, owner=owner,
+                prompt_token_ids=rendered.token_ids, platform_prefix_tokens=rendered.platform_prefix_tokens,
                 max_tokens=SUMMARY_MAX_TOKENS, temperature=0.0, top_p=1.0), self.opt.engine_deadline_s)
             try:
                 async for event in stream:

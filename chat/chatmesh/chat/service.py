@@ -1,5 +1,11 @@
 """ChatService over gRPC: a thin servicer over `ChatCore` (protobuf <-> core values; errors mapped by the shared
-decorators), and `build()` wiring the core to the store, router, engines and moderation."""
+decorators), and `build()` wiring the core to the store, router, engines and moderation.
+
+Trust: who may call ChatService is `AUTHZ` (the gateway and internal clients acting for users; a peer chat
+process forwarding a stop). Every RPC acts for the owner its request names, so with mutual TLS each needs an
+owner token for that owner (bound to the request's conversation, or owner-wide for the owner-wide RPCs), checked
+by `OwnerGuard` before the core runs; the guard keeps the token for the request, and chat's clients forward it
+to the store, the engine and peer chat processes (clients.py)."""
 
 from __future__ import annotations
 
@@ -18,16 +24,30 @@ from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
 from chatmesh.store.wire import conversation_pb, message_pb, usage_pb
 from chatmesh.chat.prompting import ChatMLRenderer
+from chatmesh.mesh import identity
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.ids import TurnId, parse_conversation_id, parse_owner_id, parse_turn_id
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_turn_id
+from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScoped
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
+from chatmesh.mesh.trust import Trust
 from chatmesh.model import settings as model_settings
 from chatmesh.moderation.client import ModerationClient
 from chatmesh.model import tokenizer as model_tokenizer
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
 Ctx = grpc.aio.ServicerContext[object, object]
+
+# Who may call what (authz.py): the gateway and internal clients that act for users (spiffe://chatmesh/client/*,
+# with owner tokens from the gateway's OwnerTokenService); another chat process only forwards a stop to the
+# process generating the turn (clients.GrpcPeers).
+_FOR_USERS = [identity.GATEWAY, identity.ANY_CLIENT]
+AUTHZ = {"chatmesh.v1.ChatService": {
+    **{rpc: _FOR_USERS for rpc in (
+        "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
+        "DeleteConversation", "GetUsage", "ExportUserData")},
+    "StopTurn": [*_FOR_USERS, identity.CHAT],
+}}
 
 
 def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
@@ -56,28 +76,33 @@ def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: ChatCore):
+    def __init__(self, core: ChatCore, guard: OwnerGuard = OwnerGuard(None)):
         self.core = core
+        self.guard = guard
+
+    def _owner(self, request: OwnerScoped, context: Ctx) -> OwnerId:
+        return self.guard.owner_wide(context, request)
+
+    def _in(self, request: ConversationScoped, context: Ctx) -> tuple[OwnerId, ConversationId]:
+        return self.guard.in_conversation(context, request)
 
     @unary_errors
     async def CreateConversation(self, request: chat_pb2.CreateConversationRequest, context: Ctx
                                  ) -> chat_pb2.CreateConversationResponse:
-        conv = await self.core.create_conversation(parse_owner_id(request.owner_id), request.title)
+        conv = await self.core.create_conversation(self._owner(request, context), request.title)
         return chat_pb2.CreateConversationResponse(conversation=conversation_pb(conv))
 
     @unary_errors
     async def GetConversation(self, request: chat_pb2.GetConversationRequest, context: Ctx
                               ) -> chat_pb2.GetConversationResponse:
-        view = await self.core.get_conversation(parse_owner_id(request.owner_id),
-                                                parse_conversation_id(request.conversation_id))
+        view = await self.core.get_conversation(*self._in(request, context))
         return chat_pb2.GetConversationResponse(conversation=conversation_pb(view.conversation),
                                                 messages=[message_pb(m) for m in view.messages])
 
     @stream_errors
     async def SendTurn(self, request: chat_pb2.SendTurnRequest, context: Ctx
                        ) -> AsyncIterator[chat_pb2.SendTurnResponse]:
-        owner = parse_owner_id(request.owner_id)
-        conv = parse_conversation_id(request.conversation_id)
+        owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.send_turn(owner, conv, turn, request.content):
             yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
@@ -85,23 +110,20 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     @stream_errors
     async def AttachTurn(self, request: chat_pb2.AttachTurnRequest, context: Ctx
                          ) -> AsyncIterator[chat_pb2.AttachTurnResponse]:
-        owner = parse_owner_id(request.owner_id)
-        conv = parse_conversation_id(request.conversation_id)
+        owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.attach(owner, conv, turn, request.after_sequence):
             yield chat_pb2.AttachTurnResponse(event=event_to_proto(event, turn))
 
     @unary_errors
     async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Ctx) -> chat_pb2.StopTurnResponse:
-        stopped = await self.core.stop(parse_owner_id(request.owner_id),
-                                       parse_conversation_id(request.conversation_id), parse_turn_id(request.turn_id))
+        stopped = await self.core.stop(*self._in(request, context), parse_turn_id(request.turn_id))
         return chat_pb2.StopTurnResponse(stopped=stopped)
 
     @stream_errors
     async def RegenerateTurn(self, request: chat_pb2.RegenerateTurnRequest, context: Ctx
                              ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
-        owner = parse_owner_id(request.owner_id)
-        conv = parse_conversation_id(request.conversation_id)
+        owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
         async for event in self.core.regenerate(owner, conv, turn):
             yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event, turn))
@@ -109,26 +131,25 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     @unary_errors
     async def ListConversations(self, request: chat_pb2.ListConversationsRequest, context: Ctx
                                 ) -> chat_pb2.ListConversationsResponse:
-        convs = await self.core.list_conversations(parse_owner_id(request.owner_id), request.page_size)
+        convs = await self.core.list_conversations(self._owner(request, context), request.page_size)
         return chat_pb2.ListConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
     @unary_errors
     async def DeleteConversation(self, request: chat_pb2.DeleteConversationRequest, context: Ctx
                                  ) -> chat_pb2.DeleteConversationResponse:
-        evicted = await self.core.delete_conversation(parse_owner_id(request.owner_id),
-                                                      parse_conversation_id(request.conversation_id))
+        evicted = await self.core.delete_conversation(*self._in(request, context))
         return chat_pb2.DeleteConversationResponse(blocks_evicted=evicted)
 
     @unary_errors
     async def GetUsage(self, request: chat_pb2.GetUsageRequest, context: Ctx) -> chat_pb2.GetUsageResponse:
-        days = await self.core.usage(parse_owner_id(request.owner_id), request.days)
+        days = await self.core.usage(self._owner(request, context), request.days)
         return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(day=d.day, usage=usage_pb(d.usage), turns=d.turns)
                                                for d in days])
 
     @unary_errors
     async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Ctx
                              ) -> chat_pb2.ExportUserDataResponse:
-        return chat_pb2.ExportUserDataResponse(json=await self.core.export(parse_owner_id(request.owner_id)))
+        return chat_pb2.ExportUserDataResponse(json=await self.core.export(self._owner(request, context)))
 
 
 def load_system_prompts(path: str) -> dict[str, str]:
@@ -140,8 +161,10 @@ def load_system_prompts(path: str) -> dict[str, str]:
     return data
 
 
-def build(cfg: Config) -> Service:
-    channels = Channels()
+def build(cfg: Config, trust: Trust | None = None) -> Service:
+    """ChatService; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/chat)."""
+    trust = trust or Trust.from_config(cfg, identity.CHAT)
+    channels = Channels(trust)
     tokenizer = model_tokenizer.load(cfg[model_settings.MODEL_DIR])
     renderer = ChatMLRenderer(tokenizer)
     prompts = load_system_prompts(cfg[settings.SYSTEM_PROMPTS])
@@ -160,18 +183,17 @@ def build(cfg: Config) -> Service:
         advertise_address=(cfg[settings.ADVERTISE_ADDRESS] or cfg[mesh_settings.LISTEN]
                            or cfg[mesh_settings.CHAT_ADDRESS]),
         instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}",
-        salt_secret=cfg[settings.CACHE_SALT_SECRET].encode(),
         system_prompts=prompts, default_prompt_version=default_version)
-    moderation = Moderation(ModerationClient.from_config(cfg))
+    moderation = Moderation(ModerationClient.from_config(cfg, trust=trust))
     core = ChatCore(
-        store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS])),
-        router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS])),
+        store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS], "store")),
+        router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS], "router")),
         engines=GrpcEngines(channels),
         moderation=moderation,
         renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels))
 
     def register(server: grpc.aio.Server) -> list[str]:
-        chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core), server)
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core, OwnerGuard(trust.verifier)), server)
         return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
 
     async def close() -> None:
@@ -179,4 +201,4 @@ def build(cfg: Config) -> Service:
         await moderation.close()
         await channels.close()
 
-    return Service(name="chat", register=register, close=close)
+    return Service(name="chat", register=register, close=close, authz=AUTHZ)

@@ -30,9 +30,6 @@ PROGRESS_INTERVAL_MS = Setting(
     "CHATMESH_TURN_PROGRESS_INTERVAL_MS", 500,
     "how often a generating turn writes its reply so far and renews its lease (for attach from other processes)",
     int)
-CACHE_SALT_SECRET = Setting(
-    "CHATMESH_CACHE_SALT_SECRET", "chatmesh-dev-salt",
-    "key for deriving per-owner cache salts (set a secret in production)", str)
 INSTANCE_ID = Setting(
     "CHATMESH_CHAT_INSTANCE_ID", "",
     "this chat process's name, recorded as lease holder (empty: chat-<host>-<pid>)", str)

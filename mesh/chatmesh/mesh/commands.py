@@ -70,7 +70,7 @@ async def _run(module: Any, cfg: Config, listen: str, trust: Trust, metrics_port
     from chatmesh.mesh.server import serve
 
     # Built inside the running loop: grpc.aio channels and asyncio primitives bind to the loop that makes them.
-    # build(cfg, trust=...); a service not yet wired for trust (chat, until issue 16 reaches it) takes cfg alone.
+    # build(cfg, trust=...); a service that needs nothing of its trust but the server's (moderation) takes cfg alone.
     takes_trust = "trust" in inspect.signature(module.build).parameters
     service = module.build(cfg, trust=trust) if takes_trust else module.build(cfg)
     await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], trust=trust,

@@ -13,11 +13,11 @@ forwards it without handling it. In plaintext (no verifier) the field is believe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from chatmesh.mesh import authz, logs, tokens
 from chatmesh.mesh.errors import PermissionDenied
-from chatmesh.mesh.ids import ConversationId, OwnerId, parse_owner_id
+from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_owner_id
 from chatmesh.mesh.tokens import OwnerClaims, TokenRefused, Verifier
 
 log = logs.get("chatmesh.owner_guard")
@@ -28,9 +28,32 @@ def _who() -> tuple[str, str]:
     return (c.identity, c.method) if c is not None else ("", "")
 
 
+class OwnerScoped(Protocol):
+    """A request that acts for the owner it names."""
+
+    @property
+    def owner_id(self) -> str: ...
+
+
+class ConversationScoped(OwnerScoped, Protocol):
+    """A request that acts for its owner in one conversation."""
+
+    @property
+    def conversation_id(self) -> str: ...
+
+
 class OwnerGuard:
     def __init__(self, verifier: Verifier | None) -> None:
         self.verifier = verifier
+
+    def owner_wide(self, context: Any, request: OwnerScoped) -> OwnerId:
+        """The request's owner, for a call across all of its conversations (an owner-wide token)."""
+        return self.owner(context, request.owner_id, owner_wide=True)
+
+    def in_conversation(self, context: Any, request: ConversationScoped) -> tuple[OwnerId, ConversationId]:
+        """The request's owner and conversation, once its token allows them."""
+        conversation = parse_conversation_id(request.conversation_id)
+        return self.owner(context, request.owner_id, conversation), conversation
 
     def owner(self, context: Any, owner_id: str, conversation: ConversationId | None = None, *,
               owner_wide: bool = False, field: str = "owner_id") -> OwnerId:

@@ -1,7 +1,7 @@
 """The production guard: a service refuses to start on a non-loopback address while a secret it uses still holds
 its development default (a constant in this repository, so anyone can read it).
 
-- CHATMESH_CACHE_SALT_SECRET (chat): keys each owner's KV-cache salt. Knowing it and an owner id gives that
+- CHATMESH_CACHE_SALT_SECRET (engine): keys each owner's KV-cache salt. Knowing it and an owner id gives that
   owner's salt, and with it the chance to probe the shared prefix cache for that owner's text (I1).
 - CHATMESH_KEY_PEPPER (gateway): keys the stored digests of API keys and session tokens and signs device
   cookies; knowing it lets a copy of the tables confirm guessed keys and lets anyone forge a device cookie.
@@ -16,7 +16,7 @@ from chatmesh.mesh.config import Config, all_settings
 from chatmesh.mesh.trust import is_loopback
 
 DEV_SECRETS: dict[str, tuple[str, ...]] = {
-    "chat": ("CHATMESH_CACHE_SALT_SECRET",),
+    "engine": ("CHATMESH_CACHE_SALT_SECRET",),
     "gateway": ("CHATMESH_KEY_PEPPER",),
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
@@ -21,7 +21,7 @@ from chatmesh.mesh import identity, logs
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_lease_id, parse_turn_id
-from chatmesh.mesh.owner_guard import OwnerGuard
+from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScoped
 from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.mesh.trust import Trust
 from chatmesh.store import settings
@@ -52,29 +52,16 @@ AUTHZ = {"chatmesh.v1.StoreService": {
 }}
 
 
-class _OwnerScoped(Protocol):
-    @property
-    def owner_id(self) -> str: ...
-
-
-class _ConversationScoped(_OwnerScoped, Protocol):
-    @property
-    def conversation_id(self) -> str: ...
-
-
 class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     def __init__(self, store: ConversationStore, guard: OwnerGuard = OwnerGuard(None)) -> None:
         self.store = store
         self.guard = guard
 
-    def _in_conversation(self, request: _ConversationScoped, context: Context) -> tuple[OwnerId, ConversationId]:
-        """The request's owner and conversation, once the owner token allows them."""
-        conversation = parse_conversation_id(request.conversation_id)
-        return self.guard.owner(context, request.owner_id, conversation), conversation
+    def _in_conversation(self, request: ConversationScoped, context: Context) -> tuple[OwnerId, ConversationId]:
+        return self.guard.in_conversation(context, request)
 
-    def _owner_wide(self, request: _OwnerScoped, context: Context) -> OwnerId:
-        """The request's owner, for a call across all of its conversations (an owner-wide token)."""
-        return self.guard.owner(context, request.owner_id, owner_wide=True)
+    def _owner_wide(self, request: OwnerScoped, context: Context) -> OwnerId:
+        return self.guard.owner_wide(context, request)
 
     @unary_errors
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
