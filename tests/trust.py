@@ -4,7 +4,8 @@ each request names (what the gateway and chat do for a real turn)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ import grpc
 from chatmesh.mesh import identity as ident
 from chatmesh.mesh import pki, tls, tokens
 from chatmesh.mesh.identity import Identity
-from chatmesh.mesh.ids import OwnerId
+from chatmesh.mesh.errors import CoreError
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.mesh.owner_guard import OwnerGuard
+from chatmesh.mesh.server import status_for
 from chatmesh.mesh.tls import TlsFiles
 from chatmesh.mesh.trust import Trust
 
@@ -75,3 +79,50 @@ def channel_as(certs: Path, who: Identity, address: str, service: str, owner_tok
     return grpc.aio.secure_channel(address, tls.channel_credentials(pems),
                                    [("grpc.ssl_target_name_override", ident.server_name(service))],
                                    interceptors=interceptors)
+
+
+def gateway_env(certs: Path) -> dict[str, str]:
+    """Settings that make a gateway in this process act as spiffe://chatmesh/gateway with `certs` (it mints
+    owner tokens with the private key set); its OwnerTokenService is off unless a test sets an address."""
+    stem = ident.file_stem(ident.GATEWAY)
+    return {"CHATMESH_MESH_CA_FILE": str(certs / pki.CA_FILE), "CHATMESH_MESH_CERT_FILE": str(certs / f"{stem}.pem"),
+            "CHATMESH_MESH_KEY_FILE": str(certs / f"{stem}-key.pem"),
+            "CHATMESH_OWNER_TOKEN_KEYS_FILE": str(certs / pki.TOKEN_KEYS_FILE), "CHATMESH_OWNER_TOKEN_ADDRESS": ""}
+
+
+class OwnerChecked:
+    """A servicer's stand-in that checks each call's owner token as chat does (`OwnerGuard`: for the request's
+    owner, and its conversation when the request names one) before the servicer runs, and records the verified
+    claims, so a test double of a service enforces the same contract as the real one."""
+
+    def __init__(self, servicer: object, verifier: tokens.Verifier) -> None:
+        self._servicer = servicer
+        self._guard = OwnerGuard(verifier)
+        self.claims: list[tokens.OwnerClaims] = []
+
+    def _check(self, request: Any, context: Any) -> None:
+        conversation = getattr(request, "conversation_id", "")
+        self._guard.owner(context, request.owner_id, ConversationId(conversation) if conversation else None,
+                          owner_wide=not conversation)
+        self.claims.append(self._guard.claims(context))
+
+    def __getattr__(self, name: str) -> Any:
+        behaviour = getattr(self._servicer, name)
+        if inspect.isasyncgenfunction(behaviour):
+            async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+                try:
+                    self._check(request, context)
+                except CoreError as err:
+                    await context.abort(status_for(err), str(err))
+                async for item in behaviour(request, context):
+                    yield item
+            return streaming
+        if inspect.iscoroutinefunction(behaviour):
+            async def unary(request: Any, context: Any) -> Any:
+                try:
+                    self._check(request, context)
+                except CoreError as err:
+                    await context.abort(status_for(err), str(err))
+                return await behaviour(request, context)
+            return unary
+        return behaviour

@@ -1,10 +1,12 @@
-"""Fixtures for the edge: a FakeChat over real gRPC on an ephemeral port, and gateways (real uvicorn servers on
-ephemeral ports, in this event loop) in front of it."""
+"""Fixtures for the edge: a FakeChat over real gRPC and mutual TLS on an ephemeral port (checking each call's
+owner token), and gateways (real uvicorn servers on ephemeral ports, in this event loop, as spiffe://chatmesh/
+gateway minting owner tokens) in front of it."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from chatmesh.gateway.app import create_app, server_for
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.fake_chat import FakeChat, start_fake_chat
+from tests.trust import gateway_env
 
 
 @dataclass
@@ -34,20 +37,22 @@ StartGateway = Callable[..., Awaitable[Gateway]]
 
 
 @pytest.fixture
-async def fake_chat() -> AsyncIterator[tuple[FakeChat, str]]:
+async def fake_chat(mesh_certs: Path) -> AsyncIterator[tuple[FakeChat, str]]:
+    """The fake ChatService over mutual TLS, checking every call's owner token as chat does."""
     port = free_port()
-    server, fake = await start_fake_chat(port)
+    server, fake = await start_fake_chat(port, mesh_certs)
     yield fake, f"127.0.0.1:{port}"
     await server.stop(0)
 
 
 @pytest.fixture
-async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object) -> AsyncIterator[StartGateway]:
+async def start_gateway(fake_chat: tuple[FakeChat, str], tmp_path: object, mesh_certs: Path
+                        ) -> AsyncIterator[StartGateway]:
     started: list[Gateway] = []
 
     async def start(scheme: str = "http", **env: str) -> Gateway:
         port = free_port()
-        values = {"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": fake_chat[1],
+        values = {**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": fake_chat[1],
                   "CHATMESH_DATA_DIR": str(tmp_path),
                   "CHATMESH_SHUTDOWN_GRACE_S": "1", **env}
         cfg = Config(env=values)

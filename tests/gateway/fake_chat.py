@@ -15,9 +15,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pathlib import Path
+
 import grpc
 
+from chatmesh.chat import service as chat_service
+from chatmesh.mesh import identity
+from chatmesh.mesh.server import Service, start_server
+from chatmesh.mesh.tokens import OwnerClaims
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
+from tests.trust import OwnerChecked, trust_as
 
 Ctx = grpc.aio.ServicerContext[object, object]
 
@@ -50,6 +57,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.allowances: list[int] = []
         self.billed = 0
         self.report_prompt_tokens = True
+        self.token_claims: list[OwnerClaims] = []  # with mutual TLS: the verified owner token of each call
 
     async def _admit(self, allowance: int, context: Ctx) -> None:
         self.allowances.append(allowance)
@@ -208,10 +216,26 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
                 turn.grew.notify_all()
 
 
-async def start_fake_chat(port: int, fake: FakeChat | None = None) -> tuple[grpc.aio.Server, FakeChat]:
-    server = grpc.aio.server()
+async def start_fake_chat(port: int, certs: Path | None = None, fake: FakeChat | None = None
+                          ) -> tuple[grpc.aio.Server, FakeChat]:
+    """In plaintext; with `certs`, as chat does in the mesh: mutual TLS as spiffe://chatmesh/chat, ChatService's
+    authorization table, and every call's owner token checked (the verified claims in `fake.token_claims`)."""
     fake = fake or FakeChat()
-    chat_pb2_grpc.add_ChatServiceServicer_to_server(fake, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, fake
+    if certs is None:
+        server = grpc.aio.server()
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(fake, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, fake
+    trust = trust_as(certs, identity.CHAT)
+    assert trust.verifier is not None
+    checked = OwnerChecked(fake, trust.verifier)
+    fake.token_claims = checked.claims
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(checked, server)  # type: ignore[arg-type]
+        return ["chatmesh.v1.ChatService"]
+
+    running = await start_server(Service(name="chat", register=register, authz=chat_service.AUTHZ),
+                                 f"127.0.0.1:{port}", trust=trust)
+    return running.server, fake

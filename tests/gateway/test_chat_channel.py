@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 
@@ -26,14 +27,15 @@ class CountingChat(FakeChat):
         return await super().ListConversations(request, context)
 
 
-async def _serve(port: int) -> tuple[grpc.aio.Server, CountingChat]:
-    server, _ = await start_fake_chat(port, chat := CountingChat())
+async def _serve(port: int, certs: Path) -> tuple[grpc.aio.Server, CountingChat]:
+    server, _ = await start_fake_chat(port, certs, chat := CountingChat())
     return server, chat
 
 
-async def test_turns_spread_over_chat_addresses_and_fail_over(start_gateway: StartGateway) -> None:
+async def test_turns_spread_over_chat_addresses_and_fail_over(start_gateway: StartGateway, mesh_certs: Path
+                                                               ) -> None:
     ports = [free_port(), free_port()]
-    servers = [await _serve(p) for p in ports]
+    servers = [await _serve(p, mesh_certs) for p in ports]
     gw = await start_gateway(CHATMESH_CHAT_ADDRESSES=",".join(f"127.0.0.1:{p}" for p in ports))
     try:
         async with gw.client() as http:
@@ -49,7 +51,7 @@ async def test_turns_spread_over_chat_addresses_and_fail_over(start_gateway: Sta
             assert servers[0][1].lists - before == 20
 
             back_at = time.monotonic()
-            servers[1] = await _serve(ports[1])  # it comes back on its address
+            servers[1] = await _serve(ports[1], mesh_certs)  # it comes back on its address
             while servers[1][1].lists == 0:
                 assert time.monotonic() - back_at < 3.0, "a chat process that came back got no call in 3 s"
                 assert (await http.get("/v1/conversations")).status_code == 200

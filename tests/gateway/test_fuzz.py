@@ -11,6 +11,7 @@ import asyncio
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,18 +30,19 @@ from chatmesh.gateway.openapi import DOCUMENT
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.fake_chat import start_fake_chat
+from tests.trust import gateway_env
 
 
 @pytest.fixture(scope="module")
-def edge_url() -> Iterator[str]:
+def edge_url(mesh_certs: Path) -> Iterator[str]:
     chat_port, port = free_port(), free_port()
     ready = threading.Event()
     stop = threading.Event()
     failure: list[BaseException] = []
 
     async def main(data_dir: str) -> None:
-        grpc_server, _ = await start_fake_chat(chat_port)
-        server = server_for(Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{chat_port}",
+        grpc_server, _ = await start_fake_chat(chat_port, mesh_certs)
+        server = server_for(Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{chat_port}",
                                         "CHATMESH_DATA_DIR": data_dir, "CHATMESH_LIMIT_TURNS_PER_MINUTE": "100000",
                                         "CHATMESH_LIMIT_OPEN_STREAMS": "1000"}), port=port)
         task = asyncio.create_task(server.serve())

@@ -24,6 +24,7 @@ from chatmesh.mesh import ids
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.conftest import StartGateway
+from tests.trust import gateway_env
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.sse_client import collect, frames
 
@@ -324,7 +325,7 @@ async def open_stream(client: httpx.AsyncClient, conv: str, stack: contextlib.As
 
 @pytest.mark.slow
 async def test_two_gateway_processes_share_one_users_limits(
-        redis_url: str, fake_chat: tuple[FakeChat, str], tmp_path: Path) -> None:
+        redis_url: str, fake_chat: tuple[FakeChat, str], tmp_path: Path, mesh_certs: Path) -> None:
     fake, chat_address = fake_chat
     accounts: Accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(tmp_path)}))
     await accounts.create_tables()
@@ -332,7 +333,7 @@ async def test_two_gateway_processes_share_one_users_limits(
         await accounts.create_user(name)
     key_a, key_b = await accounts.create_key("a"), await accounts.create_key("b")
     await accounts.close()
-    env = {"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": chat_address,
+    env = {**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": chat_address,
            "CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_AUTH": "required",
            "CHATMESH_REDIS_URL": redis_url, "CHATMESH_LIMIT_TURNS_PER_MINUTE": "4",
            "CHATMESH_LIMIT_OPEN_STREAMS": "2", "CHATMESH_LOG_JSON": "true"}

@@ -18,6 +18,7 @@ from chatmesh.gateway.openapi import DOCUMENT
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port, need
 from tests.gateway.conftest import Gateway, StartGateway
+from tests.trust import gateway_env
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.sse_client import collect, frames, reply_text
 
@@ -177,11 +178,12 @@ async def test_tls_streams_a_turn_to_a_client_trusting_the_test_ca(start_gateway
             assert "CERTIFICATE_VERIFY_FAILED" in str(err)
 
 
-async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_path: Path) -> None:
+async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_path: Path, mesh_certs: Path
+                                           ) -> None:
     need(shutil.which("openssl") is not None, "the openssl command")
     ca, cert, key = make_ca_and_cert(tmp_path)
     port = free_port()
-    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
+    cfg = Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
                       "CHATMESH_GATEWAY_SERVER": "hypercorn", "CHATMESH_TLS_CERT": str(cert),
                       "CHATMESH_TLS_KEY": str(key), "CHATMESH_SHUTDOWN_GRACE_S": "1"})
     stop = asyncio.Event()

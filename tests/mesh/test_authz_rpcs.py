@@ -15,6 +15,7 @@ import pytest
 
 from chatmesh.chat import service as chat_service
 from chatmesh.engine_adapter import service as engine_service
+from chatmesh.gateway import owner_tokens
 from chatmesh.mesh import authz, pki
 from chatmesh.mesh import identity as ident
 from chatmesh.mesh.config import Config
@@ -23,9 +24,10 @@ from chatmesh.mesh.server import Running, Service, start_server
 from chatmesh.moderation import service as moderation_service
 from chatmesh.router import service as router_service
 from chatmesh.store import service as store_service
-from tests.trust import channel_as, make_certs, trust_as
+from tests.trust import channel_as, issuer_of, make_certs, trust_as
 
-CHAT, ROUTER, OPERATOR, GATEWAY, CLIENT = ident.CHAT, ident.ROUTER, ident.OPERATOR, ident.GATEWAY, ident.client("dev")
+CHAT, ROUTER, OPERATOR, GATEWAY = ident.CHAT, ident.ROUTER, ident.OPERATOR, ident.GATEWAY
+CLIENT = ident.client("dev")
 EXPECTED: dict[str, dict[str, set[Identity]]] = {
     "chatmesh.v1.ChatService": {**{rpc: {GATEWAY, CLIENT} for rpc in (
         "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
@@ -39,9 +41,11 @@ EXPECTED: dict[str, dict[str, set[Identity]]] = {
                                     "WatchStats": {ROUTER, CHAT, OPERATOR}},
     "chatmesh.v1.RouteService": {"PickReplica": {CHAT}, "ReleaseLease": {CHAT}, "ListReplicas": {CHAT, OPERATOR}},
     "chatmesh.v1.ModerateService": {"CheckInput": {CHAT}, "CheckOutput": {CHAT}, "CheckOutputBatch": {CHAT}},
+    "chatmesh.v1.OwnerTokenService": {"IssueOwnerToken": {CLIENT}},
 }
-SERVER_NAME = {"chatmesh.v1.ChatService": "chat", "chatmesh.v1.StoreService": "store", "chatmesh.v1.GenerateService": "engine",
-               "chatmesh.v1.RouteService": "router", "chatmesh.v1.ModerateService": "moderation"}
+SERVER_NAME = {"chatmesh.v1.ChatService": "chat", "chatmesh.v1.StoreService": "store",
+               "chatmesh.v1.GenerateService": "engine", "chatmesh.v1.RouteService": "router",
+               "chatmesh.v1.ModerateService": "moderation", "chatmesh.v1.OwnerTokenService": "gateway"}
 CALLERS = pki.default_identities(["dev"])
 
 
@@ -61,6 +65,7 @@ async def servers(certs: Path, tmp_path: Path) -> AsyncIterator[dict[str, int]]:
         ("chatmesh.v1.GenerateService", engine_service.build(cfg, trust_as(certs, ident.ENGINE)), ident.ENGINE),
         ("chatmesh.v1.RouteService", router_service.build(cfg, trust_as(certs, ROUTER)), ROUTER),
         ("chatmesh.v1.ModerateService", moderation_service.build(cfg), ident.MODERATION),
+        ("chatmesh.v1.OwnerTokenService", owner_tokens.token_service(issuer_of(certs)), GATEWAY),
     ]
     running: list[tuple[Service, Running]] = []
     ports = {}

@@ -1,7 +1,7 @@
 """The gateway process: a Starlette app (`create_app`) served by uvicorn (`run`, for `chatmesh serve gateway`).
 
-Lifespan: the gRPC channel to ChatService, the auth tables and the limits backend are opened when the app starts
-and closed when it stops, all inside the server's event loop.
+Lifespan: the gRPC channel to ChatService, the auth tables, the limits backend and the gRPC OwnerTokenService
+(owner_tokens.py) are opened when the app starts and closed when it stops, all inside the server's event loop.
 
 Shutdown on SIGTERM/SIGINT (uvicorn's handler): the listening socket closes, open SSE relays get
 CHATMESH_SHUTDOWN_GRACE_S to finish their turns, the rest are ended (their gRPC calls cancelled, so chat stores
@@ -42,12 +42,13 @@ from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
 from chatmesh.gateway.login_throttle import LoginThrottle
+from chatmesh.gateway.owner_tokens import EdgeTokens, serve_token_service
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.sse import Relays
 from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.mesh import channels, ids, logs, metrics
-from chatmesh.mesh.trust import service_trust
+from chatmesh.mesh.trust import Trust, service_trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
@@ -92,12 +93,11 @@ def chat_target(cfg: Config) -> str:
     return channels.target_for(cfg[settings.CHAT_ADDRESSES] or cfg[mesh_settings.CHAT_ADDRESS])
 
 
-def chat_channel(cfg: Config) -> grpc.aio.Channel:
+def chat_channel(cfg: Config, trust: Trust) -> grpc.aio.Channel:
     """One channel over every chat address: round robin over those connected, so a chat process that dies
     stops getting turns when its connection drops and one that returns gets them within about a second."""
     service = chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name
-    return channels.open_channel(service_trust(cfg, "gateway"), chat_target(cfg), "chat",
-                                 channels.balanced_options(service, _RETRIED))
+    return channels.open_channel(trust, chat_target(cfg), "chat", channels.balanced_options(service, _RETRIED))
 
 
 def route_table() -> list[BaseRoute]:
@@ -182,7 +182,10 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        channel = chat_channel(cfg)
+        trust = service_trust(cfg, "gateway")
+        channel = chat_channel(cfg, trust)
+        owner_tokens = EdgeTokens.from_trust(trust, cfg[mesh_settings.OWNER_TOKEN_TTL_S])
+        token_server = await serve_token_service(cfg, trust, owner_tokens)
         limits = _limits(cfg)
         accounts = accounts_for(cfg)
         await accounts.create_tables()
@@ -190,7 +193,8 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         local = ids.parse_owner_id(cfg[settings.LOCAL_USER], "CHATMESH_LOCAL_USER") \
             if cfg[settings.AUTH] == "local" else None
         app.state.edge = routes.Edge(
-            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), limits=limits,
+            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), tokens=owner_tokens,
+            limits=limits,
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
             budget=budget_of(cfg),
@@ -199,6 +203,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         if exporter is not None:
             await exporter.start()
         log.info("gateway_ready", chat=chat_target(cfg), auth=cfg[settings.AUTH],
+                 owner_token_service=token_server.address if token_server is not None else "off",
                  metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
         try:
             yield
@@ -209,6 +214,8 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
             await limits.close()
             await accounts.close()
             await channel.close(None)
+            if token_server is not None:
+                await token_server.stop()
 
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
         ApiError: _api_error, BodyTimeout: _body_timeout, ClientDisconnect: _client_gone,

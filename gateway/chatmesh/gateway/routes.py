@@ -1,4 +1,5 @@
-"""The REST/SSE routes: each authenticates, validates, calls ChatService with the principal's owner id, and turns
+"""The REST/SSE routes: each authenticates, validates, calls ChatService with the principal's owner id and an
+owner token minted for that principal (bound to the conversation the route names: owner_tokens.py), and turns
 the answer into JSON or an SSE relay. gRPC errors become HTTP through `errors.ApiError.from_rpc` only."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.gateway.identity import Principal
 from chatmesh.gateway.limits import Budget, LimitBackend, StreamLease
 from chatmesh.gateway.metering import TurnCharge, over_allowance
+from chatmesh.gateway.owner_tokens import EdgeTokens
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import PromptOverAllowance, Relays, TurnCall, TurnRelay, open_relay
 from chatmesh.gateway.tokens import MessageTokens
@@ -38,6 +40,7 @@ class Edge:
 
     chat: chat_pb2_grpc.ChatServiceAsyncStub
     auth: Authenticator
+    tokens: EdgeTokens
     limits: LimitBackend
     relays: Relays
     allowlist: tuple[str, ...]
@@ -150,7 +153,8 @@ async def create_conversation(request: Request) -> Response:
     if not isinstance(title, str) or len(title) > 200:
         raise bad_request("title must be a string of at most 200 characters")
     reply = await edge.unary(edge.chat.CreateConversation(
-        chat_pb2.CreateConversationRequest(owner_id=who.owner, title=title), timeout=edge.deadline_s))
+        chat_pb2.CreateConversationRequest(owner_id=who.owner, title=title), timeout=edge.deadline_s,
+        metadata=edge.tokens.metadata(who)))
     return JSONResponse(conversation_json(reply.conversation), 201)
 
 
@@ -158,7 +162,8 @@ async def list_conversations(request: Request) -> Response:
     edge, who = await _who(request)
     page_size = _int_query(request, "page_size", 50, 1, 500)
     reply = await edge.unary(edge.chat.ListConversations(
-        chat_pb2.ListConversationsRequest(owner_id=who.owner, page_size=page_size), timeout=edge.deadline_s))
+        chat_pb2.ListConversationsRequest(owner_id=who.owner, page_size=page_size), timeout=edge.deadline_s,
+        metadata=edge.tokens.metadata(who)))
     return JSONResponse({"conversations": [conversation_json(c) for c in reply.conversations]})
 
 
@@ -166,7 +171,8 @@ async def get_conversation(request: Request) -> Response:
     edge, who = await _who(request)
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     reply = await edge.unary(edge.chat.GetConversation(
-        chat_pb2.GetConversationRequest(owner_id=who.owner, conversation_id=conversation), timeout=edge.deadline_s))
+        chat_pb2.GetConversationRequest(owner_id=who.owner, conversation_id=conversation), timeout=edge.deadline_s,
+        metadata=edge.tokens.metadata(who, conversation)))
     out = conversation_json(reply.conversation)
     out["messages"] = [message_json(m, Sanitiser(edge.allowlist)) for m in reply.messages]
     return JSONResponse(out)
@@ -177,7 +183,7 @@ async def delete_conversation(request: Request) -> Response:
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     await edge.unary(edge.chat.DeleteConversation(
         chat_pb2.DeleteConversationRequest(owner_id=who.owner, conversation_id=conversation),
-        timeout=edge.deadline_s))
+        timeout=edge.deadline_s, metadata=edge.tokens.metadata(who, conversation)))
     return Response(status_code=204)
 
 
@@ -190,7 +196,7 @@ async def send_turn(request: Request) -> Response:
     def send(allowance: int) -> TurnCall:
         return edge.chat.SendTurn(chat_pb2.SendTurnRequest(
             owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id, content=turn.content,
-            prompt_token_allowance=allowance))
+            prompt_token_allowance=allowance), metadata=edge.tokens.metadata(who, conversation))
 
     return await edge.relay(who.owner, send, new_turn=True)
 
@@ -203,7 +209,8 @@ async def regenerate_turn(request: Request) -> Response:
 
     def regenerate(allowance: int) -> TurnCall:
         return edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
-            owner_id=who.owner, conversation_id=conversation, turn_id=new_turn, prompt_token_allowance=allowance))
+            owner_id=who.owner, conversation_id=conversation, turn_id=new_turn, prompt_token_allowance=allowance),
+            metadata=edge.tokens.metadata(who, conversation))
 
     return await edge.relay(who.owner, regenerate, new_turn=True)
 
@@ -215,7 +222,8 @@ async def attach_turn(request: Request) -> Response:
     after = _after_sequence(request)
     req = chat_pb2.AttachTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn,
                                      after_sequence=after)
-    return await edge.relay(who.owner, lambda _: edge.chat.AttachTurn(req), new_turn=False)
+    metadata = edge.tokens.metadata(who, conversation)
+    return await edge.relay(who.owner, lambda _: edge.chat.AttachTurn(req, metadata=metadata), new_turn=False)
 
 
 async def stop_turn(request: Request) -> Response:
@@ -224,7 +232,7 @@ async def stop_turn(request: Request) -> Response:
     turn = bodies.turn_path(request.path_params["turn_id"])
     reply = await edge.unary(edge.chat.StopTurn(
         chat_pb2.StopTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn),
-        timeout=edge.deadline_s))
+        timeout=edge.deadline_s, metadata=edge.tokens.metadata(who, conversation)))
     return JSONResponse({"stopped": reply.stopped})
 
 
@@ -232,7 +240,7 @@ async def usage(request: Request) -> Response:
     edge, who = await _who(request)
     days = _int_query(request, "days", 30, 1, 366)
     reply = await edge.unary(edge.chat.GetUsage(chat_pb2.GetUsageRequest(owner_id=who.owner, days=days),
-                                                timeout=edge.deadline_s))
+                                                timeout=edge.deadline_s, metadata=edge.tokens.metadata(who)))
     return JSONResponse({"days": [{"day": d.day, "turns": d.turns, "usage": events.usage_json(d.usage)}
                                   for d in reply.days]})
 
@@ -240,7 +248,7 @@ async def usage(request: Request) -> Response:
 async def export(request: Request) -> Response:
     edge, who = await _who(request)
     reply = await edge.unary(edge.chat.ExportUserData(chat_pb2.ExportUserDataRequest(owner_id=who.owner),
-                                                      timeout=edge.deadline_s * 6))
+                                                      timeout=edge.deadline_s * 6, metadata=edge.tokens.metadata(who)))
     try:
         json.loads(reply.json)
     except ValueError:

@@ -13,6 +13,9 @@ ENGINE_ADDRESS = Setting("CHATMESH_ENGINE_ADDRESS", "127.0.0.1:50054",
                          "gRPC address of the (first) GenerateService replica", str)
 MODERATION_ADDRESS = Setting("CHATMESH_MODERATION_ADDRESS", "127.0.0.1:50055",
                              "gRPC address of ModerateService", str)
+OWNER_TOKEN_ADDRESS = Setting("CHATMESH_OWNER_TOKEN_ADDRESS", "127.0.0.1:50056",
+                              "gRPC address of the gateway's OwnerTokenService, where internal clients acting for "
+                              "users (spiffe://chatmesh/client/*) get owner tokens, mutual TLS only (empty: off)", str)
 LISTEN = Setting("CHATMESH_LISTEN", "", "address `chatmesh serve` binds (default: the service's own address)", str)
 DATA_DIR = Setting("CHATMESH_DATA_DIR", ".data", "folder for the embedded SQLite database and caches", str)
 LOG_LEVEL = Setting("CHATMESH_LOG_LEVEL", "info", "log level", str,

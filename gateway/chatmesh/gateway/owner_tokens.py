@@ -1,0 +1,110 @@
+"""Owner tokens at the edge (chatmesh.mesh.tokens): minted per request for the user the gateway has just
+authenticated, and issued over gRPC to internal clients that act for users.
+
+Per request: `EdgeTokens.metadata(principal, conversation)` mints a token for the principal's owner id (the one
+owner id the gateway believes: from the session or the key, never from a request field), bound to the
+conversation when the route names one, so a token that leaks opens that conversation only, and owner-wide
+otherwise (create, list, usage, export). It lives CHATMESH_OWNER_TOKEN_TTL_S (longer than a turn: a turn's last
+store write carries the token its request came with) and travels in the `chatmesh-owner-token` metadata of the
+request's ChatService calls; chat verifies it and forwards it to the store and the engine. Minting is one
+Ed25519 signature (~40 us here) per request. In plaintext (CHATMESH_MESH_PLAINTEXT) nothing is minted: nothing
+behind the edge verifies.
+
+`OwnerTokenService` (protos/chatmesh/v1/owner_token.proto) on CHATMESH_OWNER_TOKEN_ADDRESS, mutual TLS only and
+callable by spiffe://chatmesh/client/* identities only (`AUTHZ`): an internal service that acts for users (the
+README's typed client) asks it for a token naming the owner, and conversation, it acts for. Each issue is logged
+with the caller's identity, the owner and conversation ids and the key id, never the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from chatmesh.gateway.identity import Principal
+from chatmesh.mesh import authz, identity, logs, tokens
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.mesh.ids import ConversationId, parse_conversation_id, parse_owner_id
+from chatmesh.mesh.server import Running, Service, start_server, unary_errors
+from chatmesh.mesh.settings import OWNER_TOKEN_ADDRESS
+from chatmesh.mesh.trust import Trust, host_of
+from chatmesh.v1 import owner_token_pb2, owner_token_pb2_grpc
+
+log = logs.get("chatmesh.gateway.owner_tokens")
+
+Metadata = tuple[tuple[str, str], ...]
+AUTHZ = {"chatmesh.v1.OwnerTokenService": {"IssueOwnerToken": [identity.ANY_CLIENT]}}
+
+
+class EdgeTokens:
+    """Mints the owner token each request's ChatService calls carry (none in plaintext)."""
+
+    def __init__(self, issuer: tokens.Issuer | None) -> None:
+        self.issuer = issuer
+
+    @classmethod
+    def from_trust(cls, trust: Trust, ttl_s: int) -> EdgeTokens:
+        """With mutual TLS the gateway's trust verifies with the key set holding private halves: it signs with it."""
+        return cls(None if trust.verifier is None else tokens.Issuer(trust.verifier.keys, ttl_s))
+
+    def metadata(self, who: Principal, conversation: ConversationId | None = None) -> Metadata:
+        if self.issuer is None:
+            return ()
+        return tokens.metadata_of(self.issuer.mint(who.owner, conversation).token)
+
+
+class OwnerTokenServicer(owner_token_pb2_grpc.OwnerTokenServiceServicer):
+    def __init__(self, issuer: tokens.Issuer) -> None:
+        self.issuer = issuer
+
+    @unary_errors
+    async def IssueOwnerToken(self, request: owner_token_pb2.IssueOwnerTokenRequest,
+                              context: grpc.aio.ServicerContext[object, object]
+                              ) -> owner_token_pb2.IssueOwnerTokenResponse:
+        owner = parse_owner_id(request.owner_id)
+        conversation = parse_conversation_id(request.conversation_id) if request.conversation_id else None
+        if request.ttl_s < 0:
+            raise InvalidArgument("ttl_s must not be negative (0: the gateway's CHATMESH_OWNER_TOKEN_TTL_S)")
+        minted = self.issuer.mint(owner, conversation, ttl_s=request.ttl_s or None)
+        caller = authz.caller.get()
+        log.info("owner_token_issued", caller=caller.identity if caller else "", owner_id=owner,
+                 conversation_id=conversation or "", key_id=minted.claims.key_id,
+                 expires_at=minted.claims.expires_at)
+        return owner_token_pb2.IssueOwnerTokenResponse(
+            token=minted.token, expires_at_ms=minted.claims.expires_at * 1000, metadata_key=tokens.METADATA_KEY,
+            key_id=minted.claims.key_id)
+
+
+@dataclass
+class TokenServer:
+    service: Service
+    running: Running
+    host: str
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.running.port}" if ":" in self.host else f"{self.host}:{self.running.port}"
+
+    async def stop(self, grace_s: float = 0) -> None:
+        await self.running.stop(self.service, grace_s)
+
+
+def token_service(issuer: tokens.Issuer) -> Service:
+    servicer = OwnerTokenServicer(issuer)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        owner_token_pb2_grpc.add_OwnerTokenServiceServicer_to_server(servicer, server)
+        return [owner_token_pb2.DESCRIPTOR.services_by_name["OwnerTokenService"].full_name]
+
+    return Service(name="gateway", register=register, authz=AUTHZ)
+
+
+async def serve_token_service(cfg: Config, trust: Trust, edge: EdgeTokens) -> TokenServer | None:
+    """Starts OwnerTokenService on CHATMESH_OWNER_TOKEN_ADDRESS (None: the address is empty, or plaintext)."""
+    address = cfg[OWNER_TOKEN_ADDRESS]
+    if not address or edge.issuer is None:
+        return None
+    service = token_service(edge.issuer)
+    return TokenServer(service, await start_server(service, address, trust=trust), host_of(address))

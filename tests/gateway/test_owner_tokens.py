@@ -1,0 +1,131 @@
+"""Owner tokens minted by the edge, over real gRPC and mutual TLS: every ChatService call a route makes carries a
+token for the authenticated principal (never an owner a request names), bound to the conversation when the
+route names one; and the gateway's OwnerTokenService gives tokens to client identities only."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from chatmesh.gateway.cli import accounts_for
+from chatmesh.mesh import identity as ident
+from chatmesh.mesh import pki, tokens
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc, owner_token_pb2, owner_token_pb2_grpc
+from tests.conftest import free_port
+from tests.gateway.conftest import StartGateway
+from tests.gateway.fake_chat import FakeChat
+from tests.gateway.sse_client import collect, reply_text
+from tests.trust import channel_as
+
+
+def verifier(certs: Path) -> tokens.Verifier:
+    return tokens.Verifier(tokens.watch_keys(certs / pki.TOKEN_PUBLIC_KEYS_FILE))
+
+
+async def test_each_route_sends_a_token_for_the_principal_bound_to_the_conversation_it_names(
+        start_gateway: StartGateway, fake: FakeChat) -> None:
+    gw = await start_gateway()
+    async with gw.client() as client:
+        conv = (await client.post("/v1/conversations", json={"title": "t"})).json()["id"]
+        created = fake.token_claims[-1]
+        assert (created.owner, created.conversation) == ("local", None)  # owner-wide: no conversation yet
+        turn = str(uuid.uuid4())
+        async with client.stream("POST", f"/v1/conversations/{conv}/turns",
+                                  json={"turn_id": turn, "content": "Hi"}) as r:
+            assert reply_text(await collect(r)) == "Hello, world."
+        async with client.stream("GET", f"/v1/conversations/{conv}/turns/{turn}/events") as r:
+            await collect(r)
+        assert (await client.post(f"/v1/conversations/{conv}/turns/{turn}/stop")).status_code == 200
+        assert (await client.get(f"/v1/conversations/{conv}")).status_code == 200
+        bound = fake.token_claims[1:]
+        assert len(bound) == 4 and {(c.owner, c.conversation) for c in bound} == {("local", conv)}
+        for path in ("/v1/conversations", "/v1/usage", "/v1/export"):
+            assert (await client.get(path)).status_code == 200
+            assert (fake.token_claims[-1].owner, fake.token_claims[-1].conversation) == ("local", None)
+        assert (await client.delete(f"/v1/conversations/{conv}")).status_code == 204
+        assert fake.token_claims[-1].conversation == conv
+    # each request got its own short-lived token
+    assert all(c.expires_at <= time.time() + 900 + 5 for c in fake.token_claims)
+
+
+async def test_a_user_gets_tokens_for_themselves_only(start_gateway: StartGateway, fake: FakeChat,
+                                                     tmp_path: Path) -> None:
+    accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(tmp_path)}))
+    await accounts.create_tables()
+    alice = await accounts.create_user("alice")
+    key = await accounts.create_key("alice")
+    await accounts.close()
+    gw = await start_gateway(CHATMESH_AUTH="required")
+    async with gw.client(headers={"authorization": f"Bearer {key}"}) as client:
+        assert (await client.post("/v1/conversations?owner_id=bob", json={"owner_id": "bob"})).status_code == 201
+        assert (await client.get("/v1/conversations")).status_code == 200
+    assert {c.owner for c in fake.token_claims} == {alice}
+
+
+@pytest.fixture
+async def token_service(start_gateway: StartGateway) -> str:
+    address = f"127.0.0.1:{free_port()}"
+    await start_gateway(CHATMESH_OWNER_TOKEN_ADDRESS=address)
+    return address
+
+
+async def test_a_client_identity_gets_an_owner_token_that_chat_accepts_for_that_owner_only(
+        token_service: str, mesh_certs: Path, fake_chat: tuple[FakeChat, str]) -> None:
+    conv = str(uuid.uuid4())
+    async with channel_as(mesh_certs, ident.client("dev"), token_service, "gateway") as channel:
+        issuer = owner_token_pb2_grpc.OwnerTokenServiceStub(channel)
+        wide = await issuer.IssueOwnerToken(owner_token_pb2.IssueOwnerTokenRequest(owner_id="alice"))
+        short = await issuer.IssueOwnerToken(owner_token_pb2.IssueOwnerTokenRequest(
+            owner_id="alice", conversation_id=conv, ttl_s=60))
+        capped = await issuer.IssueOwnerToken(owner_token_pb2.IssueOwnerTokenRequest(owner_id="alice",
+                                                                                   ttl_s=10**6))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await issuer.IssueOwnerToken(owner_token_pb2.IssueOwnerTokenRequest(owner_id="alice", ttl_s=-1))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await issuer.IssueOwnerToken(owner_token_pb2.IssueOwnerTokenRequest())
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wide.metadata_key == tokens.METADATA_KEY
+    now = time.time()
+    claims = verifier(mesh_certs).verify(wide.token)
+    assert (claims.owner, claims.conversation, claims.key_id) == (OwnerId("alice"), None, wide.key_id)
+    assert abs(wide.expires_at_ms / 1000 - (now + 900)) < 5
+    assert verifier(mesh_certs).verify(short.token).conversation == ConversationId(conv)
+    assert abs(short.expires_at_ms / 1000 - (now + 60)) < 5
+    assert abs(capped.expires_at_ms / 1000 - (now + 900)) < 5  # never longer than CHATMESH_OWNER_TOKEN_TTL_S
+    # chat takes the token for alice, and refuses it for bob
+    async with channel_as(mesh_certs, ident.client("dev"), fake_chat[1], "chat") as channel:
+        chat = chat_pb2_grpc.ChatServiceStub(channel)
+        made = await chat.CreateConversation(chat_pb2.CreateConversationRequest(owner_id="alice"),
+                                             metadata=((wide.metadata_key, wide.token),))
+        assert made.conversation.owner_id == "alice"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await chat.CreateConversation(chat_pb2.CreateConversationRequest(owner_id="bob"),
+                                          metadata=((wide.metadata_key, wide.token),))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_only_client_identities_may_ask_and_only_with_a_certificate(token_service: str,
+                                                                          mesh_certs: Path) -> None:
+    request = owner_token_pb2.IssueOwnerTokenRequest(owner_id="alice")
+    for who in (ident.GATEWAY, ident.CHAT, ident.STORE, ident.OPERATOR):
+        async with channel_as(mesh_certs, who, token_service, "gateway") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await owner_token_pb2_grpc.OwnerTokenServiceStub(channel).IssueOwnerToken(request)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert err.value.details() == f"{who} may not call /chatmesh.v1.OwnerTokenService/IssueOwnerToken"
+    async with grpc.aio.insecure_channel(token_service) as plain:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await owner_token_pb2_grpc.OwnerTokenServiceStub(plain).IssueOwnerToken(request, timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # the HTTP edge never serves it
+    async with httpx.AsyncClient(timeout=5) as client:
+        with pytest.raises(httpx.HTTPError):
+            await client.get(f"http://{token_service}/")
