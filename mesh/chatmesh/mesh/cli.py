@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 COMMAND_MODULES = (
     "chatmesh.mesh.commands",
+    "chatmesh.model.cli",
     "chatmesh.mesh.up",
     "chatmesh.mesh.certs",
     "chatmesh.store.cli",
@@ -25,7 +26,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 # Commands whose module is known: `chatmesh serve store` imports only what serving the store needs, not every
 # command's dependencies (torch, scikit-learn, matplotlib), so a service process starts in a second.
-KNOWN = {"serve": "chatmesh.mesh.commands", "model": "chatmesh.mesh.commands", "config": "chatmesh.mesh.commands",
+KNOWN = {"serve": "chatmesh.mesh.commands", "model": "chatmesh.model.cli", "config": "chatmesh.mesh.commands",
          "up": "chatmesh.mesh.up", "certs": "chatmesh.mesh.certs"}
 
 

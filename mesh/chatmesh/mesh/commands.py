@@ -1,4 +1,4 @@
-"""`chatmesh serve SERVICE`, `chatmesh model fetch`, `chatmesh config table`."""
+"""`chatmesh serve SERVICE`, `chatmesh config table` (`chatmesh model ...` lives in chatmesh.model.cli)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from chatmesh.mesh import config, logs, settings, tracing
 from chatmesh.mesh.config import Config, Setting
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
 from chatmesh.mesh.trust import Trust, TrustRefused, service_trust
-from chatmesh.model import assets
-from chatmesh.model import settings as model_settings
 
 # service name -> (module with `build(cfg) -> Service`, the setting holding its address)
 GRPC_SERVICES: dict[str, tuple[str, Setting[str]]] = {
@@ -32,11 +30,6 @@ def register(sub: Any) -> None:
     p.add_argument("service", choices=SERVICES)
     config.add_flags(p)
     p.set_defaults(handler=_serve)
-
-    p = sub.add_parser("model", help="model assets")
-    p.add_argument("action", choices=("fetch", "path"))
-    config.add_flags(p)
-    p.set_defaults(handler=_model)
 
     p = sub.add_parser("config", help="show configuration")
     p.add_argument("action", choices=("table", "readme"),
@@ -96,19 +89,4 @@ def _config(args: argparse.Namespace) -> int:
     path = Path(__file__).resolve().parents[3] / "README.md"
     path.write_text(readme_with_table(path.read_text()))
     print(f"rewrote the settings table in {path}")
-    return 0
-
-
-def _model(args: argparse.Namespace) -> int:
-    cfg = Config(flags=config.flags_of(args))
-    model_dir = cfg[model_settings.MODEL_DIR]
-    if args.action == "fetch":
-        path = assets.fetch(model_dir)
-    else:
-        try:
-            path = assets.gguf_path(model_dir)
-        except assets.ModelMissing as err:
-            print(err, file=sys.stderr)
-            return 1
-    print(path)
     return 0

@@ -1,1 +1,1 @@
-"""The chat model's assets shared by chat and engine: the GGUF file, its tokenizer and chat template."""
+"""The served model as chat and the engines share it: its files (assets), tokenizer, chat template and profile."""

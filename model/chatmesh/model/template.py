@@ -1,28 +1,46 @@
-"""SmolLM2's ChatML chat template, rendered straight to token ids with stable prefixes.
+"""Chat formats rendered straight to token ids with stable prefixes: the built-in ChatML and Llama 3 formats here,
+the model's own Jinja `chat_template` in jinja_template.py.
 
-The GGUF's template renders each message as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, inserts a default
-system message when the conversation has none, and ends with the generation prompt `<|im_start|>assistant\\n`.
+A format turns messages into segments: special tokens (by their text, looked up in the tokenizer's specials)
+and plain-text pieces. `encode` encodes every text piece on its own and concatenates, with special ids inserted
+as ids. Why per piece (invariant I3): the engine reuses a conversation's cached KV blocks only if the next
+turn's prompt tokens START WITH the previous turn's, and tokenizing the rendered string whole would not
+guarantee that (BPE may merge across a message boundary). Why special tokens are never parsed out of text:
+message content is user text, and `<|im_end|>` typed by a user must stay characters, not end a turn.
 
-Prefix stability (invariant I3): the engine reuses a conversation's cached KV blocks only if the next turn's
-prompt tokens START WITH the previous turn's. Tokenizing the whole rendered string at once would not guarantee
-that (BPE may merge across a message boundary), so every part is encoded on its own and concatenated: the
-special tokens are inserted as ids, and a message's role header (`user\\n`), its content and the trailing `\\n`
-are three separate encodings. The header is encoded apart from the content so that the generation prompt of
-turn n (`<|im_start|>assistant\\n`) is also the exact start of the assistant message in turn n+1. The only
-difference from tokenizing the rendered string whole is when content starts with whitespace, which then is not
-merged into the newline before it: a model sees the same characters.
+Where this differs from tokenizing the rendered text whole (the boundary splits the prefix rule requires):
+- ChatML (SmolLM2's template): a message's role header (`user\\n`), its content and the trailing `\\n` are
+  three pieces, so the generation prompt `<|im_start|>assistant\\n` of turn n is also the exact start of the
+  assistant message in turn n+1. Whole-text tokenizing differs only when content starts with whitespace, which
+  then is not merged into the newline before it: the model sees the same characters.
+- Llama 3: content is trimmed by the format (as Meta's template does), every piece sits between special tokens
+  or after `\\n\\n`, and Llama 3's pre-tokenizer always ends a piece at a newline run followed by a
+  non-space, so the ids equal whole-text tokenizing exactly (tests/model/test_llama3.py checks 10 turns).
+- Either: a special token spelled inside content stays text (whole-text tokenizing would make it the token).
 
-`platform_prefix_len` counts the tokens of the system message: the platform prefix the engine shares across
-owners (the owner's salt enters the block hash chain after it).
+`platform_prefix_len` counts the tokens up to the end of the first (system) message: the platform prefix the
+engine shares across owners (the owner's salt enters the block hash chain after it).
+
+Built-in formats:
+- `ChatML(default_system)`: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, generation prompt
+  `<|im_start|>assistant\\n`; with `default_system`, a conversation without a leading system message gets it
+  (SmolLM2's template does).
+- `Llama3(dated=True)`: Llama 3.1's format (the same for 3.2 and 3.3): `<|begin_of_text|>`, always a system
+  header whose body starts `Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n` (the
+  template's fixed default date: a date that changed daily would change the shared prefix every day), then
+  `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content | trim}<|eot_id|>` per message, generation prompt
+  `<|start_header_id|>assistant<|end_header_id|>\\n\\n`. `dated=False`: Llama 3.0's, no implied system message.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from chatmesh.model.tokenizer import Tokenizer
+from chatmesh.model.vocabulary import TextTokenizer
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -45,28 +63,180 @@ class RenderedPrompt:
     platform_prefix_len: int  # leading tokens that are the system message
 
 
-def message_ids(tok: Tokenizer, message: Message) -> list[int]:
-    """One message's tokens: `<|im_start|>` + role header + content + `<|im_end|>` + newline."""
-    return [tok.im_start_id, *tok.encode(message.role.value + "\n"), *tok.encode(message.text),
-            tok.im_end_id, *tok.encode("\n")]
+@dataclass(frozen=True)
+class Special:
+    """A special token, by its text."""
+
+    token: str
 
 
-def generation_prompt_ids(tok: Tokenizer) -> list[int]:
-    """`<|im_start|>assistant\\n`: the start of the reply the model is asked to write."""
-    return [tok.im_start_id, *tok.encode(Role.ASSISTANT.value + "\n")]
+@dataclass(frozen=True)
+class Text:
+    """Plain text, encoded on its own."""
+
+    text: str
 
 
-def render(tok: Tokenizer, messages: Sequence[Message | tuple[Role | str, str]],
-           add_generation_prompt: bool = True) -> RenderedPrompt:
-    """Token ids of a conversation. A conversation without a leading system message gets the default one."""
-    msgs = [m if isinstance(m, Message) else Message(Role(m[0]) if isinstance(m[0], str) else m[0], m[1])
+Segment = Special | Text
+
+
+@dataclass(frozen=True)
+class Formatted:
+    segments: tuple[Segment, ...]
+    prefix_segments: int  # leading segments that are the platform prefix
+
+
+class ChatFormat(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def end_of_turn(self) -> str:
+        """The special token that closes an assistant message (a stop token)."""
+        ...
+
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted: ...
+
+
+class FormatError(ValueError):
+    """A format cannot be used with this tokenizer or these messages."""
+
+
+def as_messages(messages: Sequence[Message | tuple[Role | str, str]]) -> list[Message]:
+    return [m if isinstance(m, Message) else Message(Role(m[0]) if isinstance(m[0], str) else m[0], m[1])
             for m in messages]
-    if not msgs or msgs[0].role is not Role.SYSTEM:
-        msgs.insert(0, Message(Role.SYSTEM, DEFAULT_SYSTEM))
-    ids = message_ids(tok, msgs[0])
-    prefix_len = len(ids)
-    for m in msgs[1:]:
-        ids.extend(message_ids(tok, m))
-    if add_generation_prompt:
-        ids.extend(generation_prompt_ids(tok))
-    return RenderedPrompt(tuple(ids), prefix_len)
+
+
+class ChatML:
+    name = "chatml"
+    end_of_turn = "<|im_end|>"
+
+    def __init__(self, default_system: str | None = None):
+        self.default_system = default_system
+
+    def message(self, m: Message) -> list[Segment]:
+        return [Special("<|im_start|>"), Text(m.role.value + "\n"), Text(m.text), Special("<|im_end|>"), Text("\n")]
+
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted:
+        msgs = list(messages)
+        if self.default_system is not None and (not msgs or msgs[0].role is not Role.SYSTEM):
+            msgs.insert(0, Message(Role.SYSTEM, self.default_system))
+        segments: list[Segment] = []
+        prefix = 0
+        for i, m in enumerate(msgs):
+            segments.extend(self.message(m))
+            if i == 0 and m.role is Role.SYSTEM:
+                prefix = len(segments)
+        if add_generation_prompt:
+            segments += [Special("<|im_start|>"), Text(Role.ASSISTANT.value + "\n")]
+        return Formatted(tuple(segments), prefix)
+
+
+LLAMA3_DATE_LINES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+
+
+class Llama3:
+    end_of_turn = "<|eot_id|>"
+
+    def __init__(self, dated: bool = True):
+        self.dated = dated
+
+    @property
+    def name(self) -> str:
+        return "llama3.1" if self.dated else "llama3"
+
+    @staticmethod
+    def header(role: str) -> list[Segment]:
+        return [Special("<|start_header_id|>"), Text(role), Special("<|end_header_id|>")]
+
+    def message(self, role: str, text: str, lead: str = "") -> list[Segment]:
+        return [*self.header(role), Text("\n\n" + lead), Text(text.strip()), Special("<|eot_id|>")]
+
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted:
+        segments: list[Segment] = [Special("<|begin_of_text|>")]
+        rest = list(messages)
+        prefix = 0
+        if self.dated:
+            system = rest.pop(0).text if rest and rest[0].role is Role.SYSTEM else ""
+            segments += self.message(Role.SYSTEM.value, system, LLAMA3_DATE_LINES)
+            prefix = len(segments)
+        elif rest and rest[0].role is Role.SYSTEM:
+            segments += self.message(Role.SYSTEM.value, rest.pop(0).text)
+            prefix = len(segments)
+        for m in rest:
+            segments += self.message(m.role.value, m.text)
+        if add_generation_prompt:
+            segments += [*self.header(Role.ASSISTANT.value), Text("\n\n")]
+        return Formatted(tuple(segments), prefix)
+
+
+CACHED_TEXTS = 4096  # text pieces whose ids are kept (a few conversations' worth of history per process)
+CACHED_TEXT_CHARS = 64 * 1024  # longer texts (pastes) are encoded each time rather than pinned in memory
+
+
+class PromptEncoder:
+    """Encodes formatted segments to ids. Every turn re-renders the whole history, and all of it but the new
+    message was encoded on an earlier turn, so text pieces' ids are kept in a bounded LRU; the result is the
+    same ids as encoding each piece afresh (only the work is skipped)."""
+
+    def __init__(self, tokenizer: TextTokenizer, cached_texts: int = CACHED_TEXTS):
+        self.tokenizer = tokenizer
+        self.cached_texts = cached_texts
+        self._texts: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def special_id(self, token: str) -> int:
+        i = self.tokenizer.special_tokens.get(token)
+        if i is None:
+            raise FormatError(f"the tokenizer has no special token {token}")
+        return i
+
+    def text_ids(self, text: str) -> tuple[int, ...]:
+        ids = self._texts.get(text)
+        if ids is not None:
+            self._texts.move_to_end(text)
+            return ids
+        ids = tuple(self.tokenizer.encode(text)) if text else ()
+        if len(text) <= CACHED_TEXT_CHARS:
+            self._texts[text] = ids
+            if len(self._texts) > self.cached_texts:
+                self._texts.popitem(last=False)
+        return ids
+
+    def encode(self, formatted: Formatted) -> RenderedPrompt:
+        ids: list[int] = []
+        prefix = 0
+        for i, seg in enumerate(formatted.segments):
+            if i == formatted.prefix_segments:
+                prefix = len(ids)
+            match seg:
+                case Special():
+                    ids.append(self.special_id(seg.token))
+                case Text():
+                    ids.extend(self.text_ids(seg.text))
+        if formatted.prefix_segments >= len(formatted.segments):
+            prefix = len(ids)
+        return RenderedPrompt(tuple(ids), prefix)
+
+
+# SmolLM2's ChatML as functions of a tokenizer (the first version of this module's API, kept for the benchmarks
+# and the local engine's tests, which render SmolLM2 prompts without a profile).
+SMOLLM2_FORMAT = ChatML(DEFAULT_SYSTEM)
+
+
+def message_ids(tok: TextTokenizer, message: Message) -> list[int]:
+    """One message's tokens: `<|im_start|>` + role header + content + `<|im_end|>` + newline."""
+    enc = PromptEncoder(tok, cached_texts=0)
+    return list(enc.encode(Formatted(tuple(SMOLLM2_FORMAT.message(message)), 0)).token_ids)
+
+
+def generation_prompt_ids(tok: TextTokenizer) -> list[int]:
+    """`<|im_start|>assistant\\n`: the start of the reply the model is asked to write."""
+    enc = PromptEncoder(tok, cached_texts=0)
+    return list(enc.encode(Formatted((Special("<|im_start|>"), Text(Role.ASSISTANT.value + "\n")), 0)).token_ids)
+
+
+def render(tok: TextTokenizer, messages: Sequence[Message | tuple[Role | str, str]],
+           add_generation_prompt: bool = True) -> RenderedPrompt:
+    """Token ids of a conversation in SmolLM2's ChatML. Without a leading system message the default one."""
+    return PromptEncoder(tok, cached_texts=0).encode(SMOLLM2_FORMAT.format(as_messages(messages),
+                                                                            add_generation_prompt))

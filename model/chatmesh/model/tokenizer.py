@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import codecs
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import regex
 
 from chatmesh.model.assets import gguf_path
+from chatmesh.model.vocabulary import vocabulary_digest
 
 # Token types of llama.cpp's vocabulary (tokenizer.ggml.token_type).
 TOKEN_TYPE_NORMAL = 1
@@ -76,7 +77,10 @@ class Tokenizer:
             raise ValueError("tokens and token_types differ in length")
         self._split_digits = _PRE_SPLITS_DIGITS[pre]
         self._tokens = list(tokens)
+        self._merges = list(merges)
         self._control = frozenset(i for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL)
+        self._specials = {tokens[i]: i for i in sorted(self._control)}
+        self._digest = ""
         # Control tokens are left out of the lookup so BPE can never yield them from text.
         self._ids = {t: i for i, t in enumerate(tokens) if i not in self._control}
         self._ranks: dict[tuple[str, str], int] = {}
@@ -132,6 +136,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tokens)
+
+    @property
+    def special_tokens(self) -> Mapping[str, int]:
+        """The control tokens by their text."""
+        return self._specials
+
+    @property
+    def digest(self) -> str:
+        """The vocabulary digest (chatmesh.model.vocabulary), computed on first use."""
+        if not self._digest:
+            self._digest = vocabulary_digest("bpe", self._tokens, self._merges, self._control)
+        return self._digest
 
     @property
     def eos_id(self) -> int:
