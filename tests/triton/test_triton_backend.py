@@ -71,6 +71,7 @@ def tokens(events: list[GenerateEvent]) -> list[int]:
 
 async def test_stream_is_started_deltas_finished(backend: TritonBackend) -> None:
     assert backend.ready()
+    assert backend.model.model_id == "sim-words"  # what the engine inside Triton reports, not a configured name
     events = await collect(backend, prompt(max_tokens=6))
     assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
     assert all(isinstance(e, Delta) for e in events[1:-1])

@@ -102,7 +102,7 @@ def step(ids: list[int], text: str, reason: str | None = None) -> FakeOutput:
 
 PARAMS = GenerateParams((1, 2, 3, 4), 8, cache_salt=b"\x01\x02", platform_prefix_tokens=2,
                         stop_token_ids=frozenset({99}))
-ARGS = {"model": "m", "backend": "pytorch", "tensor_parallel_size": 8,
+ARGS = {"model": "m", "tokenizer": "/models/m", "backend": "pytorch", "tensor_parallel_size": 8,
         "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 32}}
 
 
@@ -125,7 +125,7 @@ async def test_streams_with_the_salt_and_counts_a_stop_token_without_streaming_i
 
 
 async def test_cancel_aborts_and_salt_policy_none_sends_no_salt(fake_trtllm: list[FakeLLM]) -> None:
-    backend = TrtLlmBackend(ARGS, salt_policy="none")
+    backend = TrtLlmBackend(ARGS, salt_policy="none", end_ids=frozenset({7}))
     await backend.start()
     llm = fake_trtllm[0]
     llm.script = [step([10], "a"), step([10, 11], "b"), step([10, 11, 12], "c", "length")]
@@ -140,7 +140,7 @@ async def test_cancel_aborts_and_salt_policy_none_sends_no_salt(fake_trtllm: lis
 async def test_stats_come_from_iteration_stats_and_kv_events(fake_trtllm: list[FakeLLM]) -> None:
     import asyncio
 
-    backend = TrtLlmBackend(ARGS)
+    backend = TrtLlmBackend(ARGS, end_ids=frozenset({7}))
     await backend.start()
     for _ in range(50):
         if backend.stats().device.total and backend.stats().device_evictions:

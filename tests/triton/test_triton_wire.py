@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -22,8 +24,13 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.engine_adapter.triton import python_model, wire
 from chatmesh.engine_adapter.triton.render import Deployment, parse_model_config, planned_host_cache_bytes, render
+from chatmesh.engine_adapter.triton.trtllm import TrtLlmBackend
+from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from chatmesh.mesh.ids import ConversationId, TurnId
+from chatmesh.model import assets, profile
+from chatmesh.model.profile import ModelIdentity
+from chatmesh.model.settings import MODEL_DIR
 
 CONVERSATION = ConversationId("8a3d7f0e-3f51-4c1e-9c63-0d6a2b1f9e11")
 
@@ -58,8 +65,10 @@ def test_events_round_trip_through_tensors(event: Started | Delta | Finished) ->
 
 def test_finished_carries_stats_and_refusals_come_back_typed() -> None:
     stats = EngineStats("r", "sim", 1, 2, 16, TierStats(10, 4, 6), TierStats(5, 0, 5), hit_tokens=7)
-    get = wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1)), wire.Snapshot("e1", 3, stats)))
-    assert wire.stats_of(get) == wire.Snapshot("e1", 3, stats)
+    served = ModelIdentity("m", "sha256:00")
+    get = wire.getter(wire.event_tensors(Finished(FinishReason.LENGTH, Usage(1, 0, 1)),
+                                         wire.Snapshot("e1", 3, stats, served)))
+    assert wire.stats_of(get) == wire.Snapshot("e1", 3, stats, served)
     assert isinstance(wire.error_of(wire.getter(wire.error_tensors(ResourceExhausted("full")))), ResourceExhausted)
     assert isinstance(wire.error_of(wire.getter(wire.error_tensors(InvalidArgument("bad")))), InvalidArgument)
     internal = wire.getter(wire.error_tensors(RuntimeError("boom")))
@@ -91,6 +100,40 @@ def test_llm_config_uses_the_llm_api_names(tmp_path: Path) -> None:
     assert kv["enable_block_reuse"] and kv["host_cache_size"] == 64 << 30 and kv["free_gpu_memory_fraction"] == 0.85
     assert kv["event_buffer_max_size"] > 0
     assert cfg["chatmesh"]["salt_policy"] == "owner"
+
+
+def test_llm_config_takes_tokenizer_end_ids_and_identity_from_the_profile(tmp_path: Path) -> None:
+    path = Path(Config()[MODEL_DIR])
+    if not assets.LLAMA3_TOKENIZER.present(path):
+        pytest.skip("the Llama 3 tokenizer is absent; run `chatmesh model fetch`")
+    llama3 = profile.load_spec("llama3", path)
+    folder = render(Deployment.for_profile(llama3, engine="trtllm"), tmp_path)
+    cfg = json.loads((folder / "llm_config.json").read_text())
+    assert cfg["tokenizer"] == str(llama3.tokenizer_dir) and (Path(cfg["tokenizer"]) / "tokenizer.json").is_file()
+    ours = cfg["chatmesh"]
+    assert ours["end_ids"] == [128001, 128008, 128009]
+    assert (ours["model_id"], ours["tokenizer_digest"]) == (llama3.model_id, llama3.identity.tokenizer_digest)
+    backend = TrtLlmBackend.from_file(str(folder / "llm_config.json"))
+    assert backend.end_ids == {128001, 128008, 128009} and backend.model == llama3.identity
+    with pytest.raises(ValueError, match="profile"):  # no end ids of a hard-coded model any more
+        render(Deployment(engine="trtllm"), tmp_path)
+
+
+def test_render_cli_writes_the_profile(tmp_path: Path) -> None:
+    path = Path(Config()[MODEL_DIR])
+    if not assets.LLAMA3_TOKENIZER.present(path):
+        pytest.skip("the Llama 3 tokenizer is absent; run `chatmesh model fetch`")
+    out = subprocess.run([sys.executable, "-m", "chatmesh.mesh.cli", "triton", "render", "--out", str(tmp_path),
+                          "--profile", "llama3", "--model-dir", str(path), "--engine", "trtllm",
+                          "--host-cache-gib", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "end ids [128001, 128008, 128009]" in out.stdout
+    cfg = json.loads((tmp_path / "chatmesh_llm" / "llm_config.json").read_text())
+    assert cfg["tokenizer"].endswith("Llama-3-tokenizer")
+    gguf = subprocess.run([sys.executable, "-m", "chatmesh.mesh.cli", "triton", "render", "--out", str(tmp_path),
+                           "--profile", "smollm2", "--model-dir", str(path), "--engine", "trtllm",
+                           "--host-cache-gib", "1"], capture_output=True, text=True, timeout=120)
+    assert gguf.returncode == 1 and "not a GGUF" in gguf.stderr
 
 
 def test_a_broken_config_fails_to_parse() -> None:

@@ -20,6 +20,7 @@ from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.mesh.turn import Usage as Usage  # a generation's token counts: the value chat bills, the store sums
+from chatmesh.model.profile import ModelIdentity
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class GenerateParams:
     platform_prefix_tokens: int = 0  # leading prompt tokens shared across owners (the system prompt)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()  # extra stops; the backend's end-of-turn ids always stop
+    expected_model: ModelIdentity | None = None  # the model the prompt was rendered for (checked by the servicer)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -136,6 +138,11 @@ class Backend(Protocol):
     @property
     def name(self) -> str:
         """The backend name: sim, local or triton."""
+        ...
+
+    @property
+    def model(self) -> ModelIdentity:
+        """The model this replica serves (its CHATMESH_MODEL profile's identity)."""
         ...
 
     def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:

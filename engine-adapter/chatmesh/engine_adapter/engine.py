@@ -47,6 +47,7 @@ from chatmesh.engine_adapter.text import TextCodec
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import Unavailable
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.engine")
 
@@ -135,6 +136,10 @@ class EngineCore:
     @property
     def name(self) -> str:
         return self.executor.name
+
+    @property
+    def model(self) -> ModelIdentity:
+        return self.codec.identity
 
     # ---- Backend -------------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """GenerateService: the thin gRPC layer over one `Backend` (backend.py).
 
 It converts protobuf to core values and back; validation lives in `GenerateParams`, and typed core errors
-(InvalidArgument, ResourceExhausted) become status codes in chatmesh.mesh.server's decorators. The backend is
+(InvalidArgument, ResourceExhausted) become status codes in chatmesh.mesh.server's decorators. A request naming
+the model its prompt was rendered for (`expected_model`) is checked against the backend's model first
+(chatmesh.model.profile.check_agreement): another tokenizer is FAILED_PRECONDITION, before any engine work. The backend is
 chosen by CHATMESH_ENGINE through `BACKENDS`: each entry is a module imported only when chosen (so `sim` needs
 neither torch nor tritonclient) exposing `build_backend(cfg) -> Backend`.
 
@@ -46,6 +48,7 @@ from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_conversatio
 from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.mesh.trust import Trust
+from chatmesh.model.profile import ModelIdentity, check_agreement
 
 BACKENDS: dict[str, str] = {
     "sim": "chatmesh.engine_adapter.sim",
@@ -110,7 +113,16 @@ def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes) -> G
         platform_prefix_tokens=req.platform_prefix_tokens,
         sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p or 1.0, seed=req.seed),
         stop_token_ids=frozenset(req.stop_token_ids),
+        expected_model=identity_from_proto(req.expected_model) if req.HasField("expected_model") else None,
     )
+
+
+def identity_from_proto(m: generate_pb2.ModelIdentity) -> ModelIdentity:
+    return ModelIdentity(m.model_id, m.tokenizer_digest)
+
+
+def identity_to_proto(m: ModelIdentity) -> generate_pb2.ModelIdentity:
+    return generate_pb2.ModelIdentity(model_id=m.model_id, tokenizer_digest=m.tokenizer_digest)
 
 
 _REASONS = {
@@ -145,8 +157,9 @@ def _tier(t: TierStats) -> generate_pb2.KvTierStats:
                                     blocks_cached=t.cached)
 
 
-def stats_to_proto(s: EngineStats) -> generate_pb2.EngineStats:
+def stats_to_proto(s: EngineStats, model: ModelIdentity) -> generate_pb2.EngineStats:
     return generate_pb2.EngineStats(
+        model=identity_to_proto(model),
         replica_id=s.replica_id, backend=s.backend, queue_depth=s.queue_depth,
         running_sequences=s.running_sequences, block_size=s.block_size,
         device=_tier(s.device), host=_tier(s.host),
@@ -185,6 +198,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                        context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[generate_pb2.GenerateResponse]:
         params = params_from_proto(request, self._salt(context, request.owner_id, conversation_of(request),
                                                        request.cache_salt))
+        if params.expected_model is not None:  # a prompt for another tokenizer: refused before any engine work
+            check_agreement(params.expected_model, self.backend.model, self.replica_id)
         # Cancelling the RPC cancels this coroutine inside backend.generate, whose cleanup cancels the sequence.
         async for event in self.backend.generate(params):
             yield event_to_proto(event, self.replica_id)
@@ -214,7 +229,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     @unary_errors
     async def GetStats(self, request: generate_pb2.GetStatsRequest,
                        context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.GetStatsResponse:
-        return generate_pb2.GetStatsResponse(stats=stats_to_proto(self.backend.stats()))
+        return generate_pb2.GetStatsResponse(stats=stats_to_proto(self.backend.stats(), self.backend.model))
 
     @stream_errors
     async def WatchStats(self, request: generate_pb2.WatchStatsRequest,
@@ -225,7 +240,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         interval = max(request.interval_ms or DEFAULT_WATCH_INTERVAL_MS, MIN_WATCH_INTERVAL_MS) / 1000
         cursor = FROM_START  # this stream's residency cursor: a full listing first, then changes
         while True:
-            stats = stats_to_proto(self.backend.stats())
+            stats = stats_to_proto(self.backend.stats(), self.backend.model)
             residency = self.backend.residency(cursor) if request.include_residency else None
             if residency is None:
                 yield generate_pb2.WatchStatsResponse(stats=stats)

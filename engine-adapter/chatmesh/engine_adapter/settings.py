@@ -28,8 +28,8 @@ SIM_SPEED = Setting("CHATMESH_SIM_SPEED", 1.0, "sim speed factor: 2 runs twice a
 SIM_STEP_MS = Setting("CHATMESH_SIM_STEP_MS", 0.0,
                       "sim fixed step time in ms (tests stream slowly with it); 0: the roofline step time", float)
 SIM_TEXT = Setting("CHATMESH_SIM_TEXT", "auto",
-                   "sim token ids: tokenizer (SmolLM2's, needs the model file), words (a built-in word vocabulary), "
-                   "auto (tokenizer when the model file is present)", str, choices=("auto", "tokenizer", "words"))
+                   "sim token ids: tokenizer (the CHATMESH_MODEL profile's, needs its files), words (a built-in "
+                   "word vocabulary; chat refuses to use it), auto (tokenizer when the model files are present)", str, choices=("auto", "tokenizer", "words"))
 
 
 def step_token_budget(cfg: Config, backend_default: int) -> int:

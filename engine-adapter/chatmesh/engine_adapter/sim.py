@@ -2,7 +2,8 @@
 nothing and times each step with the roofline model (roofline.py) of the configured node.
 
 Tokens: each sampled token is the next token of a deterministic English text (text.PASSAGE, encoded by the
-engine's tokenizer, so they are real SmolLM2 ids when the model file is present), read at an offset chosen by
+CHATMESH_MODEL profile's tokenizer, so they are real ids of the served model: SmolLM2's, or Llama 3's with
+CHATMESH_MODEL=llama3, and prompts and usage count in them), read at an offset chosen by
 the seed and the token's position, so streams read as words and the same seed and prompt give the same reply.
 `sim` never samples a stop token by itself; replies end at max_tokens (or at a requested stop token id).
 """
@@ -63,16 +64,14 @@ class SimExecutor:
 
 
 def codec_for(cfg: Config) -> TextCodec:
-    """SmolLM2's tokenizer when CHATMESH_SIM_TEXT allows and the model file is there, else the word codec."""
+    """The CHATMESH_MODEL profile when CHATMESH_SIM_TEXT allows and its files are there, else the word codec."""
     choice = cfg[settings.SIM_TEXT]
     if choice == "words":
         return WordCodec()
-    from chatmesh.model import assets
-    from chatmesh.model.settings import MODEL_DIR
-    from chatmesh.model.tokenizer import load
+    from chatmesh.model import assets, profile
 
     try:
-        return load(cfg[MODEL_DIR])
+        return profile.load(cfg)
     except assets.ModelMissing:
         if choice == "tokenizer":
             raise

@@ -1,9 +1,10 @@
 """Token text for the engine: how token ids become stream text, and what `sim` says.
 
-`TextCodec` is the small interface the engine needs from a tokenizer: an incremental decoder per stream (never
-splitting a UTF-8 character) and the ids that end a turn. `tokenizer_codec()` wraps chatmesh.model.tokenizer
-(SmolLM2's BPE, read from the fetched GGUF) when it is available; `WordCodec` is the self-contained fallback:
-one token per word of `PASSAGE`, so `sim` streams read as English without any model file.
+`TextCodec` is the small interface the engine needs from the served model: an incremental decoder per stream
+(never splitting a UTF-8 character), the ids that end a turn, and the model's identity (reported in stats,
+checked against what chat rendered for). A model profile (chatmesh.model.profile, from CHATMESH_MODEL) is one;
+`WordCodec` is the self-contained fallback of `sim`: one token per word of `PASSAGE`, so `sim` streams read as
+English without any model file (its identity matches no real tokenizer, so chat refuses to send it prompts).
 
 `PASSAGE` is the deterministic text `sim` generates from: its tokens are cycled, starting at a place chosen by
 the request's seed, so the same seed and prompt length give the same reply.
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+from chatmesh.model.profile import ModelIdentity
+from chatmesh.model.vocabulary import IncrementalDecoder
 
 PASSAGE = (
     "The engine keeps each conversation's history close at hand, so the next turn starts where the last one "
@@ -29,16 +33,13 @@ PASSAGE = (
 )
 
 
-class IncrementalDecoder(Protocol):
-    """Turns a stream of token ids into text, holding back bytes of an incomplete UTF-8 character."""
-
-    def feed(self, ids: Sequence[int]) -> str: ...
-
-    def flush(self) -> str: ...
-
-
 class TextCodec(Protocol):
-    """What the engine needs from a tokenizer."""
+    """What the engine needs from the served model's tokenizer."""
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """The model and tokenizer digest this engine reports and checks prompts against."""
+        ...
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -73,6 +74,7 @@ class WordCodec:
     """A whitespace word vocabulary: id 0 is the end-of-turn token, then every distinct word of `text`."""
 
     EOT = 0
+    identity = ModelIdentity("sim-words", "words:passage")
 
     def __init__(self, text: str = PASSAGE):
         self.words: list[str] = ["<|im_end|>"]

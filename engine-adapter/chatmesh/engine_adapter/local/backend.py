@@ -1,6 +1,6 @@
 """The `local` backend's construction: SmolLM2-135M-Instruct on the CPU (PyTorch) under the engine core.
 
-`build_backend(cfg)` loads the fetched GGUF (weights and tokenizer, once per process; weight matrices in fp32 by
+`build_backend(cfg)` loads the GGUF CHATMESH_MODEL names (weights and profile, once per process; weight matrices in fp32 by
 default, see CHATMESH_LOCAL_WEIGHTS), sizes the KV tiers and returns an EngineCore over a LocalExecutor that runs
 each step in a worker thread. KV defaults: 2,048 device blocks of 32 tokens (a 64 k-token budget) in int8, and
 no host tier: on a CPU both tiers are the same RAM, so a spill tier would only copy blocks within it; all of the
@@ -29,8 +29,8 @@ from chatmesh.engine_adapter.local.executor import LocalExecutor
 from chatmesh.engine_adapter.local.model import KV_DTYPES, LoadedModel, load_gguf
 from chatmesh.engine_adapter.scheduler import SchedulerConfig
 from chatmesh.mesh.config import Config
-from chatmesh.model.assets import gguf_path
-from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model import profile
+from chatmesh.model.settings import MODEL, MODEL_DIR
 
 DEFAULT_KV_TOKENS = 65_536
 DEFAULT_STEP_TOKENS = 256  # see the header
@@ -41,10 +41,15 @@ def _load(path: str, weights: str) -> LoadedModel:
     return load_gguf(path, weights)
 
 
-def load_model(model_dir: str | Path, weights: str = "float32") -> LoadedModel:
-    """The model in `model_dir` with its matrices stored as `weights`, loaded once per process (raises
-    ModelMissing when not fetched)."""
-    return _load(str(gguf_path(model_dir).resolve()), weights)
+def load_model(model_dir: str | Path, weights: str = "float32", model: str = "smollm2") -> LoadedModel:
+    """The GGUF CHATMESH_MODEL names (`model`, resolved under `model_dir`) with its matrices stored as
+    `weights`, loaded once per process (raises ModelMissing when not fetched, ProfileError when it names a
+    tokenizer folder: this engine runs a GGUF file's weights)."""
+    path = profile.resolve(model, model_dir)
+    if path.is_dir():
+        raise profile.ProfileError(f"CHATMESH_MODEL={model} is a tokenizer folder; the local engine runs a GGUF "
+                                   "file's weights (smollm2, or a path to a .gguf)")
+    return _load(str(path.resolve()), weights)
 
 
 def default_threads() -> int:
@@ -52,7 +57,7 @@ def default_threads() -> int:
 
 
 def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock | None = None) -> EngineCore:
-    model = model or load_model(cfg[MODEL_DIR], cfg[local_settings.WEIGHTS])
+    model = model or load_model(cfg[MODEL_DIR], cfg[local_settings.WEIGHTS], cfg[MODEL])
     threads = cfg[local_settings.THREADS]
     torch.set_num_threads(threads if threads > 0 else default_threads())
     bs = cfg[engine_settings.BLOCK_SIZE]
@@ -65,6 +70,6 @@ def build_local(cfg: Config, *, model: LoadedModel | None = None, clock: Clock |
     sched = SchedulerConfig(cfg[engine_settings.MAX_BATCH],
                             engine_settings.step_token_budget(cfg, DEFAULT_STEP_TOKENS),
                             cfg[engine_settings.QUEUE_LIMIT])
-    return EngineCore(executor, blocks, sched, model.tokenizer, replica_id=cfg[engine_settings.REPLICA_ID],
+    return EngineCore(executor, blocks, sched, model.profile, replica_id=cfg[engine_settings.REPLICA_ID],
                       flush_interval_s=cfg[engine_settings.FLUSH_INTERVAL_MS] / 1000, clock=clock, offload=True)
 

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from chatmesh.model.profile import ModelProfile, from_gguf_reader
 from chatmesh.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -222,16 +223,22 @@ def read_weights(reader: Any, cfg: ModelConfig, dtype: str = "float32") -> Weigh
 class LoadedModel:
     config: ModelConfig
     weights: Weights
-    tokenizer: Tokenizer
+    profile: ModelProfile  # the GGUF's tokenizer, chat template, stop tokens and context (chatmesh.model.profile)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        tok = self.profile.tokenizer
+        assert isinstance(tok, Tokenizer)  # a GGUF profile's tokenizer is always chatmesh's BPE
+        return tok
 
 
 def load_gguf(path: str | Path, weights: str = "float32") -> LoadedModel:
-    """Reads the architecture, the weights (kept as `weights`: float32 or float16) and the tokenizer."""
+    """Reads the architecture, the weights (kept as `weights`: float32 or float16) and the profile."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     cfg = read_config(reader)
-    return LoadedModel(cfg, read_weights(reader, cfg, weights), Tokenizer.from_reader(reader))
+    return LoadedModel(cfg, read_weights(reader, cfg, weights), from_gguf_reader(reader, Path(path)))
 
 
 class KVPool:

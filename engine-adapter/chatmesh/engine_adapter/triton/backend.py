@@ -19,7 +19,8 @@ Failure rules (the servicer maps the typed errors to gRPC statuses):
 Stats and readiness: a poller asks the model for its EngineStats every `stats_interval_s`; every Started and
 Finished carries a fresh snapshot too, and a cancel triggers re-reads 50, 200 and 700 ms later (the model frees
 the sequence within one cancel check, 50 ms by default). Snapshots are versioned, so a late one never overwrites a newer one.
-Readiness is Triton's ModelReady for the model, refreshed by the same poller.
+Readiness is Triton's ModelReady for the model, refreshed by the same poller. The served model's identity
+(`model`) is the one the model on Triton reports with its statistics: its own engine's profile.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config, Setting
 from chatmesh.mesh.errors import Unavailable
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.model import profile
+from chatmesh.model import settings as model_settings
+from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.triton.backend")
 
@@ -64,6 +68,7 @@ _INPUT_TYPES = {name: wire.CLIENT_DTYPE[dtype] for name, dtype, _ in wire.INPUTS
 RETRY_BACKOFF_S = (0.05, 0.2, 0.5)
 DRAIN_S = 2.0  # a completed stream gets this long to end on its own
 CANCEL_REFRESH_S = (0.1, 0.25, 0.7)  # after a cancel, stats are re-read at these delays (model check: 50 ms)
+NOT_REPORTED = ModelIdentity("(not reported yet)", "")  # before the model's first statistics arrive
 
 
 class _StreamFailed(Exception):
@@ -95,11 +100,17 @@ class TritonBackend:
         self.server = server
         self._client: grpcclient.InferenceServerClient | None = None
         self._stats = EngineStats(options.replica_id, self.name, 0, 0, 0, TierStats(0, 0, 0), TierStats(0, 0, 0))
+        self._model = NOT_REPORTED
         self._stats_epoch = ""
         self._stats_version = -1
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
         self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def model(self) -> ModelIdentity:
+        """What the model on Triton reports serving (its engine's profile), from its latest statistics."""
+        return self._model
 
     @property
     def address(self) -> str:
@@ -287,6 +298,8 @@ class TritonBackend:
             return  # an older snapshot that arrived late
         self._stats_epoch, self._stats_version = snapshot.epoch, snapshot.version
         self._stats = dataclasses.replace(snapshot.stats, replica_id=self.options.replica_id, backend=self.name)
+        if snapshot.model is not None:
+            self._model = snapshot.model
 
     async def evict_conversation(self, conversation_id: ConversationId) -> int:
         return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_CONVERSATION, conversation_id))
@@ -334,11 +347,12 @@ def from_config(cfg: Config) -> TritonBackend:
     if not cfg[settings.TRITON_REPOSITORY]:
         engine_env = {k: v for k, v in cfg.as_env(_engine_settings()).items()
                       if k in {s.env for s in _engine_settings()} and k != engine_settings.ENGINE.env}
-        render(Deployment(name=options.model, engine=cfg[settings.TRITON_ENGINE], engine_env=engine_env,
-                          replica_id=options.replica_id), repository)
+        render(Deployment.for_profile(profile.load(cfg), name=options.model, engine=cfg[settings.TRITON_ENGINE],
+                                      engine_env=engine_env, replica_id=options.replica_id), repository)
     # a local engine inside the stub loads torch and the GGUF: over a minute on a busy 2-core machine
     return TritonBackend(options, TritonServer(repository, models=[options.model], ready_timeout_s=300))
 
 
 def _engine_settings() -> list[Setting[Any]]:
-    return [v for v in vars(engine_settings).values() if isinstance(v, Setting)]
+    """What the engine inside a locally started Triton is configured by: the engine's settings and the model's."""
+    return [v for m in (engine_settings, model_settings) for v in vars(m).values() if isinstance(v, Setting)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,10 @@ from typing import Any
 from google.protobuf import text_format
 
 from chatmesh.engine_adapter.triton import render as r
+from chatmesh.mesh.config import Config
+from chatmesh.model import profile
+from chatmesh.model import settings as model_settings
+from chatmesh.model.assets import ModelMissing
 
 GIB = 1 << 30
 
@@ -29,6 +34,11 @@ def register(sub: Any) -> None:
                    help="how often the model asks Triton whether each open request was cancelled")
     q.add_argument("--engine-env", action="append", default=[], metavar="CHATMESH_X=V",
                    help="a setting for a sim/local engine (repeatable)")
+    q.add_argument("--profile", default=os.environ.get(model_settings.MODEL.env, "llama3"),
+                   help="the model profile chat renders prompts with (CHATMESH_MODEL: llama3, a Hugging Face model "
+                        "folder, ...; default: $CHATMESH_MODEL, else llama3, the tokenizer of the default "
+                        "checkpoint): llm_config.json gets its tokenizer folder, end ids and identity")
+    q.add_argument("--model-dir", default=None, help="folder of fetched model files (CHATMESH_MODEL_DIR)")
     g = q.add_argument_group("TensorRT-LLM (LLM API, PyTorch backend)")
     g.add_argument("--model", default=d.model, help="FP8 checkpoint: Hugging Face id or local folder")
     g.add_argument("--tp", type=int, default=d.tensor_parallel_size, help="tensor_parallel_size")
@@ -60,18 +70,22 @@ def _render(args: argparse.Namespace) -> int:
     host = (int(args.host_cache_gib * GIB) if args.host_cache_gib is not None
             else r.planned_host_cache_bytes(gpu=args.gpu, tp=args.tp, host_memory_gib=args.host_memory_gib))
     try:
-        deployment = r.Deployment(
-            name=args.name, engine=args.engine, fallback_engine=args.fallback_engine, engine_env=env,
+        model_dir = args.model_dir or Config()[model_settings.MODEL_DIR]
+        chosen = profile.load_spec(args.profile, model_dir)
+        deployment = r.Deployment.for_profile(
+            chosen, name=args.name, engine=args.engine, fallback_engine=args.fallback_engine, engine_env=env,
             cancel_check_ms=args.cancel_check_ms,
             model=args.model, tensor_parallel_size=args.tp, free_gpu_memory_fraction=args.kv_fraction,
             host_cache_bytes=host, tokens_per_block=args.tokens_per_block, max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len, salt_policy=args.salt_policy,
             replica_id=args.replica_id)
         folder = r.render(deployment, args.out)
-    except (ValueError, text_format.ParseError) as err:
+    except (ValueError, text_format.ParseError, ModelMissing) as err:
         print(f"chatmesh triton render: {err}", file=sys.stderr)
         return 1
     print(f"wrote {folder}/config.pbtxt (parsed as ModelConfig), {folder}/1/model.py, {folder}/llm_config.json")
     print(f"  model {deployment.model}, TP {deployment.tensor_parallel_size}, KV fraction "
           f"{deployment.free_gpu_memory_fraction}, host cache {host / GIB:.1f} GiB per rank, salt {deployment.salt_policy}")
+    print(f"  profile {chosen.identity.describe()}: tokenizer {deployment.tokenizer or '(none: a GGUF profile)'}, "
+          f"end ids {list(deployment.end_ids)}")
     return 0

@@ -175,7 +175,7 @@ class ChatmeshModel:
         """The engine's stats now (called on the engine loop only, so the version counter needs no lock)."""
         assert self.backend is not None
         self._stats_version += 1
-        return wire.Snapshot(self._epoch, self._stats_version, self.backend.stats())
+        return wire.Snapshot(self._epoch, self._stats_version, self.backend.stats(), self.backend.model)
 
     def _get(self, request: Any) -> wire.Getter:
         def get(name: str) -> wire.Array | None:

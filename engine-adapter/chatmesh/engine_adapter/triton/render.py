@@ -1,7 +1,9 @@
 """`chatmesh triton render`: a deployable Triton model repository for one replica.
 
 Writes `<out>/<name>/config.pbtxt` (from triton_models/chatmesh_llm/config.pbtxt.in), `<out>/<name>/1/model.py`
-(the shim) and `<out>/<name>/llm_config.json` (TensorRT-LLM LLM API arguments, see trtllm.py), and validates
+(the shim) and `<out>/<name>/llm_config.json` (TensorRT-LLM LLM API arguments, see trtllm.py; its `tokenizer`
+folder, end ids and model identity come from the model profile chat renders with, `Deployment.for_profile`,
+so chat and Triton read the same tokenizer files), and validates
 config.pbtxt by parsing it into Triton's own `ModelConfig` proto (tritonclient.grpc.model_config_pb2) with
 google.protobuf.text_format, so a typo fails here rather than at `tritonserver` start-up.
 
@@ -28,6 +30,7 @@ from google.protobuf import text_format
 
 from chatmesh.engine_adapter.triton.launcher import TritonServer
 from chatmesh.engine_adapter.triton.wire import MODEL_NAME
+from chatmesh.model.profile import ModelIdentity, ModelProfile
 
 TEMPLATE_DIR = Path(__file__).resolve().parents[3] / "triton_models" / MODEL_NAME
 ENGINES = ("auto", "trtllm", "sim", "local")
@@ -56,7 +59,12 @@ class Deployment:
     max_seq_len: int = 131072
     salt_policy: str = "owner"
     replica_id: str = "triton-0"
-    end_ids: tuple[int, ...] = (128001, 128008, 128009)  # Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>
+    # From the model profile chat renders with (`for_profile`): the ids that end a turn, the folder holding
+    # its tokenizer.json (TensorRT-LLM's `tokenizer` argument, so Triton detokenises with the same files) and
+    # its identity (what the model reports in its stats, checked against what chat rendered for).
+    end_ids: tuple[int, ...] = ()
+    tokenizer: str = ""
+    served_model: ModelIdentity | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES or self.fallback_engine not in ("sim", "local"):
@@ -71,6 +79,13 @@ class Deployment:
             if not k.startswith("CHATMESH_") or any(c in v for c in ';"\\\n'):
                 raise ValueError(f"engine_env {k}: names start with CHATMESH_, values hold no ; \" \\ or newline")
 
+    @classmethod
+    def for_profile(cls, profile: ModelProfile, **fields: Any) -> Deployment:
+        """A deployment whose end ids, tokenizer folder and identity are `profile`'s."""
+        return cls(end_ids=tuple(sorted(profile.stop_token_ids)),
+                   tokenizer=str(profile.tokenizer_dir) if profile.tokenizer_dir else "",
+                   served_model=profile.identity, **fields)
+
     def llm_config(self) -> dict[str, object]:
         """tensorrt_llm.LLM keyword arguments (kv_cache_config -> KvCacheConfig) plus chatmesh's own section."""
         kv: dict[str, object] = {
@@ -82,8 +97,18 @@ class Deployment:
         }
         if self.host_cache_bytes:
             kv["host_cache_size"] = self.host_cache_bytes
+        if self.engine == "trtllm" and not (self.end_ids and self.tokenizer and self.served_model):
+            raise ValueError("a TensorRT-LLM deployment takes its end ids and tokenizer folder from the model "
+                             "profile chat uses (--profile: llama3 or a Hugging Face model folder, not a GGUF)")
+        ours: dict[str, object] = {"replica_id": self.replica_id, "salt_policy": self.salt_policy,
+                                   "end_ids": list(self.end_ids)}
+        if self.served_model is not None:
+            ours |= {"model_id": self.served_model.model_id,
+                     "tokenizer_digest": self.served_model.tokenizer_digest}
+        tokenizer = {"tokenizer": self.tokenizer} if self.tokenizer else {}
         return {
             "model": self.model,
+            **tokenizer,
             "backend": "pytorch",
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_batch_size": self.max_batch_size,
@@ -92,8 +117,7 @@ class Deployment:
             "enable_chunked_prefill": True,
             "enable_iter_perf_stats": True,
             "kv_cache_config": kv,
-            "chatmesh": {"replica_id": self.replica_id, "salt_policy": self.salt_policy,
-                         "end_ids": list(self.end_ids)},
+            "chatmesh": ours,
         }
 
     def config_pbtxt(self) -> str:

@@ -43,6 +43,7 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.triton.trtllm")
 
@@ -57,13 +58,15 @@ class TrtLlmBackend:
     name = "trtllm"
 
     def __init__(self, llm_args: Mapping[str, Any], *, replica_id: str = "triton", salt_policy: str = "owner",
-                 end_ids: frozenset[int] = frozenset()):
+                 end_ids: frozenset[int] = frozenset(), model: ModelIdentity | None = None):
         if salt_policy not in ("owner", "none"):
             raise ValueError(f"salt_policy must be owner or none, got {salt_policy!r}")
         self.llm_args = dict(llm_args)
         self.replica_id = replica_id
         self.salt_policy = salt_policy
-        self.end_ids = end_ids  # the checkpoint's end-of-turn ids (Llama 3.1: <|eot_id|>, <|eom_id|>, <|end_of_text|>)
+        self.end_ids = end_ids  # the profile's end-of-turn ids (Llama 3.1: <|eot_id|>, <|eom_id|>, <|end_of_text|>)
+        # the profile's identity, as `chatmesh triton render` wrote it beside the tokenizer folder it names
+        self.model = model or ModelIdentity(str(self.llm_args.get("model", "")), "")
         self.block_size = int(self.llm_args.get("kv_cache_config", {}).get("tokens_per_block", 32))
         self._llm: Any = None
         self._iteration: dict[str, Any] = {}
@@ -78,10 +81,14 @@ class TrtLlmBackend:
         with open(path) as f:
             raw = json.load(f)
         ours = raw.pop("chatmesh", {})
+        model = ModelIdentity(str(ours["model_id"]), str(ours["tokenizer_digest"])) if "model_id" in ours else None
         return cls(raw, replica_id=ours.get("replica_id", "triton"), salt_policy=ours.get("salt_policy", "owner"),
-                   end_ids=frozenset(int(t) for t in ours.get("end_ids", ())))
+                   end_ids=frozenset(int(t) for t in ours.get("end_ids", ())), model=model)
 
     async def start(self) -> None:
+        if not self.end_ids or "tokenizer" not in self.llm_args:
+            raise ValueError("llm_config.json has no end ids or tokenizer folder: render it with "
+                             "`chatmesh triton render --profile <the model chat uses>`")
         from tensorrt_llm import LLM  # type: ignore[import-not-found]
         from tensorrt_llm.llmapi import KvCacheConfig  # type: ignore[import-not-found]
 

@@ -50,6 +50,7 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
 from chatmesh.mesh.ids import parse_conversation_id, parse_turn_id
+from chatmesh.model.profile import ModelIdentity
 
 Array = npt.NDArray[np.generic]
 Getter = Callable[[str], Array | None]
@@ -231,11 +232,14 @@ class Snapshot:
     epoch: str  # one model instance's lifetime: versions restart when the model (re)loads
     version: int
     stats: EngineStats
+    model: ModelIdentity | None = None  # the model the engine inside Triton serves
 
 
 def stats_to_json(snapshot: Snapshot) -> str:
-    return json.dumps({"epoch": snapshot.epoch, "version": snapshot.version, "stats": asdict(snapshot.stats)},
-                      separators=(",", ":"))
+    raw: dict[str, object] = {"epoch": snapshot.epoch, "version": snapshot.version, "stats": asdict(snapshot.stats)}
+    if snapshot.model is not None:
+        raw["model"] = asdict(snapshot.model)
+    return json.dumps(raw, separators=(",", ":"))
 
 
 def stats_from_json(text: str) -> Snapshot:
@@ -243,7 +247,8 @@ def stats_from_json(text: str) -> Snapshot:
     stats = raw["stats"]
     stats["device"] = TierStats(**stats["device"])
     stats["host"] = TierStats(**stats["host"])
-    return Snapshot(str(raw["epoch"]), int(raw["version"]), EngineStats(**stats))
+    model = ModelIdentity(**raw["model"]) if "model" in raw else None
+    return Snapshot(str(raw["epoch"]), int(raw["version"]), EngineStats(**stats), model)
 
 
 def event_tensors(event: GenerateEvent, snapshot: Snapshot | None = None) -> dict[str, Array]:

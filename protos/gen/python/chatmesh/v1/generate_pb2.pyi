@@ -22,7 +22,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id")
+    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id", "expected_model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     conversation_id: str
     turn_id: str
@@ -47,7 +48,16 @@ class GenerateRequest(_message.Message):
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     owner_id: str
-    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ...) -> None: ...
+    expected_model: ModelIdentity
+    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+
+class ModelIdentity(_message.Message):
+    __slots__ = ("model_id", "tokenizer_digest")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tokenizer_digest: str
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
@@ -158,7 +168,7 @@ class KvTierStats(_message.Message):
     def __init__(self, blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations")
+    __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations", "model")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +183,7 @@ class EngineStats(_message.Message):
     HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     backend: str
     queue_depth: int
@@ -187,4 +198,5 @@ class EngineStats(_message.Message):
     host_evictions: int
     preemptions: int
     generations: int
-    def __init__(self, replica_id: _Optional[str] = ..., backend: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[_Union[KvTierStats, _Mapping]] = ..., host: _Optional[_Union[KvTierStats, _Mapping]] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., generations: _Optional[int] = ...) -> None: ...
+    model: ModelIdentity
+    def __init__(self, replica_id: _Optional[str] = ..., backend: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[_Union[KvTierStats, _Mapping]] = ..., host: _Optional[_Union[KvTierStats, _Mapping]] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., generations: _Optional[int] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
