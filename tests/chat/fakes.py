@@ -21,7 +21,7 @@ from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnI
 from chatmesh.mesh.turn import RECORD_ACTIVE, RECORD_FINAL, TurnRecordState, Usage, require_record_move
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Reply, Role, Summary, TurnRecord,
+    MessageStatus, Progress, Reply, Role, Seed, Summary, TurnRecord,
 )
 
 
@@ -84,6 +84,33 @@ class FakeStore:
         made = Conversation(conv, owner, title, system_prompt_version, 0, 0, 0)
         self.conversations[(owner, conv)] = _Conversation(made)
         return made
+
+    async def create_conversation(self, owner: OwnerId, conversation: ConversationId | None, title: str,
+                                  system_prompt_version: str, seed: Sequence[Seed]) -> tuple[Conversation, bool]:
+        self._enter("create_conversation")
+        conv = conversation or ConversationId(f"00000000-0000-4000-8000-{len(self.conversations):012d}")
+        if (owner, conv) in self.conversations:
+            return self.conversations[(owner, conv)].conversation, False
+        made = Conversation(conv, owner, title, system_prompt_version, 0, 0, len(seed))
+        self.conversations[(owner, conv)] = _Conversation(made, [
+            Message(i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(f"seed-{i}"), 0)
+            for i, m in enumerate(seed)])
+        return made, True
+
+    async def delete_turn(self, key: TurnKey) -> list[ConversationId]:
+        self._enter("delete_turn")
+        c = self._conv(key.owner, key.conversation)
+        record = self.records.get(key)
+        if record is None or record.state is TurnRecordState.FAILED:
+            raise errors.NotFound(f"turn {key.turn} not found")
+        if record.state in RECORD_ACTIVE:
+            raise errors.FailedPrecondition(f"turn {key.turn} is still running")
+        gone = {key.turn} | {k.turn for k, r in self.records.items()
+                             if (k.owner, k.conversation) == (key.owner, key.conversation) and r.regenerates == key.turn}
+        c.messages = [m for m in c.messages if m.turn_id not in gone]
+        for turn in gone:
+            self.records.pop(TurnKey(key.owner, key.conversation, turn), None)
+        return [key.conversation]
 
     async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History:
         self._enter("read_conversation")

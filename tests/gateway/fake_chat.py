@@ -4,7 +4,8 @@ gRPC. It keeps conversations per owner in memory and streams each reply as the c
 allowances) so tests can check. As the contract says, a turn whose prompt (`prompt_tokens`) is over its
 allowance is refused RESOURCE_EXHAUSTED with the `chatmesh-prompt-tokens` trailer before it starts, turn.started
 reports the prompt's size, and a replay says `replayed`; `billed` adds up the prompt tokens of the turns that
-generated (what the store bills)."""
+generated (what the store bills). It honours the OpenAI surface's parts of the contract too: turn options (recorded), `create` (a conversation
+seeded with messages), `expect_last_turn_id`, GetTurn and DeleteTurn; `generations` counts the replies generated."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class Turn:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     grew: asyncio.Condition = field(default_factory=asyncio.Condition)
     stop: bool = False
+    status: chat_pb2.TurnStatus = chat_pb2.TURN_STATUS_RUNNING
+    reply: str = ""
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
 
 
 @dataclass
@@ -54,6 +58,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.cancelled: list[str] = []
         self.owners_seen: list[str] = []
         self.prompt_tokens = 7
+        self.options: list[chat_pb2.TurnOptions] = []
+        self.generations = 0
+        self.finish_reason = "stop"
         self.allowances: list[int] = []
         self.billed = 0
         self.report_prompt_tokens = True
@@ -71,13 +78,21 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         conv = self.convs.get(conv_id)
         return conv if conv is not None and conv.meta.owner_id == owner else None
 
+    def _create(self, owner: str, conv_id: str, title: str, seed: list[common_pb2.SeedMessage]) -> Conv:
+        now = int(time.time() * 1000)
+        meta = common_pb2.Conversation(conversation_id=conv_id, owner_id=owner, title=title, created_at_ms=now,
+                                       updated_at_ms=now)
+        conv = self.convs[conv_id] = Conv(meta)
+        for m in seed:
+            conv.messages.append(common_pb2.Message(index=len(conv.messages), role=m.role, content=m.content,
+                                                    turn_id=str(uuid.uuid4()),
+                                                    status=common_pb2.MESSAGE_STATUS_COMPLETE))
+        return conv
+
     async def CreateConversation(self, request: chat_pb2.CreateConversationRequest,
                                  context: Ctx) -> chat_pb2.CreateConversationResponse:
-        now = int(time.time() * 1000)
-        meta = common_pb2.Conversation(conversation_id=str(uuid.uuid4()), owner_id=request.owner_id,
-                                       title=request.title, created_at_ms=now, updated_at_ms=now)
-        self.convs[meta.conversation_id] = Conv(meta)
-        return chat_pb2.CreateConversationResponse(conversation=meta)
+        conv = self._create(request.owner_id, str(uuid.uuid4()), request.title, list(request.messages))
+        return chat_pb2.CreateConversationResponse(conversation=conv.meta)
 
     async def GetConversation(self, request: chat_pb2.GetConversationRequest,
                               context: Ctx) -> chat_pb2.GetConversationResponse:
@@ -121,6 +136,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
 
     async def SendTurn(self, request: chat_pb2.SendTurnRequest,
                        context: Ctx) -> AsyncIterator[chat_pb2.SendTurnResponse]:
+        if request.HasField("create") and request.conversation_id not in self.convs:
+            self._create(request.owner_id, request.conversation_id, request.create.title,
+                         list(request.create.messages))
         conv = self._conv(request.owner_id, request.conversation_id)
         if conv is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
@@ -132,7 +150,11 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             async for ev in self._follow(known, 0):
                 yield chat_pb2.SendTurnResponse(event=ev)
             return
+        live = [m for m in conv.messages if not m.superseded]
+        if request.expect_last_turn_id and (not live or live[-1].turn_id != request.expect_last_turn_id):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the conversation has moved on")
         await self._admit(request.prompt_token_allowance, context)
+        self.options.append(request.options)
         turn = Turn(request.turn_id, request.content)
         conv.turns[turn.turn_id] = turn
         conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_USER,
@@ -147,7 +169,16 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         if conv is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
         assert conv is not None
+        known = conv.turns.get(request.turn_id)
+        if known is not None:
+            async for ev in self._follow(known, 0):
+                yield chat_pb2.RegenerateTurnResponse(event=ev)
+            return
         await self._admit(request.prompt_token_allowance, context)
+        self.options.append(request.options)
+        for m in conv.messages:
+            if m.role == common_pb2.ROLE_ASSISTANT and m.index == len(conv.messages) - 1:
+                m.superseded = True
         turn = Turn(request.turn_id, "")
         conv.turns[turn.turn_id] = turn
         async for ev in self._generate(conv, turn, context):
@@ -162,6 +193,26 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         assert turn is not None
         async for ev in self._follow(turn, request.after_sequence):
             yield chat_pb2.AttachTurnResponse(event=ev)
+
+    async def GetTurn(self, request: chat_pb2.GetTurnRequest, context: Ctx) -> chat_pb2.GetTurnResponse:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        turn = conv.turns.get(request.turn_id) if conv else None
+        if turn is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
+        assert turn is not None
+        return chat_pb2.GetTurnResponse(status=turn.status, reply=turn.reply, usage=turn.usage,
+                                        stored_at_ms=int(time.time() * 1000) if turn.done.is_set() else 0,
+                                        finish_reason=self.finish_reason if turn.status == chat_pb2.TURN_STATUS_COMPLETED else "")
+
+    async def DeleteTurn(self, request: chat_pb2.DeleteTurnRequest, context: Ctx) -> chat_pb2.DeleteTurnResponse:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        turn = conv.turns.get(request.turn_id) if conv else None
+        if conv is None or turn is None or not turn.done.is_set():
+            await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
+        assert conv is not None
+        del conv.turns[request.turn_id]
+        conv.messages = [m for m in conv.messages if m.turn_id != request.turn_id]
+        return chat_pb2.DeleteTurnResponse(blocks_evicted=1)
 
     async def _follow(self, turn: Turn, after: int) -> AsyncIterator[chat_pb2.TurnEvent]:
         sent = after
@@ -186,6 +237,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
 
     async def _generate(self, conv: Conv, turn: Turn, context: Ctx) -> AsyncIterator[chat_pb2.TurnEvent]:
         text = ""
+        self.generations += 1
         try:
             started = chat_pb2.TurnStarted(turn_id=turn.turn_id)
             if self.report_prompt_tokens:
@@ -198,14 +250,18 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
                 if turn.stop:
                     break
                 text += chunk
+                turn.reply = text
                 yield await self._emit(turn, chat_pb2.TurnEvent(delta=chat_pb2.TurnDelta(text=chunk)))
             usage = common_pb2.Usage(prompt_tokens=self.prompt_tokens, cached_prompt_tokens=2,
                                      output_tokens=len(self.chunks))
             status = common_pb2.MESSAGE_STATUS_STOPPED if turn.stop else common_pb2.MESSAGE_STATUS_COMPLETE
             conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_ASSISTANT,
                                                     content=text, turn_id=turn.turn_id, status=status))
+            turn.reply, turn.usage = text, usage
+            turn.status = chat_pb2.TURN_STATUS_STOPPED if turn.stop else chat_pb2.TURN_STATUS_COMPLETED
             final = chat_pb2.TurnEvent(stopped=chat_pb2.TurnStopped(usage=usage)) if turn.stop else \
-                chat_pb2.TurnEvent(completed=chat_pb2.TurnCompleted(usage=usage, replica_id="fake-0"))
+                chat_pb2.TurnEvent(completed=chat_pb2.TurnCompleted(usage=usage, replica_id="fake-0",
+                                                                    finish_reason=self.finish_reason))
             yield await self._emit(turn, final)
         except asyncio.CancelledError:
             self.cancelled.append(turn.turn_id)

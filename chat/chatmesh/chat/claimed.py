@@ -31,10 +31,10 @@ from typing import assert_never
 from chatmesh.chat.admission import Admission
 from chatmesh.chat.context import Rendered
 from chatmesh.chat.events import Blocked, Completed, Failed, LiveTurn, Started, Stopped, TurnEventKind
-from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import EngineFinished, FinishReason, Generation, Pick, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
-from chatmesh.chat.stream import OutputBlocked, StoppedHere, StreamCut, relay
+from chatmesh.chat.stream import OutputBlocked, StoppedHere, StopString, StreamCut, relay
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import LeaseId, TurnId
 from chatmesh.mesh.turn import TurnMachine, TurnState, Usage
@@ -57,6 +57,7 @@ class Job:
     lease: LeaseId  # the store's turn lease
     admission: Admission
     view: History | None  # the prompt's context read with the claim; None: read it
+    options: TurnOptions = DEFAULT_TURN  # how to generate this reply
 
 
 class ClaimedTurn:
@@ -117,8 +118,10 @@ class ClaimedTurn:
             view = self.job.view if self.job.view is not None else fresh
             assert view is not None  # read above exactly when the claim brought no whole context
             summary = await self.prompts.summary_for(owner, conv, view)
+            options = self.job.options
             rendered = self.prompts.render(view, summary, self.job.content if self.job.regenerates is None else None,
-                                           self.job.regenerates)
+                                           self.job.regenerates, options.instructions,
+                                           options.max_reply_tokens(self.opt.limits.reply_tokens))
             self.machine.advance(TurnState.QUEUED)
             return await self._stream(rendered, pick, user_tokens)
         finally:
@@ -130,9 +133,12 @@ class ClaimedTurn:
         generation = Generation(
             request_id=turn, conversation=conv, turn=turn, owner=owner, prompt_token_ids=rendered.token_ids,
             platform_prefix_tokens=rendered.platform_prefix_tokens,
-            max_tokens=self.opt.limits.reply_tokens, temperature=self.opt.temperature, top_p=self.opt.top_p)
+            max_tokens=self.job.options.max_reply_tokens(self.opt.limits.reply_tokens),
+            temperature=self.opt.temperature if self.job.options.temperature is None else self.job.options.temperature,
+            top_p=self.opt.top_p if self.job.options.top_p is None else self.job.options.top_p,
+            seed=self.job.options.seed or 0)
         ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine, pick.address,
-                                    generation, self.opt.engine_deadline_s)
+                                    generation, self.opt.engine_deadline_s, self.job.options.stop)
         if self.live.lease_lost:
             raise LeaseLost(f"turn {turn} was taken over by another chat process")
         usage, text, output = tally.usage, self.live.text, tally.output_tokens
@@ -147,6 +153,9 @@ class ClaimedTurn:
             case OutputBlocked(verdict=verdict):
                 await store(TurnState.BLOCKED, MessageStatus.BLOCKED)
                 return Blocked(stage="output", category=verdict.category, reason=verdict.reason)
+            case StopString():
+                await store(TurnState.STORED, MessageStatus.COMPLETE)
+                return Completed(usage=usage, replica_id=pick.replica_id, finish_reason="stop")
             case StreamCut():
                 raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing it "
                                          "(no reason); retry with the same turn id")
@@ -157,7 +166,7 @@ class ClaimedTurn:
                         return Stopped(usage=usage)
                     case FinishReason.STOP | FinishReason.LENGTH:
                         await store(TurnState.STORED, MessageStatus.COMPLETE)
-                        return Completed(usage=usage, replica_id=pick.replica_id)
+                        return Completed(usage=usage, replica_id=pick.replica_id, finish_reason=reason.value)
                     case FinishReason.ERROR:
                         raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing "
                                                  f"it ({error or 'no reason'}); retry with the same turn id")

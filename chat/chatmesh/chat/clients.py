@@ -31,7 +31,9 @@ from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
 from chatmesh.store import wire
-from chatmesh.store.values import Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Summary, TurnRecord
+from chatmesh.store.values import (
+    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, TurnRecord,
+)
 from chatmesh.v1 import (
     chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc,
 )
@@ -112,6 +114,18 @@ class GrpcStore:
         resp = await _owned(self.stub.InsertConversation, store_pb2.InsertConversationRequest(
             owner_id=owner, title=title, system_prompt_version=system_prompt_version))
         return wire.conversation_of(resp.conversation)
+
+    async def create_conversation(self, owner: OwnerId, conversation: ConversationId | None, title: str,
+                                  system_prompt_version: str, seed: Sequence[Seed]) -> tuple[Conversation, bool]:
+        resp = await _owned(self.stub.InsertConversation, store_pb2.InsertConversationRequest(
+            owner_id=owner, title=title, system_prompt_version=system_prompt_version,
+            conversation_id=conversation or "", messages=[wire.seed_pb(m) for m in seed]))
+        return wire.conversation_of(resp.conversation), resp.created
+
+    async def delete_turn(self, key: TurnKey) -> list[ConversationId]:
+        resp = await _owned(self.stub.DeleteStoredTurn, store_pb2.DeleteStoredTurnRequest(
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn))
+        return [ConversationId(c) for c in resp.evict_conversation_ids]
 
     async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History:
         return wire.history_of(await _owned(self.stub.ReadConversation, store_pb2.ReadConversationRequest(
@@ -224,7 +238,7 @@ class GrpcEngines:
             request_id=generation.request_id, conversation_id=generation.conversation,
             turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
             platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
-            temperature=generation.temperature, top_p=generation.top_p),
+            temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed),
             timeout=timeout_s, metadata=tokens.forwarded())
         try:
             async for resp in rpc:

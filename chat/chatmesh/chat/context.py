@@ -70,24 +70,30 @@ SUMMARY_HEADER = "Summary of the earlier conversation:\n"
 
 
 def messages_for(system_prompt: str, summary: PromptSummary | None, history: Sequence[HistoryMessage],
-                 new_message: str | None) -> list[tuple[Speaker, str]]:
-    """The prompt's messages in their fixed order. `new_message` None means regenerate: end after the history."""
+                 new_message: str | None, instructions: str = "") -> list[tuple[Speaker, str]]:
+    """The prompt's messages in their fixed order. `new_message` None means regenerate: end after the history.
+    `instructions` (this turn's only, never stored) go just before the new message, after everything stable, unless
+    they are the conversation's own first message (then they are already at the top)."""
     out: list[tuple[Speaker, str]] = [(Speaker.SYSTEM, system_prompt)]
     start = 0
     if summary is not None:
         out.append((Speaker.SYSTEM, SUMMARY_HEADER + summary.text))
         start = summary.covers_until
     out.extend((m.speaker, m.content) for m in history if m.index >= start and m.replayable)
+    own = history[0].content if history and history[0].speaker is Speaker.SYSTEM else None
+    if instructions and instructions != own:
+        out.append((Speaker.SYSTEM, instructions))
     if new_message is not None:
         out.append((Speaker.USER, new_message))
     return out
 
 
 def build(renderer: Renderer, limits: PromptLimits, system_prompt: str, summary: PromptSummary | None,
-          history: Sequence[HistoryMessage], new_message: str | None) -> Rendered:
-    rendered = renderer.render(messages_for(system_prompt, summary, history, new_message))
+          history: Sequence[HistoryMessage], new_message: str | None, instructions: str = "",
+          reply_tokens: int | None = None) -> Rendered:
+    rendered = renderer.render(messages_for(system_prompt, summary, history, new_message, instructions))
     n = len(rendered.token_ids)
-    room = min(limits.prompt_cap_tokens, limits.context_tokens - limits.reply_tokens)
+    room = min(limits.prompt_cap_tokens, limits.context_tokens - (reply_tokens or limits.reply_tokens))
     if n > room:
         raise PromptTooLong(
             f"the prompt is {n} tokens; the limit is {room} (model context {limits.context_tokens} minus "

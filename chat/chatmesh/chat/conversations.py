@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from chatmesh.chat.ports import EnginePort, RouterPort, StorePort
+from chatmesh.chat.ports import EnginePort, RouterPort, StorePort, TurnKey
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.store.values import Conversation, DailyUsage, History
+from chatmesh.store.values import Conversation, DailyUsage, History, Seed
 
 log = logs.get("chatmesh.chat")
 
@@ -17,17 +17,23 @@ MAX_TITLE_CHARS = 200
 
 class Conversations:
     def __init__(self, store: StorePort, router: RouterPort, engines: EnginePort, default_prompt_version: str,
-                 stop_turns: Callable[[OwnerId, ConversationId], None]):
+                 stop_turns: Callable[[OwnerId, ConversationId], None], count_tokens: Callable[[str], int]):
+        self.count_tokens = count_tokens
         self.store = store
         self.router = router
         self.engines = engines
         self.default_prompt_version = default_prompt_version
         self.stop_turns = stop_turns  # stops this process's turns of a conversation being deleted
 
-    async def create(self, owner: OwnerId, title: str) -> Conversation:
+    async def create(self, owner: OwnerId, title: str, seed: tuple[Seed, ...] = ()) -> Conversation:
+        """A new conversation; with `seed`, holding those messages (a client's earlier history) already."""
         if len(title) > MAX_TITLE_CHARS:
             raise errors.InvalidArgument(f"title must be at most {MAX_TITLE_CHARS} characters")
-        return await self.store.insert_conversation(owner, title, self.default_prompt_version)
+        if not seed:
+            return await self.store.insert_conversation(owner, title, self.default_prompt_version)
+        counted = tuple(Seed(m.role, m.content, self.count_tokens(m.content)) for m in seed)
+        conv, _ = await self.store.create_conversation(owner, None, title, self.default_prompt_version, counted)
+        return conv
 
     async def get(self, owner: OwnerId, conv: ConversationId) -> History:
         return await self.store.read_conversation(owner, conv)
@@ -40,7 +46,14 @@ class Conversations:
     async def delete(self, owner: OwnerId, conv: ConversationId) -> int:
         """Deletes every stored row, then evicts the conversation's KV blocks on every engine (I4)."""
         self.stop_turns(owner, conv)
-        evict = await self.store.delete_conversation(owner, conv)
+        return await self._evict(owner, conv, await self.store.delete_conversation(owner, conv))
+
+    async def delete_turn(self, key: TurnKey) -> int:
+        """Deletes one stored turn (its messages and regenerations), then the conversation's KV blocks on every
+        engine: they hold the deleted text (I4); the next turn prefills the rest again."""
+        return await self._evict(key.owner, key.conversation, await self.store.delete_turn(key))
+
+    async def _evict(self, owner: OwnerId, conv: ConversationId, evict: list[ConversationId]) -> int:
         evicted = 0
         for replica in await self.router.replicas():
             for conversation_id in evict:

@@ -24,13 +24,13 @@ from collections.abc import AsyncIterator, Callable
 from chatmesh.chat import context
 from chatmesh.chat.conversations import Conversations
 from chatmesh.chat.events import TurnEvent
-from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import EnginePort, ModerationPort, PeerPort, Ports, RouterPort, StorePort, TurnKey
 from chatmesh.chat.prompt import DEFAULT_SYSTEM_PROMPTS, Prompts
-from chatmesh.chat.turns import Turns
+from chatmesh.chat.turns import NewConversation, Turns
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.mesh.turn import Move
-from chatmesh.store.values import Conversation, DailyUsage, History
+from chatmesh.store.values import Conversation, DailyUsage, History, Seed, TurnRecord
 
 __all__ = ["ChatCore", "ChatOptions", "DEFAULT_SYSTEM_PROMPTS"]
 
@@ -48,12 +48,13 @@ class ChatCore:
         ports = Ports(store, router, engines, moderation, peers)
         self.prompts = Prompts(ports, renderer, count_tokens, options)
         self.turns = Turns(ports, self.prompts, options, observe, now_ms)
-        self.conversations = Conversations(store, router, engines, options.default_prompt_version, self._stop_all)
+        self.conversations = Conversations(store, router, engines, options.default_prompt_version, self._stop_all,
+                                           count_tokens)
 
     # ---- conversations -------------------------------------------------------------------------------------
 
-    async def create_conversation(self, owner: OwnerId, title: str) -> Conversation:
-        return await self.conversations.create(owner, title)
+    async def create_conversation(self, owner: OwnerId, title: str, seed: tuple[Seed, ...] = ()) -> Conversation:
+        return await self.conversations.create(owner, title, seed)
 
     async def get_conversation(self, owner: OwnerId, conv: ConversationId) -> History:
         return await self.conversations.get(owner, conv)
@@ -72,12 +73,20 @@ class ChatCore:
 
     # ---- turns ---------------------------------------------------------------------------------------------
 
-    def send_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId, content: str
-                  ) -> AsyncIterator[TurnEvent]:
-        return self.turns.send(TurnKey(owner, conv, turn), content)
+    def send_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId, content: str,
+                  options: TurnOptions = DEFAULT_TURN, create: NewConversation | None = None,
+                  expect_last: TurnId | None = None) -> AsyncIterator[TurnEvent]:
+        return self.turns.send(TurnKey(owner, conv, turn), content, options, create, expect_last)
 
-    def regenerate(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> AsyncIterator[TurnEvent]:
-        return self.turns.regenerate(TurnKey(owner, conv, turn))
+    def regenerate(self, owner: OwnerId, conv: ConversationId, turn: TurnId, options: TurnOptions = DEFAULT_TURN
+                   ) -> AsyncIterator[TurnEvent]:
+        return self.turns.regenerate(TurnKey(owner, conv, turn), options)
+
+    async def get_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> TurnRecord:
+        return await self.turns.get(TurnKey(owner, conv, turn))
+
+    async def delete_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> int:
+        return await self.conversations.delete_turn(TurnKey(owner, conv, turn))
 
     def attach(self, owner: OwnerId, conv: ConversationId, turn: TurnId, after: int) -> AsyncIterator[TurnEvent]:
         return self.turns.attach(TurnKey(owner, conv, turn), after)

@@ -31,6 +31,7 @@ class Delta:
 class Completed:
     usage: Usage
     replica_id: str
+    finish_reason: str = ""  # "stop" or "length"; "" on a replay (the store keeps no reason)
 
 
 @dataclass(frozen=True)

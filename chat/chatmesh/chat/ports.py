@@ -15,7 +15,7 @@ from typing import NamedTuple, NewType, Protocol
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.store.values import (
-    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Summary, TurnRecord,
+    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, TurnRecord,
 )
 
 
@@ -45,6 +45,16 @@ class ClaimRequest:
 
 class StorePort(Protocol):
     async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation: ...
+
+    async def create_conversation(self, owner: OwnerId, conversation: ConversationId | None, title: str,
+                                  system_prompt_version: str, seed: Sequence[Seed]) -> tuple[Conversation, bool]:
+        """A conversation with `seed` messages stored first; with `conversation` already the owner's, that one
+        unchanged (False)."""
+        ...
+
+    async def delete_turn(self, key: TurnKey) -> list[ConversationId]:
+        """Deletes one stored turn with its regenerations; returns the conversations whose blocks must go."""
+        ...
 
     async def read_conversation(self, owner: OwnerId, conversation: ConversationId) -> History: ...
 
@@ -117,6 +127,7 @@ class Generation:
     max_tokens: int
     temperature: float
     top_p: float
+    seed: int = 0
 
 
 class FinishReason(enum.Enum):

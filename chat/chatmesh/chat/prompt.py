@@ -63,9 +63,10 @@ class Prompts:
         self.opt = options
 
     def render(self, view: History, summary: context.PromptSummary | None, new_message: str | None,
-               regenerates: TurnId | None = None) -> context.Rendered:
+               regenerates: TurnId | None = None, instructions: str = "", reply_tokens: int | None = None
+               ) -> context.Rendered:
         return context.build(self.renderer, self.opt.limits, self._system_prompt(view), summary,
-                             history(view, regenerates), new_message)
+                             history(view, regenerates), new_message, instructions, reply_tokens)
 
     async def next_prompt(self, owner: OwnerId, conv: ConversationId, new_message: str) -> context.Rendered:
         """The prompt the next turn with `new_message` would send (no summarising side effect)."""

@@ -22,9 +22,14 @@ from chatmesh.chat import context, settings
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcPeers, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
-from chatmesh.store.wire import conversation_pb, message_pb, usage_pb
+from chatmesh.chat.options import TurnOptions
+from chatmesh.chat.turns import NewConversation
+from chatmesh.mesh.turn import TurnRecordState
+from chatmesh.store.values import MessageStatus, TurnRecord
+from chatmesh.store.wire import conversation_pb, message_pb, seed_of, usage_pb
 from chatmesh.chat.prompting import ChatMLRenderer
 from chatmesh.mesh import identity
+from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_turn_id
@@ -45,7 +50,7 @@ _FOR_USERS = [identity.GATEWAY, identity.ANY_CLIENT]
 AUTHZ = {"chatmesh.v1.ChatService": {
     **{rpc: _FOR_USERS for rpc in (
         "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
-        "DeleteConversation", "GetUsage", "ExportUserData")},
+        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn")},
     "StopTurn": [*_FOR_USERS, identity.CHAT],
 }}
 
@@ -58,9 +63,10 @@ def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
             out.started.replayed = replayed
         case Delta(text=text):
             out.delta.text = text
-        case Completed(usage=usage, replica_id=replica):
+        case Completed(usage=usage, replica_id=replica, finish_reason=reason):
             out.completed.usage.CopyFrom(usage_pb(usage))
             out.completed.replica_id = replica
+            out.completed.finish_reason = reason
         case Stopped(usage=usage):
             out.stopped.usage.CopyFrom(usage_pb(usage))
         case Failed(message=message, retryable=retryable):
@@ -73,6 +79,41 @@ def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
         case _:
             assert_never(event.kind)
     return out
+
+
+def options_of(o: chat_pb2.TurnOptions) -> TurnOptions:
+    """A turn's options from the wire, checked: a bad value is INVALID_ARGUMENT naming the field."""
+    temperature = o.temperature if o.HasField("temperature") else None
+    top_p = o.top_p if o.HasField("top_p") else None
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise errors.InvalidArgument("options.temperature must be between 0 and 2")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise errors.InvalidArgument("options.top_p must be in (0, 1]")
+    if o.max_tokens < 0:
+        raise errors.InvalidArgument("options.max_tokens must be >= 0")
+    if len(o.stop) > 4 or any(not s or len(s) > 64 for s in o.stop):
+        raise errors.InvalidArgument("options.stop: at most 4 strings of 1-64 characters")
+    return TurnOptions(temperature=temperature, top_p=top_p, seed=o.seed if o.HasField("seed") else None,
+                       stop=tuple(o.stop), max_tokens=o.max_tokens, instructions=o.instructions)
+
+
+def turn_pb(record: TurnRecord) -> chat_pb2.GetTurnResponse:
+    """A stored turn record as GetTurn answers it."""
+    reply = record.reply
+    match record.state:
+        case TurnRecordState.RECEIVED | TurnRecordState.RUNNING:
+            return chat_pb2.GetTurnResponse(status=chat_pb2.TURN_STATUS_RUNNING, reply=record.partial_text)
+        case TurnRecordState.FAILED:
+            return chat_pb2.GetTurnResponse(status=chat_pb2.TURN_STATUS_FAILED)
+        case TurnRecordState.STORED | TurnRecordState.STOPPED:
+            assert reply is not None  # a stored turn has its reply
+            status = {MessageStatus.COMPLETE: chat_pb2.TURN_STATUS_COMPLETED,
+                      MessageStatus.STOPPED: chat_pb2.TURN_STATUS_STOPPED,
+                      MessageStatus.BLOCKED: chat_pb2.TURN_STATUS_BLOCKED}[reply.status]
+            return chat_pb2.GetTurnResponse(status=status, reply=reply.content, usage=usage_pb(record.usage),
+                                            stored_at_ms=reply.created_at_ms)
+        case _:
+            assert_never(record.state)
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
@@ -89,7 +130,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     @unary_errors
     async def CreateConversation(self, request: chat_pb2.CreateConversationRequest, context: Ctx
                                  ) -> chat_pb2.CreateConversationResponse:
-        conv = await self.core.create_conversation(self._owner(request, context), request.title)
+        conv = await self.core.create_conversation(self._owner(request, context), request.title, tuple(
+            seed_of(m, f"messages[{i}]") for i, m in enumerate(request.messages)))
         return chat_pb2.CreateConversationResponse(conversation=conversation_pb(conv))
 
     @unary_errors
@@ -104,7 +146,13 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                        ) -> AsyncIterator[chat_pb2.SendTurnResponse]:
         owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
-        async for event in self.core.send_turn(owner, conv, turn, request.content):
+        create = NewConversation(request.create.title, tuple(
+            seed_of(m, f"create.messages[{i}]") for i, m in enumerate(request.create.messages))) \
+            if request.HasField("create") else None
+        expect = parse_turn_id(request.expect_last_turn_id, "expect_last_turn_id") \
+            if request.expect_last_turn_id else None
+        async for event in self.core.send_turn(owner, conv, turn, request.content, options_of(request.options),
+                                               create, expect):
             yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
 
     @stream_errors
@@ -125,7 +173,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                              ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
         owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
-        async for event in self.core.regenerate(owner, conv, turn):
+        async for event in self.core.regenerate(owner, conv, turn, options_of(request.options)):
             yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event, turn))
 
     @unary_errors
@@ -145,6 +193,17 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         days = await self.core.usage(self._owner(request, context), request.days)
         return chat_pb2.GetUsageResponse(days=[chat_pb2.DailyUsage(day=d.day, usage=usage_pb(d.usage), turns=d.turns)
                                                for d in days])
+
+    @unary_errors
+    async def GetTurn(self, request: chat_pb2.GetTurnRequest, context: Ctx) -> chat_pb2.GetTurnResponse:
+        owner, conv = self._in(request, context)
+        return turn_pb(await self.core.get_turn(owner, conv, parse_turn_id(request.turn_id)))
+
+    @unary_errors
+    async def DeleteTurn(self, request: chat_pb2.DeleteTurnRequest, context: Ctx) -> chat_pb2.DeleteTurnResponse:
+        owner, conv = self._in(request, context)
+        evicted = await self.core.delete_turn(owner, conv, parse_turn_id(request.turn_id))
+        return chat_pb2.DeleteTurnResponse(blocks_evicted=evicted)
 
     @unary_errors
     async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Ctx

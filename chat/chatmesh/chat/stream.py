@@ -6,6 +6,11 @@ request or the caller going away; the engine sequence is cancelled by closing it
 without a finish (`StreamCut`). It moves the turn's state machine through PREFILL and DECODE as the engine admits
 the prompt and tokens arrive; the lifecycle (`claimed.py`) makes the final move and the store write.
 
+Stop strings (a turn's `TurnOptions.stop`): the text is scanned as it streams; the part of a chunk that could be
+the start of a stop string is held back until the next chunk decides, and when one appears the reply ends just
+before it (`StopString`: the engine sequence is cancelled, the turn completes with finish reason "stop"), so the
+stop string is neither sent nor stored.
+
 Text reaches the live turn, and so the user, only after its chunk passed the output check; what the user saw is
 exactly `live.text`, which is what a stop stores. Each engine event is one flushed chunk (many tokens), so the
 check and the publish cost is per chunk, not per token.
@@ -40,7 +45,37 @@ class StreamCut:
     """The engine stream ended without a finish event."""
 
 
-Ending = EngineFinished | OutputBlocked | StoppedHere | StreamCut
+@dataclass(frozen=True)
+class StopString:
+    """A stop string appeared: the reply ends just before it."""
+
+
+Ending = EngineFinished | OutputBlocked | StoppedHere | StreamCut | StopString
+
+
+class StopScan:
+    """Finds the first of `stops` in streamed text; holds back a tail that may be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """The text that may go out now, and whether a stop string ended the reply (nothing after it goes)."""
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.held = ""
+            return buf[:min(found)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        text, self.held = self.held, ""
+        return text
 
 
 @dataclass
@@ -57,10 +92,12 @@ class Tally:
 
 
 async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn, machine: TurnMachine,
-                address: str, generation: Generation, timeout_s: float) -> tuple[Ending, Tally]:
+                address: str, generation: Generation, timeout_s: float, stops: tuple[str, ...] = ()
+                ) -> tuple[Ending, Tally]:
     tally = Tally(prompt_tokens=len(generation.prompt_token_ids))
     screen = await moderation.open_output(generation.conversation)
-    consume = asyncio.create_task(_consume(engines, live, machine, address, generation, timeout_s, screen, tally))
+    consume = asyncio.create_task(_consume(engines, live, machine, address, generation, timeout_s, screen, tally,
+                                           StopScan(stops)))
     stop = asyncio.create_task(live.stop_requested.wait())
     try:
         await asyncio.wait({consume, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -75,8 +112,19 @@ async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn,
 
 
 async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, address: str, generation: Generation,
-                   timeout_s: float, screen: OutputScreen, tally: Tally) -> Ending:
+                   timeout_s: float, screen: OutputScreen, tally: Tally, scan: StopScan) -> Ending:
     stream = engines.generate(address, generation, timeout_s)
+
+    async def send(text: str) -> Screening | None:
+        """Screens and publishes `text`; the verdict when it was blocked."""
+        if not text:
+            return None
+        verdict = await screen.check(text)
+        if verdict.blocked:
+            return verdict
+        await live.publish(Delta(text))
+        return None
+
     try:
         async for event in stream:
             match event:
@@ -87,13 +135,15 @@ async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, ad
                     if machine.state is TurnState.PREFILL:
                         machine.advance(TurnState.DECODE)
                     tally.output_tokens += count
-                    if text:
-                        verdict = await screen.check(text)
-                        if verdict.blocked:
-                            return OutputBlocked(verdict)
-                        await live.publish(Delta(text))
+                    out, stopped = scan.feed(text)
+                    if (verdict := await send(out)) is not None:
+                        return OutputBlocked(verdict)
+                    if stopped:
+                        return StopString()
                 case EngineFinished(output_tokens=output):
                     tally.output_tokens = max(tally.output_tokens, output)
+                    if (verdict := await send(scan.flush())) is not None:
+                        return OutputBlocked(verdict)
                     return event
                 case _:
                     assert_never(event)

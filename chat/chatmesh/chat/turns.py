@@ -12,6 +12,13 @@ of the state machine (`chatmesh.mesh.turn`), driven here for every attempt:
                     lapses and this retry takes the turn over as a new attempt
     conflict     -> REJECTED, as is bad input and a regenerate with nothing to regenerate
 
+Two guards the OpenAI-compatible surface asks for (it continues conversations its clients do not name): a send
+may first create its conversation, seeded with the client's earlier history (`NewConversation`; an existing one
+of the owner is used as it is, so a retry lands where the first attempt did), and may expect the conversation to
+end with a given turn (`expect_last_turn_id`): a new claim whose context ends elsewhere is released at once and
+REJECTED (FAILED_PRECONDITION), nothing stored, so a client whose history no longer matches is never answered
+from another one. A known turn id replays or attaches before either guard is looked at.
+
 Either way: one generation, one bill. The caller going away stops a turn it owns (I5: the partial reply the
 user saw is stored as stopped). A stop reaching a process that does not generate the turn is forwarded to the
 one that does (the lease holder records `name@address`).
@@ -23,24 +30,35 @@ import asyncio
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import assert_never
 
 from chatmesh.chat.admission import Admission
 from chatmesh.chat.claimed import ClaimedTurn, Job
 from chatmesh.chat.events import LiveTurn, TurnEvent, replay
 from chatmesh.chat.follow import StoredFollower
-from chatmesh.chat.options import ChatOptions
+from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import ClaimRequest, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
 from chatmesh.mesh import errors
-from chatmesh.mesh.ids import TurnId
+from chatmesh.mesh.ids import LeaseId, TurnId
 from chatmesh.mesh.turn import RECORD_ACTIVE, Move, TurnMachine, TurnState
-from chatmesh.store.values import Claimed, Conflicted, Done, InProgress, MessageStatus, Role
+from chatmesh.store.values import (
+    Claimed, Conflicted, Done, History, InProgress, MessageStatus, Role, Seed, TurnRecord,
+)
 
 MAX_CONTENT_BYTES = 512 * 1024
 CONTEXT_MESSAGES = 1000  # messages after the summary a claim returns (the store's cap); more: a separate read
 # The caller's own mistakes end an attempt as REJECTED; anything else (a dependency down) as FAILED.
 REJECTIONS = (errors.InvalidArgument, errors.NotFound, errors.Conflict, errors.FailedPrecondition)
+
+
+@dataclass(frozen=True)
+class NewConversation:
+    """A conversation a send creates first (if the owner does not have it yet), with a client's history."""
+
+    title: str
+    seed: tuple[Seed, ...]
 
 
 def fingerprint(kind: str, content: str) -> str:
@@ -86,20 +104,34 @@ class Turns:
         return f"{self.opt.instance_id}@{self.opt.advertise_address}" if self.opt.advertise_address \
             else self.opt.instance_id
 
-    async def send(self, key: TurnKey, content: str) -> AsyncIterator[TurnEvent]:
+    async def send(self, key: TurnKey, content: str, options: TurnOptions = DEFAULT_TURN,
+                   create: NewConversation | None = None, expect_last: TurnId | None = None
+                   ) -> AsyncIterator[TurnEvent]:
         machine = TurnMachine(self.observe)
         with ending_on_error(machine):
             validate_content(content)
-        async for event in self._attempt(machine, key, content, None, fingerprint("send", content)):
+            if create is not None:
+                seed = tuple(replace(m, token_count=self.prompts.count_tokens(m.content)) for m in create.seed)
+                await self.store.create_conversation(key.owner, key.conversation, create.title,
+                                                     self.opt.default_prompt_version, seed)
+        async for event in self._attempt(machine, key, content, None, fingerprint("send", content), options,
+                                         expect_last):
             yield event
 
-    async def regenerate(self, key: TurnKey) -> AsyncIterator[TurnEvent]:
+    async def regenerate(self, key: TurnKey, options: TurnOptions = DEFAULT_TURN) -> AsyncIterator[TurnEvent]:
         """A new reply to the last user message under a new turn id; a retry of the same id replays it."""
         machine = TurnMachine(self.observe)
         with ending_on_error(machine):
             target = await self._regenerate_target(key)
-        async for event in self._attempt(machine, key, "", target, fingerprint("regenerate", target)):
+        async for event in self._attempt(machine, key, "", target, fingerprint("regenerate", target), options):
             yield event
+
+    async def get(self, key: TurnKey) -> TurnRecord:
+        """One turn as stored (while it runs: the reply so far); NotFound for no such turn of the owner's."""
+        record = await self.store.read_turn(key)
+        if (live := self.live.get(key)) is not None and live.final is None:
+            return replace(record, partial_text=live.text)
+        return record
 
     async def attach(self, key: TurnKey, after: int) -> AsyncIterator[TurnEvent]:
         machine = TurnMachine(self.observe)
@@ -149,7 +181,8 @@ class Turns:
         return replies[-1].turn_id
 
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
-                       fp: str) -> AsyncIterator[TurnEvent]:
+                       fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None
+                       ) -> AsyncIterator[TurnEvent]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
             async for event in live.follow(0, replayed=True):
@@ -169,7 +202,10 @@ class Turns:
             await admission.discard()
         match claim:
             case Claimed(lease_id=lease, context=view):
-                async for event in self._own(machine, Job(key, content, regenerates, lease, admission, view)):
+                if expect_last is not None:
+                    await self._expect(machine, key, lease, admission, view, expect_last)
+                async for event in self._own(machine, Job(key, content, regenerates, lease, admission, view,
+                                                          options)):
                     yield event
             case Done(reply=reply, usage=usage):
                 machine.advance(TurnState.REPLAYED)
@@ -184,6 +220,20 @@ class Turns:
                 raise errors.Conflict(f"turn id {key.turn} was already used for different content; use a new turn id")
             case _:
                 assert_never(claim)
+
+    async def _expect(self, machine: TurnMachine, key: TurnKey, lease: LeaseId, admission: Admission,
+                      view: History | None, expected: TurnId) -> None:
+        """The expect_last_turn_id guard on a won claim (see the module header)."""
+        if view is None:  # the claim brought no whole context: the end of the conversation is read instead
+            view = await self.store.read_conversation(key.owner, key.conversation)
+        live = [m for m in view.messages if not m.superseded]
+        if live and live[-1].turn_id == expected:
+            return
+        await asyncio.shield(admission.discard())
+        with contextlib.suppress(errors.CoreError):
+            await self.store.fail_turn(key, lease, "history moved on")
+        machine.advance(TurnState.REJECTED)
+        raise errors.FailedPrecondition(f"conversation {key.conversation} no longer ends with turn {expected}")
 
     async def _own(self, machine: TurnMachine, job: Job) -> AsyncIterator[TurnEvent]:
         """Starts generating a claimed turn and follows it; the caller going away stops it (I5)."""

@@ -156,6 +156,10 @@ def role_of(value: common_pb2.Role) -> Role:
     return role
 
 
+def seed_pb(m: Seed) -> common_pb2.SeedMessage:
+    return common_pb2.SeedMessage(role=role_pb(m.role), content=m.content, token_count=m.token_count)
+
+
 def seed_of(m: common_pb2.SeedMessage, field: str = "message") -> Seed:
     if m.role == common_pb2.ROLE_UNSPECIFIED:
         raise InvalidArgument(f"{field}.role is required (system, user or assistant)")

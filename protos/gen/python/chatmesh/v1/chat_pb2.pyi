@@ -1,5 +1,6 @@
 from chatmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,13 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TurnStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_STATUS_UNSPECIFIED: _ClassVar[TurnStatus]
+    TURN_STATUS_RUNNING: _ClassVar[TurnStatus]
+    TURN_STATUS_COMPLETED: _ClassVar[TurnStatus]
+    TURN_STATUS_STOPPED: _ClassVar[TurnStatus]
+    TURN_STATUS_BLOCKED: _ClassVar[TurnStatus]
+    TURN_STATUS_FAILED: _ClassVar[TurnStatus]
+TURN_STATUS_UNSPECIFIED: TurnStatus
+TURN_STATUS_RUNNING: TurnStatus
+TURN_STATUS_COMPLETED: TurnStatus
+TURN_STATUS_STOPPED: TurnStatus
+TURN_STATUS_BLOCKED: TurnStatus
+TURN_STATUS_FAILED: TurnStatus
+
 class CreateConversationRequest(_message.Message):
-    __slots__ = ("owner_id", "title")
+    __slots__ = ("owner_id", "title", "messages")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     title: str
-    def __init__(self, owner_id: _Optional[str] = ..., title: _Optional[str] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.SeedMessage]
+    def __init__(self, owner_id: _Optional[str] = ..., title: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.SeedMessage, _Mapping]]] = ...) -> None: ...
 
 class CreateConversationResponse(_message.Message):
     __slots__ = ("conversation",)
@@ -38,18 +56,48 @@ class GetConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ...) -> None: ...
 
 class SendTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "content", "prompt_token_allowance")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "content", "prompt_token_allowance", "options", "create", "expect_last_turn_id")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAST_TURN_ID_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
     content: str
     prompt_token_allowance: int
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ...) -> None: ...
+    options: TurnOptions
+    create: NewConversation
+    expect_last_turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ..., options: _Optional[_Union[TurnOptions, _Mapping]] = ..., create: _Optional[_Union[NewConversation, _Mapping]] = ..., expect_last_turn_id: _Optional[str] = ...) -> None: ...
+
+class TurnOptions(_message.Message):
+    __slots__ = ("temperature", "top_p", "seed", "stop", "max_tokens", "instructions")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    max_tokens: int
+    instructions: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., instructions: _Optional[str] = ...) -> None: ...
+
+class NewConversation(_message.Message):
+    __slots__ = ("title", "messages")
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    title: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.SeedMessage]
+    def __init__(self, title: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.SeedMessage, _Mapping]]] = ...) -> None: ...
 
 class SendTurnResponse(_message.Message):
     __slots__ = ("event",)
@@ -92,16 +140,18 @@ class StopTurnResponse(_message.Message):
     def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
 
 class RegenerateTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "prompt_token_allowance")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "prompt_token_allowance", "options")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
     prompt_token_allowance: int
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ...) -> None: ...
+    options: TurnOptions
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ..., options: _Optional[_Union[TurnOptions, _Mapping]] = ...) -> None: ...
 
 class RegenerateTurnResponse(_message.Message):
     __slots__ = ("event",)
@@ -208,12 +258,14 @@ class TurnDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class TurnCompleted(_message.Message):
-    __slots__ = ("usage", "replica_id")
+    __slots__ = ("usage", "replica_id", "finish_reason")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     replica_id: str
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., replica_id: _Optional[str] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., replica_id: _Optional[str] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class TurnStopped(_message.Message):
     __slots__ = ("usage",)
@@ -238,3 +290,43 @@ class TurnBlocked(_message.Message):
     category: str
     reason: str
     def __init__(self, stage: _Optional[str] = ..., category: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class GetTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class GetTurnResponse(_message.Message):
+    __slots__ = ("status", "reply", "usage", "stored_at_ms", "finish_reason")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    status: TurnStatus
+    reply: str
+    usage: _common_pb2.Usage
+    stored_at_ms: int
+    finish_reason: str
+    def __init__(self, status: _Optional[_Union[TurnStatus, str]] = ..., reply: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stored_at_ms: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class DeleteTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class DeleteTurnResponse(_message.Message):
+    __slots__ = ("blocks_evicted",)
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    blocks_evicted: int
+    def __init__(self, blocks_evicted: _Optional[int] = ...) -> None: ...

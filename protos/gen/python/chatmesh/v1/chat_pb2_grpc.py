@@ -86,6 +86,16 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.FromString,
                 _registered_method=True)
+        self.GetTurn = channel.unary_unary(
+                '/chatmesh.v1.ChatService/GetTurn',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.GetTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.GetTurnResponse.FromString,
+                _registered_method=True)
+        self.DeleteTurn = channel.unary_unary(
+                '/chatmesh.v1.ChatService/DeleteTurn',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -163,6 +173,21 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTurn(self, request, context):
+        """Returns one turn: its status, its reply (so far, while it runs) and its usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTurn(self, request, context):
+        """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
+        conversation's cached KV blocks on every engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +240,16 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.ExportUserData,
                     request_deserializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.SerializeToString,
+            ),
+            'GetTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.GetTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.GetTurnResponse.SerializeToString,
+            ),
+            'DeleteTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -489,6 +524,60 @@ class ChatService:
             '/chatmesh.v1.ChatService/ExportUserData',
             chatmesh_dot_v1_dot_chat__pb2.ExportUserDataRequest.SerializeToString,
             chatmesh_dot_v1_dot_chat__pb2.ExportUserDataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/GetTurn',
+            chatmesh_dot_v1_dot_chat__pb2.GetTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.GetTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/DeleteTurn',
+            chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

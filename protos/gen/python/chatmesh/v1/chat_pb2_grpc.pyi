@@ -55,6 +55,12 @@ class ChatServiceStub:
     """Returns the owner's token usage per day."""
     ExportUserData: _grpc.UnaryUnaryMultiCallable[_chat_pb2.ExportUserDataRequest, _chat_pb2.ExportUserDataResponse]
     """Exports all of the owner's conversations as JSON."""
+    GetTurn: _grpc.UnaryUnaryMultiCallable[_chat_pb2.GetTurnRequest, _chat_pb2.GetTurnResponse]
+    """Returns one turn: its status, its reply (so far, while it runs) and its usage."""
+    DeleteTurn: _grpc.UnaryUnaryMultiCallable[_chat_pb2.DeleteTurnRequest, _chat_pb2.DeleteTurnResponse]
+    """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
+    conversation's cached KV blocks on every engine.
+    """
 
 @_typing.type_check_only
 class ChatServiceAsyncStub(ChatServiceStub):
@@ -83,6 +89,12 @@ class ChatServiceAsyncStub(ChatServiceStub):
     """Returns the owner's token usage per day."""
     ExportUserData: _aio.UnaryUnaryMultiCallable[_chat_pb2.ExportUserDataRequest, _chat_pb2.ExportUserDataResponse]  # type: ignore[assignment]
     """Exports all of the owner's conversations as JSON."""
+    GetTurn: _aio.UnaryUnaryMultiCallable[_chat_pb2.GetTurnRequest, _chat_pb2.GetTurnResponse]  # type: ignore[assignment]
+    """Returns one turn: its status, its reply (so far, while it runs) and its usage."""
+    DeleteTurn: _aio.UnaryUnaryMultiCallable[_chat_pb2.DeleteTurnRequest, _chat_pb2.DeleteTurnResponse]  # type: ignore[assignment]
+    """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
+    conversation's cached KV blocks on every engine.
+    """
 
 class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
     """The turn state machine: idempotent turns, context building, moderation, routing, generation, storage, metering.
@@ -168,5 +180,23 @@ class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_chat_pb2.ExportUserDataResponse, _abc.Awaitable[_chat_pb2.ExportUserDataResponse]]:
         """Exports all of the owner's conversations as JSON."""
+
+    @_abc_1.abstractmethod
+    def GetTurn(
+        self,
+        request: _chat_pb2.GetTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.GetTurnResponse, _abc.Awaitable[_chat_pb2.GetTurnResponse]]:
+        """Returns one turn: its status, its reply (so far, while it runs) and its usage."""
+
+    @_abc_1.abstractmethod
+    def DeleteTurn(
+        self,
+        request: _chat_pb2.DeleteTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.DeleteTurnResponse, _abc.Awaitable[_chat_pb2.DeleteTurnResponse]]:
+        """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
+        conversation's cached KV blocks on every engine.
+        """
 
 def add_ChatServiceServicer_to_server(servicer: ChatServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
