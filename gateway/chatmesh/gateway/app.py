@@ -35,7 +35,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
+from chatmesh.chat import settings as chat_settings
 from chatmesh.gateway import login, openapi, page, routes, settings
+from chatmesh.gateway.openai import routes as openai_routes
+from chatmesh.gateway.openai.errors import OpenAIError
+from chatmesh.gateway.openai.errors import response_for as openai_error
+from chatmesh.gateway.openai.history import HistoryIndex
+from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_options
 from chatmesh.gateway.auth import Authenticator
@@ -52,6 +58,7 @@ from chatmesh.mesh.trust import Trust, service_trust
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
+from chatmesh.store import settings as store_settings
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
 log = logs.get("chatmesh.gateway")
@@ -118,6 +125,7 @@ def route_table() -> list[BaseRoute]:
         Route("/v1/session", login.login, methods=["POST"]),
         Route("/v1/session", login.whoami, methods=["GET"]),
         Route("/v1/session", login.logout, methods=["DELETE"]),
+        *openai_routes.route_table(),
         Route("/openapi.json", openapi.document, methods=["GET"]),
         Route("/", page.index, methods=["GET"]),
         Mount("/static", app=page.static(), name="static"),
@@ -131,6 +139,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if openai_routes.is_openai_path(request.url.path):
+        return openai_routes.http_error(request, exc)
     if exc.status_code == 404 and (redirect := _slash_redirect(request)) is not None:
         return redirect
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -169,6 +179,9 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unexpected_error", path=request.url.path, error=type(exc).__name__, exc_info=exc)
+    if openai_routes.is_openai_path(request.url.path):
+        return openai_error(OpenAIError(500, "internal", "internal error"))
     route = request.scope.get("route")
     log.error("unexpected_error", method=request.method, route=getattr(route, "path", None), exc_info=exc)
     return JSONResponse({"error": {"code": "internal", "message": "internal error"}}, 500)
@@ -199,6 +212,13 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
             budget=budget_of(cfg),
             deadline_s=cfg[settings.CHAT_DEADLINE_S])
+        app.state.openai = Surface(
+            edge=app.state.edge, accounts=accounts,
+            index=HistoryIndex(accounts.engine, b"openai-history\0" + cfg[settings.KEY_PEPPER].encode(),
+                               cfg[store_settings.RETENTION_DAYS]),
+            model=cfg[settings.OPENAI_MODEL], context_tokens=cfg[chat_settings.CONTEXT_TOKENS],
+            reply_cap=cfg[chat_settings.MAX_REPLY_TOKENS])
+        log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH])
         exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None
         if exporter is not None:
             await exporter.start()

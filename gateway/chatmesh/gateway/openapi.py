@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
+
+from chatmesh.gateway.openai import openapi as openai_doc
 from starlette.responses import JSONResponse, Response
 
 UUID = {"type": "string", "format": "uuid"}
@@ -161,9 +163,11 @@ DOCUMENT: dict[str, Any] = {
              "description": "REST and server-sent events for chatmesh conversations. Every call acts as the "
                             "authenticated user: an API key (Bearer), or a browser session cookie plus the "
                             "X-CSRF-Token header on state-changing requests. Errors are "
-                            '{"error": {"code", "message"}}.'},
-    "paths": PATHS,
-    "components": {"schemas": SCHEMAS, "securitySchemes": {
+                            '{"error": {"code", "message"}}. Under /openai/v1: an OpenAI-compatible surface '
+                            "(Models, Chat Completions, Responses, Conversations) over the same conversations, with "
+                            'errors in OpenAI\'s shape {"error": {"message", "type", "param", "code"}}.'},
+    "paths": {**PATHS, **openai_doc.PATHS},
+    "components": {"schemas": {**SCHEMAS, **openai_doc.SCHEMAS}, "securitySchemes": {
         "apiKey": {"type": "http", "scheme": "bearer"},
         "session": {"type": "apiKey", "in": "cookie", "name": "chatmesh_session"}}},
     "security": [{"apiKey": []}, {"session": []}],

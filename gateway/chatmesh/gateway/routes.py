@@ -184,6 +184,9 @@ async def delete_conversation(request: Request) -> Response:
     await edge.unary(edge.chat.DeleteConversation(
         chat_pb2.DeleteConversationRequest(owner_id=who.owner, conversation_id=conversation),
         timeout=edge.deadline_s, metadata=edge.tokens.metadata(who, conversation)))
+    surface = getattr(request.app.state, "openai", None)
+    if surface is not None:  # the OpenAI surface's history digests of it (chatmesh.gateway.openai.history)
+        await surface.index.forget(who.owner, conversation)
     return Response(status_code=204)
 
 

@@ -1,0 +1,112 @@
+"""The Conversations API over chatmesh's own conversations (one store, two surfaces): the same durable,
+owner-scoped conversations as /v1/conversations, kept 30 days, deletable (a delete reaches every copy: messages,
+summary, turns, the history digests of `history.py`, and the cached KV blocks on every engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from chatmesh.gateway import bodies
+from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.openai import ids, wire
+from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
+from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
+from chatmesh.gateway.sanitise import Sanitiser
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.v1 import chat_pb2, common_pb2
+
+_ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant"}
+
+
+def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
+    return {"id": ids.conversation_id(c.conversation_id), "object": "conversation",
+            "created_at": c.created_at_ms // 1000, "metadata": {}}
+
+
+def item_json(m: common_pb2.Message, sanitiser: Sanitiser) -> dict[str, Any]:
+    role = _ROLES.get(m.role, "user")
+    if role == "assistant":
+        content = [{"type": "output_text", "text": sanitiser.whole(m.content), "annotations": [], "logprobs": []}]
+    else:
+        content = [{"type": "input_text", "text": m.content}]
+    status = "completed" if m.status == common_pb2.MESSAGE_STATUS_COMPLETE else "incomplete"
+    return {"type": "message", "id": ids.message_id(m.turn_id, role) if m.turn_id else f"msg_{m.index}",
+            "status": status, "role": role, "content": content}
+
+
+async def _existing(request: Request) -> tuple[Surface, OwnerId, ConversationId]:
+    surface = surface_of(request)
+    owner = await owner_of(request, surface)
+    return surface, owner, ids.parse_conversation(request.path_params["conversation_id"])
+
+
+async def _read(surface: Surface, owner: OwnerId, conv: ConversationId) -> chat_pb2.GetConversationResponse:
+    try:
+        return await surface.edge.unary(surface.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
+            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s))
+    except ApiError as err:
+        if err.status == 404:
+            raise OpenAIError(404, "not_found", "conversation not found") from None
+        raise
+
+
+async def create(request: Request) -> Response:
+    surface = surface_of(request)
+    owner = await owner_of(request, surface)
+    body = await bodies.json_object(request, surface.edge.max_body_bytes, optional=True)
+    for key, value in body.items():
+        if key == "metadata" and not value:
+            continue
+        if key != "items":
+            raise unsupported(key) if key == "metadata" else invalid(key, "unknown parameter", "unknown_parameter")
+    seed: list[common_pb2.SeedMessage] = []
+    if body.get("items"):
+        messages = wire.conversation_items(body["items"], surface.edge.max_body_bytes)
+        await surface.check_sizes(messages, "items")
+        seed = [common_pb2.SeedMessage(role=m.role.proto, content=m.text) for m in messages if m.text.strip()]
+    reply = await surface.edge.unary(surface.edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
+        owner_id=owner, messages=seed), timeout=surface.edge.deadline_s))
+    return JSONResponse(conversation_json(reply.conversation))
+
+
+async def retrieve(request: Request) -> Response:
+    surface, owner, conv = await _existing(request)
+    return JSONResponse(conversation_json((await _read(surface, owner, conv)).conversation))
+
+
+async def delete(request: Request) -> Response:
+    surface, owner, conv = await _existing(request)
+    try:
+        await surface.edge.unary(surface.edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
+            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s * 3))
+    except ApiError as err:
+        if err.status == 404:
+            raise OpenAIError(404, "not_found", "conversation not found") from None
+        raise
+    await surface.index.forget(owner, conv)
+    return JSONResponse({"id": ids.conversation_id(conv), "object": "conversation.deleted", "deleted": True})
+
+
+async def items(request: Request) -> Response:
+    surface, owner, conv = await _existing(request)
+    limit = request.query_params.get("limit", "20")
+    order = request.query_params.get("order", "desc")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise invalid("limit", "must be an integer from 1 to 100")
+    if order not in ("asc", "desc"):
+        raise invalid("order", "must be asc or desc")
+    view = await _read(surface, owner, conv)
+    sanitiser = Sanitiser(surface.edge.allowlist)
+    all_items = [item_json(m, sanitiser) for m in view.messages if not m.superseded]
+    if order == "desc":
+        all_items.reverse()
+    after = request.query_params.get("after")
+    if after:
+        seen = [i for i, item in enumerate(all_items) if item["id"] == after]
+        all_items = all_items[seen[0] + 1:] if seen else []
+    page = all_items[:int(limit)]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(all_items) > len(page)})

@@ -1,0 +1,208 @@
+"""Which conversation a request continues and which turn it is: continuity, idempotency, regenerate, fork.
+
+A request asks for one reply to its last user message, `content`, after its earlier messages, `history`.
+
+Turn id (the idempotency key, I2). An `Idempotency-Key` header, or Open WebUI's message id header, names the turn:
+`uuid5(owner, key)`. Without one the turn id is derived from the request itself, `uuid5(owner, request digest)`,
+so the SDK's own retry of a request it never got an answer to (marked `x-stainless-retry-count: N>=1`) reaches
+the same turn and replays it or attaches to it: never a second generation, never a second bill. A request that
+names no key and is not such a retry, yet reaches a turn already answered, was sent again on purpose: that is a
+regenerate (a new reply to the same message, the old one kept as an alternative).
+
+Conversation (see `history.py`): the conversation whose recorded history equals `history` (looked up by digest)
+continues, guarded by `expect_last_turn_id`. When nothing matches or the stored conversation has moved on, the
+request starts a conversation of its own, seeded with `history`; its id is derived from the request digest (and
+the conversation it forks from), so a retry finds it again. Responses name their point explicitly instead
+(`previous_response_id` = conversation + turn; `conversation` = append as stored).
+
+Every path makes at most one ChatService call before the first token, except the rare ones (a regenerate, a
+fork), which read the conversation first.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.openai.errors import OpenAIError
+from chatmesh.gateway.openai.history import HistoryIndex, Point
+from chatmesh.gateway.openai.wire import Message, Role
+from chatmesh.gateway.routes import Edge
+from chatmesh.gateway.sse import TurnCall, first_event
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.v1 import chat_pb2, common_pb2
+
+_NAMESPACE = uuid.UUID("6f1d6c1e-2b7a-4c53-9a55-0c0a7e0b5f19")
+MAX_FORKS = 3
+
+
+def derived_id(*parts: str) -> str:
+    return str(uuid.uuid5(_NAMESPACE, "\0".join(parts)))
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request for a reply, as Chat Completions and Responses both make it."""
+
+    owner: OwnerId
+    chat: str  # the client's own chat id (Open WebUI), or ""
+    history: tuple[Message, ...]  # the client's messages before `content` (the seed of a new conversation)
+    content: str
+    options: chat_pb2.TurnOptions
+    request_digest: str  # of the whole request: messages, options and where it continues
+    key: str | None = None  # Idempotency-Key or Open WebUI's message id
+    retry: bool = False  # the SDK's own retry of this request
+    after: Point | None = None  # previous_response_id: continue right after this turn
+    conversation: ConversationId | None = None  # conversation: append to it as stored
+    seed_from: Point | None = None  # a fork seeds the stored history up to this point (Responses)
+    fresh: bool = False  # a throwaway conversation of its own (store=false, a front-end's background task)
+    allowance: int = 0  # the prompt tokens reserved for the turn (chatmesh.gateway.metering)
+
+
+@dataclass
+class Opened:
+    """A turn stream whose first event has arrived, and where its reply lands."""
+
+    call: TurnCall
+    first: chat_pb2.TurnEvent
+    point: Point
+    created: bool  # this request created the conversation
+
+    @property
+    def replayed(self) -> bool:
+        return self.first.WhichOneof("kind") == "started" and self.first.started.replayed
+
+
+class Turns:
+    def __init__(self, edge: Edge, index: HistoryIndex):
+        self.edge = edge
+        self.index = index
+
+    def turn_id(self, ask: Ask) -> TurnId:
+        if ask.fresh:
+            return TurnId(str(uuid.uuid4()))
+        if ask.key is not None:
+            return TurnId(derived_id("key", ask.owner, ask.key))
+        return TurnId(derived_id("request", ask.owner, ask.request_digest))
+
+    async def open(self, ask: Ask) -> Opened:
+        turn = self.turn_id(ask)
+        if ask.fresh:
+            return await self._start(ask, turn, ConversationId(str(uuid.uuid4())), forks=0)
+        if ask.conversation is not None:
+            return await self._append(ask, turn, ask.conversation)
+        point = ask.after
+        if point is None and any(m.role is Role.ASSISTANT for m in ask.history):
+            point = await self.index.find(ask.owner, self.index.digest(ask.owner, ask.chat, ask.history))
+        if point is None:
+            return await self._start(ask, turn, self._new_conversation(ask, ""), forks=0)
+        return await self._continue(ask, turn, point, recheck=ask.after is None)
+
+    # ---- the paths --------------------------------------------------------------------------------------------
+
+    async def _continue(self, ask: Ask, turn: TurnId, point: Point, *, recheck: bool) -> Opened:
+        try:
+            opened = await self._send(ask, turn, point.conversation, expect=point.turn)
+        except ApiError as err:
+            if err.code == "not_found":  # deleted since it was recorded
+                await self.index.forget(ask.owner, point.conversation)
+                if ask.after is not None:
+                    raise OpenAIError(404, "not_found", "previous response not found",
+                                      "previous_response_id") from None
+                return await self._start(ask, turn, self._new_conversation(ask, ""), forks=0)
+            if err.code != "failed_precondition":
+                raise
+            if recheck:  # the in-process record may be stale: the shared one decides
+                fresh = await self.index.find(ask.owner, self.index.digest(ask.owner, ask.chat, ask.history),
+                                              fresh=True)
+                if fresh is not None and fresh != point:
+                    return await self._continue(ask, turn, fresh, recheck=False)
+            return await self._resend(ask, turn, point, forks=0)
+        if opened.replayed and not self._may_replay(ask):
+            opened.call.cancel()
+            return await self._resend(ask, turn, point, forks=0)
+        return opened
+
+    async def _append(self, ask: Ask, turn: TurnId, conversation: ConversationId) -> Opened:
+        opened = await self._send(ask, turn, conversation)
+        if opened.replayed and not self._may_replay(ask):  # the same input again, on purpose: a new response
+            opened.call.cancel()
+            opened = await self._send(ask, TurnId(str(uuid.uuid4())), conversation)
+        return opened
+
+    async def _start(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, forks: int) -> Opened:
+        seed = await self._seed(ask)
+        create = chat_pb2.NewConversation(messages=seed)
+        opened = await self._send(ask, turn, conversation, create=create)
+        if opened.replayed and not self._may_replay(ask):
+            opened.call.cancel()
+            return await self._resend(ask, turn, Point(conversation, TurnId("")), forks=forks, seeded=len(seed))
+        return opened
+
+    async def _resend(self, ask: Ask, turn: TurnId, point: Point, *, forks: int, seeded: int | None = None
+                      ) -> Opened:
+        """The stored conversation does not end where the client's history does. If it ends with the client's
+        history plus a reply to this very message, the client asks again: regenerate that reply. Otherwise
+        (another request continued the conversation, an earlier reply was regenerated) fork."""
+        view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
+            owner_id=ask.owner, conversation_id=point.conversation), timeout=self.edge.deadline_s))
+        live = [m for m in view.messages if not m.superseded]
+        asks_again = (len(live) >= 2 and live[-1].role == common_pb2.ROLE_ASSISTANT
+                      and live[-2].role == common_pb2.ROLE_USER and live[-2].content.strip() == ask.content.strip()
+                      and (live[-3].turn_id == point.turn if point.turn and len(live) >= 3
+                           else not point.turn and len(live) - 2 == seeded))
+        if asks_again:
+            again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id))
+            call = self.edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
+                owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options,
+                prompt_token_allowance=ask.allowance))
+            return Opened(call, await self._first(call), Point(point.conversation, again), created=False)
+        if forks >= MAX_FORKS:
+            raise OpenAIError(409, "conflict", "this request conflicts with the stored conversation; send it with a "
+                                               "new Idempotency-Key")
+        fork_ask = ask if ask.seed_from is not None or ask.after is None else \
+            Ask(**{**ask.__dict__, "seed_from": ask.after})
+        return await self._start(fork_ask, turn, self._new_conversation(ask, point.conversation), forks=forks + 1)
+
+    # ---- calls ------------------------------------------------------------------------------------------------
+
+    async def _send(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, expect: str = "",
+                    create: chat_pb2.NewConversation | None = None) -> Opened:
+        req = chat_pb2.SendTurnRequest(owner_id=ask.owner, conversation_id=conversation, turn_id=turn,
+                                       content=ask.content, options=ask.options, expect_last_turn_id=expect,
+                                       prompt_token_allowance=ask.allowance)
+        if create is not None:
+            req.create.CopyFrom(create)
+        call = self.edge.chat.SendTurn(req)
+        return Opened(call, await self._first(call), Point(conversation, turn), created=create is not None)
+
+    @staticmethod
+    async def _first(call: TurnCall) -> chat_pb2.TurnEvent:
+        try:
+            return await first_event(call)
+        except BaseException:
+            call.cancel()
+            raise
+
+    async def _seed(self, ask: Ask) -> list[common_pb2.SeedMessage]:
+        seed: list[common_pb2.SeedMessage] = []
+        if ask.seed_from is not None:  # a fork of a stored conversation: its history up to that reply
+            view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
+                owner_id=ask.owner, conversation_id=ask.seed_from.conversation), timeout=self.edge.deadline_s))
+            live = [m for m in view.messages if not m.superseded and m.status != common_pb2.MESSAGE_STATUS_BLOCKED]
+            ends = [i for i, m in enumerate(live) if m.turn_id == ask.seed_from.turn]
+            if not ends:
+                raise OpenAIError(404, "not_found", "previous response not found", "previous_response_id")
+            seed.extend(common_pb2.SeedMessage(role=m.role, content=m.content) for m in live[:ends[-1] + 1])
+        seed.extend(common_pb2.SeedMessage(role=m.role.proto, content=m.text) for m in ask.history if m.text.strip())
+        return seed
+
+    @staticmethod
+    def _may_replay(ask: Ask) -> bool:
+        return ask.retry or ask.key is not None
+
+    @staticmethod
+    def _new_conversation(ask: Ask, base: str) -> ConversationId:
+        return ConversationId(derived_id("conversation", ask.owner, ask.chat, ask.request_digest, base))
+

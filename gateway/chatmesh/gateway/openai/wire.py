@@ -1,0 +1,411 @@
+"""Request bodies of the OpenAI-compatible surface: parsed into typed values, every field checked and named when
+wrong (a 400 with OpenAI's `param`), nothing passed on that chatmesh would not honour.
+
+Three kinds of keys: the ones chatmesh implements (parsed here); ones it does not, which are accepted only at
+their no-op value (`n: 1`, `logprobs: false`, `frequency_penalty: 0`, `tools: []`, ...) and otherwise refused
+naming the parameter; and unknown keys, refused too. A body that passes here is safe to act on: a bad request
+stores nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
+from chatmesh.v1 import chat_pb2, common_pb2
+
+MAX_STOP = 4
+MAX_STOP_CHARS = 64
+MAX_MESSAGES = 10_000
+
+
+class Role(enum.Enum):
+    """Who wrote a message, as chatmesh stores it (OpenAI's `developer` is a system message)."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+    @property
+    def proto(self) -> common_pb2.Role:
+        return {Role.SYSTEM: common_pb2.ROLE_SYSTEM, Role.USER: common_pb2.ROLE_USER,
+                Role.ASSISTANT: common_pb2.ROLE_ASSISTANT}[self]
+
+
+_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: Role
+    text: str
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-turn generation options; None: the service's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    instructions: str = ""
+
+    def proto(self) -> chat_pb2.TurnOptions:
+        out = chat_pb2.TurnOptions(stop=list(self.stop), max_tokens=self.max_tokens or 0,
+                                   instructions=self.instructions)
+        if self.temperature is not None:
+            out.temperature = self.temperature
+        if self.top_p is not None:
+            out.top_p = self.top_p
+        if self.seed is not None:
+            out.seed = self.seed
+        return out
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """POST /chat/completions."""
+
+    model: str
+    messages: tuple[Message, ...]
+    stream: bool
+    include_usage: bool
+    options: Options
+    user: str | None
+
+    @property
+    def history(self) -> tuple[Message, ...]:
+        return self.messages[:-1]
+
+    @property
+    def content(self) -> str:
+        return self.messages[-1].text
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """POST /responses."""
+
+    model: str
+    items: tuple[Message, ...]
+    instructions: str
+    previous_response_id: str | None
+    conversation: str | None
+    store: bool
+    stream: bool
+    options: Options
+    user: str | None
+    raw_input: Any = field(compare=False, default=None)  # echoed nowhere; kept for the request digest
+
+    @property
+    def history(self) -> tuple[Message, ...]:
+        return self.items[:-1]
+
+    @property
+    def content(self) -> str:
+        return self.items[-1].text
+
+
+# ---- field checks ---------------------------------------------------------------------------------------------
+
+def _type_error(param: str, expected: str) -> OpenAIError:
+    return invalid(param, f"expected {expected}", "invalid_type")
+
+
+def _string(body: Mapping[str, Any], name: str, *, required: bool = False, max_chars: int = 1 << 20,
+            param: str | None = None) -> str | None:
+    value = body.get(name)
+    param = param or name
+    if value is None:
+        if required:
+            raise invalid(param, "is required", "missing_required_parameter")
+        return None
+    if not isinstance(value, str):
+        raise _type_error(param, "a string")
+    if len(value) > max_chars:
+        raise invalid(param, f"longer than {max_chars} characters", "string_above_max_length")
+    return value
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _type_error(name, "a number")
+    if not low <= value <= high:
+        raise invalid(name, f"must be between {low:g} and {high:g}")
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(name, "an integer")
+    if not low <= value <= high:
+        raise invalid(name, f"must be between {low} and {high}")
+    return value
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+# Parameters chatmesh does not implement, with the values that mean "not used" (so a client sending defaults works).
+_NO_OP: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v is None or v == 1,
+    "logprobs": lambda v: v is None or v is False,
+    "top_logprobs": lambda v: v is None or v == 0,
+    "frequency_penalty": lambda v: v is None or v == 0,
+    "presence_penalty": lambda v: v is None or v == 0,
+    "logit_bias": _is_empty,
+    "tools": _is_empty,
+    "tool_choice": lambda v: v is None or v == "none",
+    "functions": _is_empty,
+    "function_call": lambda v: v is None or v == "none",
+    "parallel_tool_calls": lambda v: v is None or v is False,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "metadata": _is_empty,
+    "reasoning_effort": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+    "store": lambda v: v is None,
+    "prompt_cache_key": lambda v: v is None,
+    "safety_identifier": lambda v: v is None,
+    "user": lambda v: True,  # recorded in logs, never trusted (the owner comes from the key)
+}
+_WHY = {
+    "n": "one choice per request (n=1)",
+    "tools": "no tool calling",
+    "tool_choice": "no tool calling",
+    "functions": "no tool calling",
+    "function_call": "no tool calling",
+    "parallel_tool_calls": "no tool calling",
+    "store": "every chat-completions conversation is stored (30 days, deletable through /conversations); the "
+             "Responses API takes store=false",
+    "response_format": "text replies only",
+}
+
+
+def _refuse_unsupported(body: Mapping[str, Any], handled: frozenset[str], no_op: Mapping[str, Callable[[Any], bool]],
+                        why: Mapping[str, str]) -> None:
+    for name, value in body.items():
+        if name in handled:
+            continue
+        check = no_op.get(name)
+        if check is None:
+            raise invalid(name, "unknown parameter", "unknown_parameter")
+        if not check(value):
+            raise unsupported(name, why.get(name, ""))
+
+
+def _text_of(content: Any, param: str, part_types: tuple[str, ...]) -> str:
+    """A message's text: a string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _type_error(param, "a string or a list of text parts")
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _type_error(where, "a content part object")
+        kind = part.get("type")
+        if kind not in part_types:
+            raise unsupported(f"{where}.type", f"{kind!r} parts (chatmesh serves a text-only model)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _type_error(f"{where}.text", "a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+ITEM_KEYS = frozenset({"role", "content", "type", "id", "status"})
+ITEM_PARTS = ("input_text", "output_text", "text")
+
+
+def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...], item_keys: frozenset[str],
+              last_user: bool = True) -> tuple[Message, ...]:
+    if not isinstance(raw, list):
+        raise _type_error(param, "an array of messages")
+    if not raw:
+        raise invalid(param, "must not be empty")
+    if len(raw) > MAX_MESSAGES:
+        raise invalid(param, f"more than {MAX_MESSAGES} messages")
+    out: list[Message] = []
+    for i, item in enumerate(raw):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise _type_error(where, "a message object")
+        for key in item:
+            if key not in item_keys:
+                if key in ("tool_calls", "function_call", "tool_call_id", "audio", "refusal"):
+                    raise unsupported(f"{where}.{key}", "no tool calling")
+                raise invalid(f"{where}.{key}", "unknown field", "unknown_parameter")
+        if item.get("type", "message") != "message":
+            raise unsupported(f"{where}.type", f"{item.get('type')!r} items (messages only)")
+        role = item.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role", "is required (system, developer, user or assistant)")
+        if role not in _ROLES:
+            raise invalid(f"{where}.role", f"unknown role {role[:20]!r} (system, developer, user or assistant)")
+        content = item.get("content")
+        text = "" if content is None and role == "assistant" else _text_of(content, f"{where}.content", part_types)
+        if not text.strip() and role != "assistant":  # a reply may be empty (blocked, stopped at once)
+            raise invalid(f"{where}.content", "must not be empty")
+        if len(text) > max_chars:
+            raise invalid(f"{where}.content", f"longer than {max_chars} characters", "string_above_max_length")
+        out.append(Message(_ROLES[role], text))
+    if last_user and out[-1].role is not Role.USER:
+        raise invalid(f"{param}[{len(out) - 1}].role", "the last message must be the user's (the one to answer)")
+    return tuple(out)
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _type_error("stop", "a string or an array of strings")
+    if len(stops) > MAX_STOP:
+        raise invalid("stop", f"at most {MAX_STOP} stop sequences")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid("stop", f"each stop sequence must be 1-{MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...], cap: int) -> int | None:
+    values = {name: _integer(body, name, 1, 1 << 30) for name in names}
+    given = {v for v in values.values() if v is not None}
+    if len(given) > 1:
+        raise invalid(names[0], f"{' and '.join(names)} disagree; send one")
+    value = given.pop() if given else None
+    if value is not None and value > cap:
+        raise invalid(next(n for n, v in values.items() if v is not None),
+                      f"must be at most {cap} (the model's context length)")
+    return value
+
+
+def model_of(body: Mapping[str, Any]) -> str:
+    model = _string(body, "model", required=True, max_chars=256)
+    assert model is not None
+    return model
+
+
+_CHAT_KEYS = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                        "temperature", "top_p", "seed", "stop", "user"})
+
+
+def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int) -> ChatRequest:
+    _refuse_unsupported(body, _CHAT_KEYS, _NO_OP, _WHY)
+    model = model_of(body)
+    messages = _messages(body.get("messages"), "messages", max_chars, ("text",),
+                         frozenset({"role", "content", "type"}))
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    stream_options = body.get("stream_options")
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _type_error("stream_options", "an object")
+        if not stream:
+            raise invalid("stream_options", "only allowed with stream: true")
+        for key in stream_options:
+            if key not in ("include_usage", "include_obfuscation"):
+                raise invalid(f"stream_options.{key}", "unknown field", "unknown_parameter")
+        include_usage = _bool(stream_options, "include_usage", False)
+        if _bool(stream_options, "include_obfuscation", False):
+            raise unsupported("stream_options.include_obfuscation")
+    options = Options(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+                      seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1), stop=_stop(body),
+                      max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), context_tokens))
+    if options.top_p == 0.0:
+        raise invalid("top_p", "must be above 0")
+    if options.seed is not None and options.seed < 0:
+        options = Options(options.temperature, options.top_p, options.seed % (1 << 64), options.stop,
+                          options.max_tokens)
+    return ChatRequest(model, messages, stream, include_usage, options, _string(body, "user", max_chars=256))
+
+
+_RESPONSE_KEYS = frozenset({"model", "input", "instructions", "previous_response_id", "conversation", "store",
+                            "stream", "max_output_tokens", "temperature", "top_p", "user", "text", "truncation",
+                            "stream_options"})
+_RESPONSE_NO_OP: dict[str, Callable[[Any], bool]] = {
+    **{k: v for k, v in _NO_OP.items() if k in ("tools", "tool_choice", "parallel_tool_calls", "metadata",
+                                                 "top_logprobs", "service_tier", "prompt_cache_key",
+                                                 "safety_identifier")},
+    "background": lambda v: v is None or v is False,
+    "include": _is_empty,
+    "reasoning": lambda v: v is None,
+    "prompt": lambda v: v is None,
+    "max_tool_calls": lambda v: v is None,
+}
+
+
+def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int) -> ResponseRequest:
+    _refuse_unsupported(body, _RESPONSE_KEYS, _RESPONSE_NO_OP, {"background": "responses run in the foreground"})
+    model = model_of(body)
+    raw = body.get("input")
+    if raw is None:
+        raise invalid("input", "is required", "missing_required_parameter")
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise invalid("input", "must not be empty")
+        if len(raw) > max_chars:
+            raise invalid("input", f"longer than {max_chars} characters", "string_above_max_length")
+        items: tuple[Message, ...] = (Message(Role.USER, raw),)
+    else:
+        items = _messages(raw, "input", max_chars, ITEM_PARTS, ITEM_KEYS)
+    previous = _string(body, "previous_response_id", max_chars=128)
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = _string(conversation, "id", required=True, max_chars=128, param="conversation.id")
+    elif conversation is not None and not isinstance(conversation, str):
+        raise _type_error("conversation", "a conversation id or {\"id\": ...}")
+    if previous is not None and conversation is not None:
+        raise invalid("previous_response_id", "cannot be used together with conversation")
+    text = body.get("text")
+    if text is not None and text != {"format": {"type": "text"}} and text != {}:
+        if not (isinstance(text, dict) and set(text) <= {"format", "verbosity"}
+                and text.get("format", {"type": "text"}) == {"type": "text"} and text.get("verbosity") is None):
+            raise unsupported("text", "plain text output only")
+    if body.get("truncation") not in (None, "disabled"):
+        raise unsupported("truncation", "chatmesh summarises long conversations itself")
+    stream = _bool(body, "stream", False)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not (isinstance(stream_options, dict)
+                                           and set(stream_options) <= {"include_obfuscation"}):
+        raise invalid("stream_options", "only include_obfuscation is known")
+    options = Options(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
+                      max_tokens=_max_tokens(body, ("max_output_tokens",), context_tokens))
+    if options.top_p == 0.0:
+        raise invalid("top_p", "must be above 0")
+    instructions = _string(body, "instructions", max_chars=max_chars) or ""
+    return ResponseRequest(model, items, instructions, previous, conversation, _bool(body, "store", True), stream,
+                           options, _string(body, "user", max_chars=256), raw)
+
+
+def conversation_items(raw: Any, max_chars: int) -> tuple[Message, ...]:
+    """POST /conversations `items`: messages to start a conversation with (any role last)."""
+    return _messages(raw, "items", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False)
