@@ -51,3 +51,18 @@ def test_capital_of_france_is_paris_and_the_next_turn_hits_the_cache(local_mesh:
         # Turn 2 replays turn 1: everything up to the last full block of turn 1 is served from the cache.
         assert second["cached_prompt_tokens"] >= first["prompt_tokens"] - 32
         assert second["cached_prompt_tokens"] > second["prompt_tokens"] // 2
+
+
+def test_the_openai_sdk_gets_paris_from_the_real_model(local_mesh: Mesh) -> None:
+    import asyncio
+
+    import openai
+
+    from chatmesh.mesh import settings
+    from tests.gateway.openai_client import make_key
+
+    key = asyncio.run(make_key(Path(local_mesh.cfg[settings.DATA_DIR]), "sdk-user"))
+    client = openai.OpenAI(base_url=local_mesh.gateway_url + "/openai/v1", api_key=key, max_retries=0, timeout=120)
+    done = client.chat.completions.create(model="smollm2-135m-instruct",
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in (done.choices[0].message.content or ""), done.choices[0].message.content

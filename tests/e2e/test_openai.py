@@ -1,0 +1,165 @@
+"""The OpenAI-compatible surface end to end: the official `openai` SDK against the real edge and mesh (every
+service its own process, the `sim` engine): what the issue's Done-when lines ask, with the engine's own
+statistics as the witness of how many generations ran and the store's usage as the witness of what was billed."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from chatmesh.mesh import settings
+from chatmesh.mesh.up import Mesh
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from tests.e2e.conftest import start_mesh
+from tests.gateway.openai_client import dropping_proxy, make_key, sdk
+
+MODEL = "smollm2-135m-instruct"
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def openai_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = start_mesh(tmp_path_factory.mktemp("openai"), CHATMESH_MAX_REPLY_TOKENS="24")
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def data_dir(mesh: Mesh) -> Path:
+    return Path(mesh.cfg[settings.DATA_DIR])
+
+
+async def generations(mesh: Mesh) -> int:
+    async with grpc.aio.insecure_channel(mesh.cfg[settings.ENGINE_ADDRESS]) as ch:
+        resp = await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest())
+        return resp.stats.generations
+
+
+async def client_of(mesh: Mesh, name: str) -> openai.AsyncOpenAI:
+    return sdk(mesh.gateway_url, await make_key(data_dir(mesh), name))
+
+
+async def test_models_and_a_second_turn_served_from_the_cache(openai_mesh: Mesh) -> None:
+    client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello there"}])
+    reply = first.choices[0].message.content or ""
+    assert reply and first.usage is not None
+    stream = await client.chat.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+                                                  messages=[{"role": "user", "content": "Hello there"},
+                                                            {"role": "assistant", "content": reply},
+                                                            {"role": "user", "content": "Tell me more."}])
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    # the history was recognised: the first turn's prompt (its full blocks) came from the prefix cache
+    assert (usage.prompt_tokens_details.cached_tokens or 0) >= first.usage.prompt_tokens - BLOCK
+
+
+async def test_idempotency_key_and_the_sdk_retry_generate_once_and_bill_once(openai_mesh: Mesh) -> None:
+    name = f"u-{uuid.uuid4().hex[:8]}"
+    client = await client_of(openai_mesh, name)
+    before = await generations(openai_mesh)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to three."}]}
+    a = await client.chat.completions.create(**body, extra_headers={"Idempotency-Key": "once"})  # type: ignore[call-overload]
+    b = await client.chat.completions.create(**body, extra_headers={"Idempotency-Key": "once"})  # type: ignore[call-overload]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert await generations(openai_mesh) == before + 1
+    key = await make_key(data_dir(openai_mesh), name)
+    port = int(openai_mesh.gateway_url.rsplit(":", 1)[1])
+    async with dropping_proxy(port) as (proxy, proxy_port):
+        retrying = sdk(f"http://127.0.0.1:{proxy_port}", key, max_retries=2)
+        done = await retrying.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Again?"}])
+    assert proxy.connections == 2 and done.choices[0].message.content
+    assert await generations(openai_mesh) == before + 2
+    async with httpx.AsyncClient(base_url=openai_mesh.gateway_url) as http:
+        usage = (await http.get("/v1/usage", headers={"authorization": f"Bearer {key}"})).json()
+    assert sum(d["turns"] for d in usage["days"]) == 2  # one charge each
+
+
+async def test_responses_state_stream_retrieve_delete_cancel(openai_mesh: Mesh) -> None:
+    client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
+    first = await client.responses.create(model=MODEL, input="Hi", instructions="Be terse.")
+    second = await client.responses.create(model=MODEL, input="And?", previous_response_id=first.id,
+                                           instructions="Be terse.")
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - BLOCK
+    assert second.conversation is not None and first.conversation is not None
+    third = await client.responses.create(model=MODEL, input="More", conversation=first.conversation.id)
+    assert third.conversation is not None and third.conversation.id == first.conversation.id
+    stream = await client.responses.create(model=MODEL, input="Stream it", previous_response_id=third.id,
+                                           stream=True)
+    events = [e async for e in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    got = await client.responses.retrieve(events[-1].response.id)
+    assert got.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    await client.responses.delete(got.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(got.id)
+    # cancel mid-stream: the partial reply is kept
+    stream = await client.responses.create(model=MODEL, input="A long answer, please", stream=True)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta" and len(seen) == 5:
+            assert (await client.responses.cancel(seen[0].response.id)).status == "cancelled"  # type: ignore[union-attr,unused-ignore]
+    assert seen[-1].type == "response.incomplete"
+    partial = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+    kept = await client.responses.retrieve(seen[0].response.id)  # type: ignore[union-attr]
+    assert kept.status == "cancelled" and kept.output_text == partial and partial
+
+
+async def test_conversations_crud_and_isolation(openai_mesh: Mesh) -> None:
+    alice = await client_of(openai_mesh, f"a-{uuid.uuid4().hex[:8]}")
+    bob = await client_of(openai_mesh, f"b-{uuid.uuid4().hex[:8]}")
+    conv = await alice.conversations.create(items=[{"type": "message", "role": "user", "content": "Remember 7."}])
+    made = await alice.responses.create(model=MODEL, input="Which number?", conversation=conv.id)
+    items = await alice.conversations.items.list(conv.id, order="asc")
+    assert [i.role for i in items.data] == ["user", "user", "assistant"]  # type: ignore[union-attr]
+    for call in (bob.conversations.retrieve(conv.id), bob.responses.retrieve(made.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert (await alice.conversations.delete(conv.id)).deleted
+    with pytest.raises(openai.NotFoundError):
+        await alice.responses.retrieve(made.id)
+
+
+async def test_frontend_end_users_are_owners_of_their_own(openai_mesh: Mesh) -> None:
+    webui = sdk(openai_mesh.gateway_url, await make_key(data_dir(openai_mesh), "webui", frontend=True))
+    ask = [{"role": "user", "content": "What should I cook tonight with rice and beans?"}]
+
+    async def as_user(end_user: str) -> openai.types.chat.ChatCompletion:
+        return await webui.chat.completions.create(model=MODEL, messages=ask,  # type: ignore[arg-type]
+                                                   extra_headers={"X-OpenWebUI-User-Id": end_user})
+
+    ann = await as_user("ann")
+    ben = await as_user("ben")  # the very same prompt from another end user
+    assert ann.usage is not None and ben.usage is not None and ben.usage.prompt_tokens_details is not None
+    # only the shared system prompt's blocks can be a hit across owners (owner-salted cache)
+    assert (ben.usage.prompt_tokens_details.cached_tokens or 0) < ann.usage.prompt_tokens - BLOCK
+    plain = await client_of(openai_mesh, f"c-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(openai.PermissionDeniedError):
+        await plain.chat.completions.create(model=MODEL, messages=ask,  # type: ignore[arg-type]
+                                            extra_headers={"X-OpenWebUI-User-Id": "ann"})
+
+
+async def test_bad_input_is_a_400_and_stores_nothing(openai_mesh: Mesh) -> None:
+    client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
+    extras: list[dict[str, object]] = [{"tools": [{"type": "function", "function": {"name": "f"}}]}, {"temperature": "hot"},
+              {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": []}]
+    for extra in extras:
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body=extra)
+    async with httpx.AsyncClient(base_url=openai_mesh.gateway_url) as http:
+        listed = await http.get("/v1/conversations", headers={"authorization": f"Bearer {client.api_key}"})
+    assert listed.json()["conversations"] == []
