@@ -202,12 +202,17 @@ def main() -> int:
         + f"; all services {sum(cpu.values()) * 1e3:.2f}",
         "",
     ]
+    report(lines, args.append)
+    return 0
+
+
+def report(lines: list[str], append: str | None) -> None:
+    """Prints a result's Markdown lines and, with `append`, adds them to that file (BENCHMARKS.md)."""
     text = "\n".join(lines)
     print(text)
-    if args.append:
-        with open(args.append, "a") as f:
+    if append:
+        with open(append, "a") as f:
             f.write("\n" + text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.mesh_overhead import pct, through_edge
+from bench.mesh_overhead import pct, report, through_edge
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from tests.e2e.conftest import mesh_env
@@ -117,11 +117,7 @@ def main() -> int:
         f"| **added by the OpenAI surface** | | **{rows[1][2] - rows[0][2]:.2f}** | {rows[1][3] - rows[0][3]:.2f} |",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n" + text)
+    report(lines, args.append)
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -129,12 +128,7 @@ async def create(request: Request) -> Response:
         log.info("openai_body_user", owner=owner, body_user=req.user[:64])
     ask = ask_of(request, surface, owner, req)
     cap = min(req.options.max_tokens or surface.reply_cap, surface.reply_cap)
-    slot = await surface.edge.take_stream(owner, new_turn=True)
-    ask = replace(ask, allowance=slot.allowance)
-    try:
-        opened = await surface.turns.open(ask)
-    except BaseException as exc:
-        raise await surface.edge.refuse(slot, exc) from None
+    slot, opened = await replies.start(surface, ask)
     record = _Recorder(surface, owner, ask.chat, req.messages, opened, ask.fresh)
     after = replies.discard(surface, owner, opened) if ask.fresh else None
     if req.stream:

@@ -15,7 +15,7 @@ from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.routes import StreamSlot
-from chatmesh.gateway.openai.turns import Opened
+from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import Framing, TurnRelay, next_event
 from chatmesh.mesh import ids, logs
@@ -32,6 +32,15 @@ class Reply:
     usage: common_pb2.Usage
     finish_reason: str  # "stop", "length" or "content_filter"; "" when failed
     failure: str = ""
+
+
+async def start(surface: Surface, ask: Ask) -> tuple[StreamSlot, Opened]:
+    """Takes the owner's stream slot and prompt-token reservation, then opens the turn with that allowance."""
+    slot = await surface.edge.take_stream(ask.owner, new_turn=True)
+    try:
+        return slot, await surface.turns.open(replace(ask, allowance=slot.allowance))
+    except BaseException as exc:
+        raise await surface.edge.refuse(slot, exc) from None
 
 
 def finish_reason(kind: events.SseEvent, usage: common_pb2.Usage, stated: str, cap: int) -> str:

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import grpc
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -40,6 +42,7 @@ from chatmesh.mesh.ids import OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
 
 log = logs.get("chatmesh.gateway.openai")
+T = TypeVar("T")
 CANCEL_WAIT_S = 3.0
 
 
@@ -199,12 +202,7 @@ async def create(request: Request) -> Response:
         if conversation is not None:
             raise invalid("store", "store=false cannot append to a conversation; use previous_response_id")
     cap = min(req.options.max_tokens or surface.reply_cap, surface.reply_cap)
-    slot = await surface.edge.take_stream(owner, new_turn=True)
-    ask = replace(ask, allowance=slot.allowance)
-    try:
-        opened = await surface.turns.open(ask)
-    except BaseException as exc:
-        raise await surface.edge.refuse(slot, exc) from None
+    slot, opened = await replies.start(surface, ask)
     shape = Shape(surface, opened.point, time.time(), req, req.previous_response_id)
     done = replies.discard(surface, owner, opened) if ask.fresh else None
     if req.stream:
@@ -214,6 +212,16 @@ async def create(request: Request) -> Response:
         raise ApiError(503, "turn_failed", reply.failure or "the turn failed; retry")
     status, incomplete = status_of(reply.kind, reply.finish_reason)
     return JSONResponse(shape.body(status, reply.text, reply.usage, incomplete))
+
+
+async def _of_response(call: Awaitable[T]) -> T:
+    """A ChatService call about one response; its NOT_FOUND is the response's (never a hint which part)."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as err:
+        if err.code() is grpc.StatusCode.NOT_FOUND:
+            raise OpenAIError(404, "not_found", "response not found") from None
+        raise ApiError.from_rpc(err) from None
 
 
 async def _turn(request: Request) -> tuple[Surface, OwnerId, Point]:
@@ -229,13 +237,8 @@ _STATUS = {chat_pb2.TURN_STATUS_COMPLETED: events.SseEvent.COMPLETED,
 
 
 async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any]:
-    try:
-        turn = await surface.edge.unary(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
-            owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
-    except ApiError as err:
-        if err.status == 404:
-            raise OpenAIError(404, "not_found", "response not found") from None
-        raise
+    turn = await _of_response(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
     shape = Shape(surface, point, turn.stored_at_ms / 1000 or time.time(), None, None)
     text = Sanitiser(surface.edge.allowlist).whole(turn.reply)
     kind = _STATUS.get(turn.status)
@@ -255,13 +258,8 @@ async def retrieve(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     surface, owner, point = await _turn(request)
-    try:
-        await surface.edge.unary(surface.edge.chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
-            owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
-    except ApiError as err:
-        if err.status == 404:
-            raise OpenAIError(404, "not_found", "response not found") from None
-        raise
+    await _of_response(surface.edge.chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
     await surface.index.forget(owner, point.conversation)
     return JSONResponse({"id": ids.response_id(point.conversation, point.turn), "object": "response",
                          "deleted": True})
@@ -271,13 +269,8 @@ async def cancel(request: Request) -> Response:
     """Stops the response's generation (chatmesh's stop: the partial reply is stored and kept) and answers the
     response once the stop has landed."""
     surface, owner, point = await _turn(request)
-    try:
-        await surface.edge.unary(surface.edge.chat.StopTurn(chat_pb2.StopTurnRequest(
-            owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
-    except ApiError as err:
-        if err.status == 404:
-            raise OpenAIError(404, "not_found", "response not found") from None
-        raise
+    await _of_response(surface.edge.chat.StopTurn(chat_pb2.StopTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
     deadline = time.monotonic() + CANCEL_WAIT_S
     body = await _body(surface, owner, point)
     while body["status"] == "in_progress" and time.monotonic() < deadline:
