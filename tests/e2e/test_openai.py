@@ -12,6 +12,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseIncompleteEvent
 
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
@@ -99,8 +100,13 @@ async def test_responses_state_stream_retrieve_delete_cancel(openai_mesh: Mesh) 
                                            stream=True)
     events = [e async for e in stream]
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert events[0].type == "response.created" and events[-1].type == "response.completed"
-    got = await client.responses.retrieve(events[-1].response.id)
+    terminal = [e.type for e in events if e.type in ("response.completed", "response.incomplete", "response.failed")]
+    # sim replies run to the token cap (CHATMESH_MAX_REPLY_TOKENS=24): incomplete, reason max_output_tokens
+    last = events[-1]
+    assert events[0].type == "response.created" and terminal == ["response.incomplete"]
+    assert isinstance(last, ResponseIncompleteEvent) and last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    got = await client.responses.retrieve(last.response.id)
     assert got.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
     await client.responses.delete(got.id)
     with pytest.raises(openai.NotFoundError):
