@@ -14,6 +14,7 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
 from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
+from chatmesh.gateway.openai.turns import owner_token
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -46,7 +47,8 @@ async def _existing(request: Request) -> tuple[Surface, OwnerId, ConversationId]
 async def _read(surface: Surface, owner: OwnerId, conv: ConversationId) -> chat_pb2.GetConversationResponse:
     try:
         return await surface.edge.unary(surface.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s))
+            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s,
+            metadata=owner_token(surface.edge, owner, conv)))
     except ApiError as err:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "conversation not found") from None
@@ -68,7 +70,8 @@ async def create(request: Request) -> Response:
         await surface.check_sizes(messages, "items")
         seed = [common_pb2.SeedMessage(role=m.role.proto, content=m.text) for m in messages if m.text.strip()]
     reply = await surface.edge.unary(surface.edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
-        owner_id=owner, messages=seed), timeout=surface.edge.deadline_s))
+        owner_id=owner, messages=seed), timeout=surface.edge.deadline_s,
+        metadata=owner_token(surface.edge, owner)))
     return JSONResponse(conversation_json(reply.conversation))
 
 
@@ -81,7 +84,8 @@ async def delete(request: Request) -> Response:
     surface, owner, conv = await _existing(request)
     try:
         await surface.edge.unary(surface.edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
-            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s * 3))
+            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s * 3,
+            metadata=owner_token(surface.edge, owner, conv)))
     except ApiError as err:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "conversation not found") from None

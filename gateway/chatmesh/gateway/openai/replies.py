@@ -15,7 +15,7 @@ from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.routes import StreamSlot
-from chatmesh.gateway.openai.turns import Ask, Opened
+from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import Framing, TurnRelay, next_event
 from chatmesh.mesh import ids, logs
@@ -125,7 +125,8 @@ def discard(surface: Surface, owner: ids.OwnerId, opened: Opened) -> After:
     async def after(outcome: events.Outcome) -> None:
         try:
             await surface.edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
-                owner_id=owner, conversation_id=opened.point.conversation), timeout=surface.edge.deadline_s)
+                owner_id=owner, conversation_id=opened.point.conversation), timeout=surface.edge.deadline_s,
+                metadata=owner_token(surface.edge, owner, opened.point.conversation))
         except Exception as exc:
             log.warning("throwaway_delete_failed", error=type(exc).__name__)
     return after

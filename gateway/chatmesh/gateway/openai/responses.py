@@ -36,7 +36,7 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.turns import Ask
+from chatmesh.gateway.openai.turns import Ask, owner_token
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -238,7 +238,8 @@ _STATUS = {chat_pb2.TURN_STATUS_COMPLETED: events.SseEvent.COMPLETED,
 
 async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any]:
     turn = await _of_response(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
+        metadata=owner_token(surface.edge, owner, point.conversation)))
     shape = Shape(surface, point, turn.stored_at_ms / 1000 or time.time(), None, None)
     text = Sanitiser(surface.edge.allowlist).whole(turn.reply)
     kind = _STATUS.get(turn.status)
@@ -259,7 +260,8 @@ async def retrieve(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     surface, owner, point = await _turn(request)
     await _of_response(surface.edge.chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
+        metadata=owner_token(surface.edge, owner, point.conversation)))
     await surface.index.forget(owner, point.conversation)
     return JSONResponse({"id": ids.response_id(point.conversation, point.turn), "object": "response",
                          "deleted": True})
@@ -270,7 +272,8 @@ async def cancel(request: Request) -> Response:
     response once the stop has landed."""
     surface, owner, point = await _turn(request)
     await _of_response(surface.edge.chat.StopTurn(chat_pb2.StopTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s))
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
+        metadata=owner_token(surface.edge, owner, point.conversation)))
     deadline = time.monotonic() + CANCEL_WAIT_S
     body = await _body(surface, owner, point)
     while body["status"] == "in_progress" and time.monotonic() < deadline:

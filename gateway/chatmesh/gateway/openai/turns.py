@@ -28,6 +28,8 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.wire import Message, Role
+from chatmesh.gateway.identity import Principal, Via
+from chatmesh.gateway.owner_tokens import Metadata
 from chatmesh.gateway.routes import Edge
 from chatmesh.gateway.sse import TurnCall, first_event
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
@@ -35,6 +37,12 @@ from chatmesh.v1 import chat_pb2, common_pb2
 
 _NAMESPACE = uuid.UUID("6f1d6c1e-2b7a-4c53-9a55-0c0a7e0b5f19")
 MAX_FORKS = 3
+
+
+def owner_token(edge: Edge, owner: OwnerId, conversation: ConversationId | None = None) -> Metadata:
+    """The owner token a ChatService call for `owner` carries (minted by the edge; see owner_tokens.py). The owner
+    is the key's user or, for a trusted front-end, the end user it named (surface.py)."""
+    return edge.tokens.metadata(Principal(owner, Via.API_KEY), conversation)
 
 
 def derived_id(*parts: str) -> str:
@@ -146,7 +154,8 @@ class Turns:
         history plus a reply to this very message, the client asks again: regenerate that reply. Otherwise
         (another request continued the conversation, an earlier reply was regenerated) fork."""
         view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-            owner_id=ask.owner, conversation_id=point.conversation), timeout=self.edge.deadline_s))
+            owner_id=ask.owner, conversation_id=point.conversation), timeout=self.edge.deadline_s,
+            metadata=owner_token(self.edge, ask.owner, point.conversation)))
         live = [m for m in view.messages if not m.superseded]
         asks_again = (len(live) >= 2 and live[-1].role == common_pb2.ROLE_ASSISTANT
                       and live[-2].role == common_pb2.ROLE_USER and live[-2].content.strip() == ask.content.strip()
@@ -156,7 +165,7 @@ class Turns:
             again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id))
             call = self.edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
                 owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options,
-                prompt_token_allowance=ask.allowance))
+                prompt_token_allowance=ask.allowance), metadata=owner_token(self.edge, ask.owner, point.conversation))
             return Opened(call, await self._first(call), Point(point.conversation, again), created=False)
         if forks >= MAX_FORKS:
             raise OpenAIError(409, "conflict", "this request conflicts with the stored conversation; send it with a "
@@ -174,7 +183,7 @@ class Turns:
                                        prompt_token_allowance=ask.allowance)
         if create is not None:
             req.create.CopyFrom(create)
-        call = self.edge.chat.SendTurn(req)
+        call = self.edge.chat.SendTurn(req, metadata=owner_token(self.edge, ask.owner, conversation))
         return Opened(call, await self._first(call), Point(conversation, turn), created=create is not None)
 
     @staticmethod
@@ -189,7 +198,8 @@ class Turns:
         seed: list[common_pb2.SeedMessage] = []
         if ask.seed_from is not None:  # a fork of a stored conversation: its history up to that reply
             view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-                owner_id=ask.owner, conversation_id=ask.seed_from.conversation), timeout=self.edge.deadline_s))
+                owner_id=ask.owner, conversation_id=ask.seed_from.conversation), timeout=self.edge.deadline_s,
+                metadata=owner_token(self.edge, ask.owner, ask.seed_from.conversation)))
             live = [m for m in view.messages if not m.superseded and m.status != common_pb2.MESSAGE_STATUS_BLOCKED]
             ends = [i for i, m in enumerate(live) if m.turn_id == ask.seed_from.turn]
             if not ends:
