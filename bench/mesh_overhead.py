@@ -12,6 +12,14 @@ processes, transports and call shapes, every handler answering at once): its add
 cost on this machine, so "mesh minus floor" is what chatmesh's own work adds.
 
     .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--think-ms 0] [--append BENCHMARKS.md]
+
+`--observability` instead compares, in one run, the mesh with metrics and tracing off (no metrics endpoints, no
+OTEL_EXPORTER_OTLP_ENDPOINT) and on (every /metrics scraped each second, as an eager Prometheus would, and every
+span exported by OTLP/gRPC to a receiver in this process that decodes them), alternating `--rounds` times: TTFT
+through the edge and server CPU per turn, side by side. In-process counters are updated in both (they cannot be
+turned off; they are what the endpoint serves).
+
+    .venv/bin/python -m bench.mesh_overhead --observability --conversations 50 --turns 4 --think-ms 300
 """
 
 from __future__ import annotations
@@ -24,9 +32,11 @@ import platform
 import random
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -132,6 +142,99 @@ async def floor_direct(address: str, conversations: int, turns: int, think_s: fl
     return ttfts
 
 
+class _SpanSink:
+    """An OTLP/gRPC trace receiver that decodes and counts what it is sent (the collector's side of the wire)."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        sink = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                sink.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.spans = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)  # type: ignore[no-untyped-call]
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def _scrape_every_second(urls: list[str], stop: threading.Event) -> None:
+    while not stop.wait(1.0):
+        for url in urls:
+            try:
+                httpx.get(url, timeout=2)
+            except httpx.HTTPError:
+                pass
+
+
+def observability(args: argparse.Namespace) -> int:
+    sink = _SpanSink()
+    results: dict[str, list[tuple[list[float], float]]] = {"off": [], "on": []}
+    for _ in range(args.rounds):
+        for mode in ("off", "on"):
+            with tempfile.TemporaryDirectory() as tmp:
+                extra = {"CHATMESH_SIM_SPEED": "100000", "CHATMESH_MAX_REPLY_TOKENS": "48",
+                         "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_LIMIT_TURNS_PER_MINUTE": "1000000",
+                         "CHATMESH_LIMIT_OPEN_STREAMS": "100000",
+                         "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000"}
+                env = mesh_env(Path(tmp) / "data", **extra)
+                if mode == "off":
+                    env.update({s.env: "0" for s in settings.METRIC_PORTS.values()})
+                else:
+                    env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}"})
+                mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
+                mesh.start()
+                stop = threading.Event()
+                scraper = threading.Thread(target=_scrape_every_second, args=(list(mesh.metrics_urls.values()), stop))
+                try:
+                    asyncio.run(through_edge(mesh.gateway_url, 4, 1))
+                    scraper.start()
+                    before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
+                    edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
+                                                    args.think_ms / 1000))
+                    cpu = sum(cpu_seconds(p.pid) - before[name] for name, p in mesh.procs.items()) / len(edge)
+                    results[mode].append((edge, cpu))
+                finally:
+                    stop.set()
+                    if scraper.is_alive():
+                        scraper.join()
+                    mesh.stop()
+    sink.server.stop(0)
+    rows = []
+    for mode in ("off", "on"):
+        ttfts = [t for edge, _ in results[mode] for t in edge]
+        cpu = statistics.mean(c for _, c in results[mode])
+        rows.append((mode, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3, cpu * 1e3))
+    (_, _, off_p50, off_p95, off_cpu), (_, _, on_p50, on_p95, on_cpu) = rows
+    lines = [
+        f"### Metrics and tracing on vs off ({datetime.date.today()}, {os.cpu_count()} cores, {platform.machine()}, "
+        f"{args.conversations} concurrent conversations x {args.turns} turns, think time {args.think_ms:.0f} ms, "
+        f"{args.rounds} alternating rounds, sim at ~0 step time, load average {os.getloadavg()[0]:.1f})",
+        "",
+        "| metrics + tracing | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) |",
+        "|---|---|---|---|---|",
+        *[f"| {mode} | {n} | {p50:.2f} | {p95:.2f} | {cpu:.2f} |" for mode, n, p50, p95, cpu in rows],
+        f"| **on minus off** | | **{on_p50 - off_p50:+.2f}** | {on_p95 - off_p95:+.2f} | "
+        f"**{on_cpu - off_cpu:+.2f} ({(on_cpu / off_cpu - 1) * 100:+.1f}%)** |",
+        "",
+        f"Spans received and decoded by the OTLP receiver: {sink.spans} "
+        f"({sink.spans / max(1, rows[1][1]):.1f} per turn); every /metrics scraped once a second.",
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=50)
@@ -139,7 +242,12 @@ def main() -> int:
     parser.add_argument("--think-ms", type=float, default=0.0,
                         help="mean pause before each turn (exponential; 0: back to back)")
     parser.add_argument("--append", help="append the results to this Markdown file")
+    parser.add_argument("--observability", action="store_true",
+                        help="compare metrics + tracing on vs off instead (see the module docstring)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --observability: alternating off/on rounds")
     args = parser.parse_args()
+    if args.observability:
+        return observability(args)
     with tempfile.TemporaryDirectory() as tmp:
         # One local user drives every conversation: lift the per-user limits so the edge measures, not refuses.
         env = mesh_env(Path(tmp) / "data", CHATMESH_SIM_SPEED="100000", CHATMESH_MAX_REPLY_TOKENS="48",

@@ -633,8 +633,8 @@ async def test_conversation_pages_and_limits() -> None:
     assert day.usage.output_tokens == 4 and conv in await w.core.export(OWNER)
 
 
-CORE_MODULES = ["admission", "claimed", "context", "conversations", "core", "events", "follow", "options", "ports",
-                "prompt", "stream", "turns"]
+CORE_MODULES = ["admission", "claimed", "context", "conversations", "core", "events", "follow", "observe",
+                "options", "ports", "prompt", "stream", "turns"]
 
 
 def test_no_chat_core_module_imports_grpc_or_protobuf() -> None:

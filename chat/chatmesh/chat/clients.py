@@ -16,6 +16,7 @@ router and moderation act for no owner and get no token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TypeVar
 
@@ -25,7 +26,8 @@ from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
     Pick, Replica, RouteLeaseId, Screening, TurnKey,
 )
-from chatmesh.mesh import errors, tokens
+from chatmesh.chat.observe import ChatMetrics
+from chatmesh.mesh import errors, tokens, tracing
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
@@ -107,8 +109,9 @@ def whole_context(claimed: store_pb2.TurnClaimed) -> History | None:
 class GrpcStore:
     """Every store call acts for an owner: each carries the request's owner token (`_owned`)."""
 
-    def __init__(self, channel: grpc.aio.Channel):
+    def __init__(self, channel: grpc.aio.Channel, observed: ChatMetrics | None = None):
         self.stub = store_pb2_grpc.StoreServiceStub(channel)
+        self.observed = observed
 
     async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation:
         resp = await _owned(self.stub.InsertConversation, store_pb2.InsertConversationRequest(
@@ -133,18 +136,21 @@ class GrpcStore:
 
     async def begin_turn(self, claim: ClaimRequest) -> Claim:
         owner, conv, turn = claim.key
-        resp = await _owned(self.stub.BeginTurn, store_pb2.BeginTurnRequest(
-            owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint, content=claim.content,
-            lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
-            regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages))
+        with tracing.span("claim"):
+            resp = await _owned(self.stub.BeginTurn, store_pb2.BeginTurnRequest(
+                owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint,
+                content=claim.content, lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
+                regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages))
         return wire.claim_of(resp, whole_context)
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
-        resp = await _owned(self.stub.FinishTurn, store_pb2.FinishTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
-            user_token_count=reply.user_token_count, reply=reply.text, reply_token_count=reply.token_count,
-            reply_status=wire.STATUS_PB[reply.status], usage=wire.usage_pb(reply.usage),
-            user_status=wire.STATUS_PB[reply.user_status]))
+        with tracing.span("finish", {"chatmesh.reply.status": reply.status.value,
+                                     "gen_ai.usage.output_tokens": reply.usage.output_tokens}):
+            resp = await _owned(self.stub.FinishTurn, store_pb2.FinishTurnRequest(
+                owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
+                user_token_count=reply.user_token_count, reply=reply.text, reply_token_count=reply.token_count,
+                reply_status=wire.STATUS_PB[reply.status], usage=wire.usage_pb(reply.usage),
+                user_status=wire.STATUS_PB[reply.user_status]))
         return wire.finished_of(resp)
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
@@ -169,6 +175,8 @@ class GrpcStore:
         resp = await _owned(self.stub.SaveSummary, store_pb2.SaveSummaryRequest(
             owner_id=owner, conversation_id=conversation, text=text, covers_through_index=covers_through_index,
             token_count=token_count))
+        if self.observed is not None:
+            self.observed.summaries.inc()
         return wire.summary_of(resp.summary)
 
     async def list_conversations(self, owner: OwnerId, limit: int) -> list[Conversation]:
@@ -195,8 +203,12 @@ class GrpcRouter:
         self.stub = route_pb2_grpc.RouteServiceStub(channel)
 
     async def pick(self, conversation: ConversationId, exclude: Sequence[ReplicaId] = ()) -> Pick:
-        resp = await call("router", self.stub.PickReplica(route_pb2.PickReplicaRequest(
-            conversation_id=conversation, exclude_replica_ids=list(exclude))))
+        with tracing.span("route") as span:
+            resp = await call("router", self.stub.PickReplica(route_pb2.PickReplicaRequest(
+                conversation_id=conversation, exclude_replica_ids=list(exclude))))
+            if span is not None:
+                span.set_attribute("chatmesh.replica.id", resp.replica_id)
+                span.set_attribute("chatmesh.route.spill", resp.outcome == route_pb2.PICK_OUTCOME_SPILL)
         return Pick(ReplicaId(resp.replica_id), resp.address, RouteLeaseId(resp.lease_id))
 
     async def release(self, lease: RouteLeaseId) -> None:
@@ -228,8 +240,9 @@ def engine_event(resp: generate_pb2.GenerateResponse) -> EngineEvent | None:
 
 
 class GrpcEngines:
-    def __init__(self, channels: Channels):
+    def __init__(self, channels: Channels, observed: ChatMetrics | None = None):
         self.channels = channels
+        self.observed = observed
 
     async def generate(self, address: str, generation: Generation, timeout_s: float
                        ) -> AsyncGenerator[EngineEvent, None]:
@@ -240,10 +253,13 @@ class GrpcEngines:
             platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
             temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed),
             timeout=timeout_s, metadata=tokens.forwarded())
+        figures = _StreamFigures(self.observed, len(generation.prompt_token_ids))
         try:
-            async for resp in rpc:
-                if (event := engine_event(resp)) is not None:
-                    yield event
+            with tracing.span("generate", {"gen_ai.usage.input_tokens": len(generation.prompt_token_ids)}):
+                async for resp in rpc:
+                    if (event := engine_event(resp)) is not None:
+                        figures.event(event)
+                        yield event
         except grpc.aio.AioRpcError as err:
             raise translate(err, f"engine at {address}") from None
         finally:
@@ -256,6 +272,36 @@ class GrpcEngines:
         return resp.blocks_evicted
 
 
+class _StreamFigures:
+    """One engine stream's contribution to chat's metrics and the `first_token` span (once per chunk, not token)."""
+
+    __slots__ = ("observed", "prompt", "cached", "start_ns", "last")
+
+    def __init__(self, observed: ChatMetrics | None, prompt_tokens: int) -> None:
+        self.observed = observed
+        self.prompt, self.cached = prompt_tokens, 0
+        self.start_ns = time.time_ns()
+        self.last = 0.0
+
+    def event(self, event: EngineEvent) -> None:
+        match event:
+            case EngineStarted(cached_prompt_tokens=cached):
+                self.cached = cached
+            case EngineDelta(token_count=n):
+                now = time.perf_counter()
+                if not self.last:
+                    tracing.record("first_token", self.start_ns, time.time_ns(),
+                                   {"chatmesh.prompt.cached_tokens": self.cached})
+                elif n and self.observed is not None:
+                    self.observed.itl.observe((now - self.last) / n, n)
+                self.last = now
+            case EngineFinished(output_tokens=output):
+                tracing.annotate({"chatmesh.prompt.cached_tokens": self.cached, "gen_ai.usage.output_tokens": output})
+                if self.observed is not None:
+                    self.observed.cached_tokens.inc(self.cached)
+                    self.observed.prefilled_tokens.inc(self.prompt - self.cached)
+
+
 def _screening(outcome: Outcome) -> Screening:
     """A moderation outcome as the turn records it; a failure-policy block names moderation, not a category."""
     if outcome.fallback:
@@ -266,16 +312,22 @@ def _screening(outcome: Outcome) -> Screening:
 
 
 class ModerationOutput:
-    """One reply's output session: chunks in order, one outcome each, the window spanning chunks."""
+    """One reply's output session: chunks in order, one outcome each, the window spanning chunks. Its checks
+    travel on a stream shared with other turns, so their span (`output_checks`) is timed here, open to close."""
 
     def __init__(self, session: OutputSession):
         self.session = session
+        self.opened_ns = time.time_ns() if tracing.ON else 0
+        self.chunks = 0
 
     async def check(self, chunk: str, final: bool = False) -> Screening:
+        self.chunks += 1
         return _screening(await self.session.check(chunk, final=final))
 
     async def close(self) -> None:
         await self.session.close()
+        if tracing.ON:
+            tracing.record("output_checks", self.opened_ns, time.time_ns(), {"chatmesh.output.chunks": self.chunks})
 
 
 class Moderation:
@@ -286,7 +338,8 @@ class Moderation:
         self.client = client
 
     async def check_input(self, text: str, conversation: ConversationId) -> Screening:
-        return _screening(await self.client.check_input(text, conversation))
+        with tracing.span("input_check"):
+            return _screening(await self.client.check_input(text, conversation))
 
     async def open_output(self, conversation: ConversationId) -> OutputScreen:
         return ModerationOutput(self.client.output(conversation))

@@ -27,8 +27,9 @@ from chatmesh.chat.turns import NewConversation
 from chatmesh.mesh.turn import TurnRecordState
 from chatmesh.store.values import MessageStatus, TurnRecord
 from chatmesh.store.wire import conversation_pb, message_pb, seed_of, usage_pb
+from chatmesh.chat.observe import ChatMetrics
 from chatmesh.chat.prompting import ChatMLRenderer
-from chatmesh.mesh import identity
+from chatmesh.mesh import identity, metrics
 from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
@@ -116,10 +117,28 @@ def turn_pb(record: TurnRecord) -> chat_pb2.GetTurnResponse:
             assert_never(record.state)
 
 
+async def _first_text_timed(events: AsyncIterator[TurnEvent], observed: ChatMetrics | None
+                            ) -> AsyncIterator[TurnEvent]:
+    """`events`, timing a new turn's first text (a replayed turn's stored reply is not a first token)."""
+    done = observed.first_text_timer() if observed is not None else None
+    async for event in events:
+        if done is not None:
+            match event.kind:
+                case Delta():
+                    done()
+                    done = None
+                case Started(replayed=True):
+                    done = None
+                case _:
+                    pass
+        yield event
+
+
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: ChatCore, guard: OwnerGuard = OwnerGuard(None)):
+    def __init__(self, core: ChatCore, guard: OwnerGuard = OwnerGuard(None), observed: ChatMetrics | None = None):
         self.core = core
         self.guard = guard
+        self.observed = observed
 
     def _owner(self, request: OwnerScoped, context: Ctx) -> OwnerId:
         return self.guard.owner_wide(context, request)
@@ -151,8 +170,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             if request.HasField("create") else None
         expect = parse_turn_id(request.expect_last_turn_id, "expect_last_turn_id") \
             if request.expect_last_turn_id else None
-        async for event in self.core.send_turn(owner, conv, turn, request.content, options_of(request.options),
-                                               create, expect):
+        events = self.core.send_turn(owner, conv, turn, request.content, options_of(request.options), create, expect)
+        async for event in _first_text_timed(events, self.observed):
             yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
 
     @stream_errors
@@ -173,7 +192,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                              ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
         owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
-        async for event in self.core.regenerate(owner, conv, turn, options_of(request.options)):
+        events = self.core.regenerate(owner, conv, turn, options_of(request.options))
+        async for event in _first_text_timed(events, self.observed):
             yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event, turn))
 
     @unary_errors
@@ -243,16 +263,19 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
                            or cfg[mesh_settings.CHAT_ADDRESS]),
         instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}",
         system_prompts=prompts, default_prompt_version=default_version)
-    moderation = Moderation(ModerationClient.from_config(cfg, trust=trust))
+    registry = metrics.Registry()
+    observed = ChatMetrics(registry)
+    moderation = Moderation(ModerationClient.from_config(cfg, registry.prometheus, trust=trust))
     core = ChatCore(
-        store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS], "store")),
+        store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS], "store"), observed),
         router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS], "router")),
-        engines=GrpcEngines(channels),
+        engines=GrpcEngines(channels, observed),
         moderation=moderation,
-        renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels))
+        renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels),
+        observe=observed.on_move)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core, OwnerGuard(trust.verifier)), server)
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(ChatServicer(core, OwnerGuard(trust.verifier), observed), server)
         return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
 
     async def close() -> None:
@@ -260,4 +283,4 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
         await moderation.close()
         await channels.close()
 
-    return Service(name="chat", register=register, close=close, authz=AUTHZ)
+    return Service(name="chat", register=register, close=close, authz=AUTHZ, metrics=registry)

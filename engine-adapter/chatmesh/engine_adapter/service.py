@@ -20,7 +20,7 @@ import asyncio
 import hashlib
 import hmac
 import importlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol, cast
 
 import grpc
@@ -39,9 +39,12 @@ from chatmesh.engine_adapter.backend import (
     Started,
     TierStats,
 )
+from chatmesh.engine_adapter.engine import EngineCore, StepReport
 from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.observe import EngineMetrics
 from chatmesh.engine_adapter.residency import FROM_START
 from chatmesh.mesh import identity
+from chatmesh.mesh import metrics as mesh_metrics
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_conversation_id, parse_turn_id
@@ -181,11 +184,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     """Protobuf <-> Backend."""
 
     def __init__(self, backend: Backend, replica_id: str, guard: OwnerGuard = OwnerGuard(None),
-                 salts: OwnerSalts = OwnerSalts(b"")) -> None:
+                 salts: OwnerSalts = OwnerSalts(b""), metrics: EngineMetrics | None = None) -> None:
         self.backend = backend
         self.replica_id = replica_id
         self.guard = guard
         self.salts = salts
+        self.metrics = metrics or EngineMetrics(mesh_metrics.Registry(process=False), backend)
 
     def _salt(self, context: grpc.aio.ServicerContext[object, object], owner_id: str,
               conversation: ConversationId | None, legacy: bytes) -> bytes:
@@ -200,8 +204,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                                                        request.cache_salt))
         if params.expected_model is not None:  # a prompt for another tokenizer: refused before any engine work
             check_agreement(params.expected_model, self.backend.model, self.replica_id)
+        observed = self.metrics.generation(params, self.replica_id)
         # Cancelling the RPC cancels this coroutine inside backend.generate, whose cleanup cancels the sequence.
         async for event in self.backend.generate(params):
+            observed.event(event)
             yield event_to_proto(event, self.replica_id)
 
     @unary_errors
@@ -254,13 +260,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure(), salt_secret: bytes = b""
                 ) -> Service:
     """A Service running `backend` (tests build one around any backend)."""
-    servicer = GenerateServicer(backend, replica_id, OwnerGuard(trust.verifier), OwnerSalts(salt_secret))
+    registry = mesh_metrics.Registry()
+    observed = EngineMetrics(registry, backend)
+    if isinstance(backend, EngineCore):  # step figures: the in-process engine's steps (Triton's run inside Triton)
+        backend.on_step = _chain(backend.on_step, observed.on_step)
+    servicer = GenerateServicer(backend, replica_id, OwnerGuard(trust.verifier), OwnerSalts(salt_secret), observed)
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
         return [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
 
-    return Service(name="engine", register=register, start=backend.start, close=backend.close, authz=AUTHZ)
+    return Service(name="engine", register=register, start=backend.start, close=backend.close, authz=AUTHZ,
+                   metrics=registry)
+
+
+def _chain(first: Callable[[StepReport], None] | None, then: Callable[[StepReport], None]
+           ) -> Callable[[StepReport], None]:
+    if first is None:
+        return then
+
+    def both(report: StepReport) -> None:
+        first(report)
+        then(report)
+
+    return both
 
 
 def build(cfg: Config, trust: Trust | None = None) -> Service:

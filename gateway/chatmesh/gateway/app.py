@@ -51,6 +51,7 @@ from chatmesh.gateway.login_throttle import LoginThrottle
 from chatmesh.gateway.owner_tokens import EdgeTokens, serve_token_service
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
+from chatmesh.gateway.observe import EdgeMetrics, Observe
 from chatmesh.gateway.sse import Relays
 from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.mesh import channels, ids, logs, metrics
@@ -134,6 +135,9 @@ def route_table() -> list[BaseRoute]:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    if exc.limit:
+        observed: EdgeMetrics = request.app.state.observed
+        observed.rejections.labels(exc.limit).inc()
     return exc.response()
 
 
@@ -192,6 +196,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
     gateway` passes CHATMESH_GATEWAY_METRICS_PORT; tests leave it off)."""
     relays = Relays()
     registry = metrics.Registry()
+    observed = EdgeMetrics(registry, lambda: len(relays.open))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -211,7 +216,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
             budget=budget_of(cfg),
-            deadline_s=cfg[settings.CHAT_DEADLINE_S])
+            deadline_s=cfg[settings.CHAT_DEADLINE_S], observed=observed)
         app.state.openai = Surface(
             edge=app.state.edge, accounts=accounts,
             index=HistoryIndex(accounts.engine, b"openai-history\0" + cfg[settings.KEY_PEPPER].encode(),
@@ -240,12 +245,14 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
         ApiError: _api_error, BodyTimeout: _body_timeout, ClientDisconnect: _client_gone,
         HTTPException: _http_error, Exception: _unexpected},
-        middleware=[Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
+        middleware=[Middleware(Observe, metrics=observed),
+                    Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
     app.router.redirect_slashes = False  # see _slash_redirect
     app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
     app.state.login_throttle = LoginThrottle(cfg[settings.KEY_PEPPER])
     app.state.relays = relays
     app.state.metrics = registry
+    app.state.observed = observed
     app.state.accounts = None
     app.state.secure_cookies = cfg[settings.SECURE_COOKIES] or bool(cfg[settings.TLS_CERT])
     return app

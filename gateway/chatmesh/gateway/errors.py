@@ -44,12 +44,13 @@ def http_for_grpc(code: grpc.StatusCode) -> HttpStatus:
 class ApiError(Exception):
     """An error answered to the HTTP caller as is. `retry_after_s` becomes the Retry-After header."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, status: int, code: str, message: str, retry_after_s: float | None = None, limit: str = ""):
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
+        self.limit = limit  # a 429's budget, as a metric label ("turns_per_minute"); empty otherwise
 
     @classmethod
     def from_rpc(cls, err: grpc.aio.AioRpcError) -> ApiError:

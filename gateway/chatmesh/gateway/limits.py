@@ -64,7 +64,8 @@ class LimitBackend(Protocol):
 
 
 def refused(what: str, retry_after_s: float) -> ApiError:
-    return ApiError(429, "rate_limited", f"limit reached: {what}", retry_after_s=retry_after_s)
+    return ApiError(429, "rate_limited", f"limit reached: {what}", retry_after_s=retry_after_s,
+                    limit=what.replace(" ", "_"))
 
 
 @dataclass

@@ -23,7 +23,8 @@ from chatmesh.gateway.owner_tokens import EdgeTokens
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import PromptOverAllowance, Relays, TurnCall, TurnRelay, open_relay
 from chatmesh.gateway.tokens import MessageTokens
-from chatmesh.mesh import ids, logs
+from chatmesh.gateway.observe import EdgeMetrics
+from chatmesh.mesh import ids, logs, tracing
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 
 log = logs.get("chatmesh.gateway")
@@ -49,6 +50,7 @@ class Edge:
     message_tokens: MessageTokens
     budget: Budget
     deadline_s: float
+    observed: EdgeMetrics
 
     async def unary(self, call: Awaitable[T]) -> T:
         try:
@@ -78,7 +80,8 @@ class Edge:
             call = make(slot.allowance)
             return await open_relay(
                 call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s, relays=self.relays,
-                on_end=lambda outcome: self.ended(slot, outcome), on_started=slot.started)
+                on_end=lambda outcome: self.ended(slot, outcome), on_started=slot.started,
+                ttft=self.observed.ttft.labels() if new_turn else None)
         except BaseException as exc:
             if call is not None:
                 call.cancel()
@@ -95,6 +98,7 @@ class Edge:
 
     async def ended(self, slot: StreamSlot, outcome: events.Outcome) -> None:
         charge = slot.charge
+        self.observed.turns.labels(outcome.kind.value if outcome.kind else "disconnected").inc()
         log.info("turn_stream_ended", owner_id=slot.owner,
                  outcome=outcome.kind.value if outcome.kind else "disconnected", prompt_tokens=outcome.prompt_tokens,
                  started_prompt_tokens=outcome.started_prompt_tokens,
@@ -196,6 +200,8 @@ async def send_turn(request: Request) -> Response:
     turn = bodies.turn_body(await bodies.json_object(request, edge.max_body_bytes))
     await edge.message_tokens.check(turn.content)
 
+    tracing.annotate({"gen_ai.conversation.id": conversation, "chatmesh.turn.id": turn.turn_id})
+
     def send(allowance: int) -> TurnCall:
         return edge.chat.SendTurn(chat_pb2.SendTurnRequest(
             owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id, content=turn.content,
@@ -210,6 +216,8 @@ async def regenerate_turn(request: Request) -> Response:
     bodies.turn_path(request.path_params["turn_id"])  # the reply being replaced; ChatService picks the last one
     new_turn = bodies.turn_id_field(await bodies.json_object(request, edge.max_body_bytes))
 
+    tracing.annotate({"gen_ai.conversation.id": conversation, "chatmesh.turn.id": new_turn})
+
     def regenerate(allowance: int) -> TurnCall:
         return edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
             owner_id=who.owner, conversation_id=conversation, turn_id=new_turn, prompt_token_allowance=allowance),
@@ -223,6 +231,7 @@ async def attach_turn(request: Request) -> Response:
     conversation = bodies.conversation_path(request.path_params["conversation_id"])
     turn = bodies.turn_path(request.path_params["turn_id"])
     after = _after_sequence(request)
+    tracing.annotate({"gen_ai.conversation.id": conversation, "chatmesh.turn.id": turn})
     req = chat_pb2.AttachTurnRequest(owner_id=who.owner, conversation_id=conversation, turn_id=turn,
                                      after_sequence=after)
     metadata = edge.tokens.metadata(who, conversation)

@@ -26,6 +26,7 @@ receives an unsanitised image or link.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -37,7 +38,8 @@ from starlette.types import Receive, Scope, Send
 from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError, http_for_grpc
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.mesh import logs
+from chatmesh.gateway.observe import START_KEY
+from chatmesh.mesh import logs, metrics
 from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.sse")
@@ -102,13 +104,20 @@ class Framing(Protocol):
 
 
 class ChatmeshFraming:
-    """chatmesh's own events: `id: <sequence>`, `event: turn.<kind>`, `data: <JSON>` (chatmesh.gateway.events)."""
+    """chatmesh's own events: `id: <sequence>`, `event: turn.<kind>`, `data: <JSON>` (chatmesh.gateway.events).
+    `turn.completed` also carries `ttft_ms`, the time to first text as this edge saw it (the web page shows it)."""
+
+    def __init__(self) -> None:
+        self.ttft_s: float | None = None  # set by the relay when it writes the first text
 
     def delta(self, sequence: int, text: str) -> bytes:
         return events.delta_frame(sequence, text)
 
     def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        return events.frame(event.sequence, kind, events.data_of(event, kind))
+        data = events.data_of(event, kind)
+        if kind is events.SseEvent.COMPLETED and self.ttft_s is not None:
+            data["ttft_ms"] = round(self.ttft_s * 1000, 1)
+        return events.frame(event.sequence, kind, data)
 
     def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
         return events.failed_frame(sequence, message, retryable)
@@ -151,9 +160,10 @@ async def next_event(call: TurnCall) -> chat_pb2.TurnEvent | None:
 
 
 async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
-                     on_end: OnEnd, on_started: OnStarted = _noop_started) -> TurnRelay:
+                     on_end: OnEnd, on_started: OnStarted = _noop_started,
+                     ttft: metrics.HistogramChild | None = None) -> TurnRelay:
     """Awaits the first event of `call` (see `first_event`), then relays the stream in chatmesh's own events."""
-    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started)
+    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started, ttft=ttft)
 
 
 class TurnRelay(Response):
@@ -162,9 +172,12 @@ class TurnRelay(Response):
 
     def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
                  relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started,
-                 framing: Framing | None = None):
+                 framing: Framing | None = None, ttft: metrics.HistogramChild | None = None):
         super().__init__(status_code=200, media_type="text/event-stream")
         self._framing: Framing = framing or ChatmeshFraming()
+        self._ttft = ttft  # where a new turn's time to first text is observed (None: not measured, an attach)
+        self._arrived = time.perf_counter()  # replaced by the request's arrival time (observe.Observe) when known
+        self._ttft_s: float | None = None
         self._on_started = on_started
         self._started: chat_pb2.TurnStarted | None = None
         self._call = call
@@ -184,6 +197,7 @@ class TurnRelay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._relays.open.add(self)
+        self._arrived = scope.get(START_KEY, self._arrived)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             self._last_send = asyncio.get_running_loop().time()
@@ -211,6 +225,13 @@ class TurnRelay(Response):
                     started_prompt_tokens=started.prompt_tokens if started.HasField("prompt_tokens") else None)
             await self._on_end(self._outcome)
 
+    def _first_text(self) -> None:
+        self._ttft_s = time.perf_counter() - self._arrived
+        if self._ttft is not None:
+            self._ttft.observe(self._ttft_s)
+        if isinstance(self._framing, ChatmeshFraming):
+            self._framing.ttft_s = self._ttft_s
+
     async def _write(self, send: Send, chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
         self._last_send = asyncio.get_running_loop().time()
@@ -225,6 +246,8 @@ class TurnRelay(Response):
                     text = self._sanitiser.feed(event.delta.text)
                     if text:
                         await self._write(send, self._framing.delta(event.sequence, text))
+                        if self._ttft_s is None:
+                            self._first_text()
                 else:
                     if kind is events.SseEvent.STARTED and self._started is None:
                         self._started = event.started

@@ -12,6 +12,7 @@ COMMAND_MODULES = (
     "chatmesh.mesh.commands",
     "chatmesh.model.cli",
     "chatmesh.mesh.up",
+    "chatmesh.mesh.status",
     "chatmesh.mesh.certs",
     "chatmesh.store.cli",
     "chatmesh.router.cli",
@@ -27,7 +28,7 @@ Handler = Callable[[argparse.Namespace], int]
 # Commands whose module is known: `chatmesh serve store` imports only what serving the store needs, not every
 # command's dependencies (torch, scikit-learn, matplotlib), so a service process starts in a second.
 KNOWN = {"serve": "chatmesh.mesh.commands", "model": "chatmesh.model.cli", "config": "chatmesh.mesh.commands",
-         "up": "chatmesh.mesh.up", "certs": "chatmesh.mesh.certs"}
+         "up": "chatmesh.mesh.up", "certs": "chatmesh.mesh.certs", "status": "chatmesh.mesh.status"}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

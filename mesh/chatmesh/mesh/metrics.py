@@ -70,7 +70,7 @@ def _check_labels(name: str, labels: Sequence[str]) -> tuple[str, ...]:
     return tuple(labels)
 
 
-class _CounterChild:
+class CounterChild:
     __slots__ = ("value",)
 
     def __init__(self) -> None:
@@ -87,16 +87,16 @@ class Counter:
         self.names = (name, *also)
         self.help = help
         self.labels_names = _check_labels(name, labels)
-        self.children: dict[tuple[str, ...], _CounterChild] = {}
+        self.children: dict[tuple[str, ...], CounterChild] = {}
         if not labels:
-            self.children[()] = _CounterChild()
+            self.children[()] = CounterChild()
 
-    def labels(self, *values: str) -> _CounterChild:
+    def labels(self, *values: str) -> CounterChild:
         child = self.children.get(values)
         if child is None:
             if len(values) != len(self.labels_names):
                 raise ValueError(f"{self.names[0]} takes labels {self.labels_names}, got {values}")
-            child = self.children[values] = _CounterChild()
+            child = self.children[values] = CounterChild()
         return child
 
     def inc(self, n: float = 1.0) -> None:
@@ -110,7 +110,7 @@ class Counter:
             yield family
 
 
-class _HistogramChild:
+class HistogramChild:
     __slots__ = ("bounds", "counts", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
@@ -139,16 +139,16 @@ class Histogram:
         self.help = help
         self.bounds = tuple(float(b) for b in buckets)
         self.labels_names = _check_labels(name, labels)
-        self.children: dict[tuple[str, ...], _HistogramChild] = {}
+        self.children: dict[tuple[str, ...], HistogramChild] = {}
         if not labels:
-            self.children[()] = _HistogramChild(self.bounds)
+            self.children[()] = HistogramChild(self.bounds)
 
-    def labels(self, *values: str) -> _HistogramChild:
+    def labels(self, *values: str) -> HistogramChild:
         child = self.children.get(values)
         if child is None:
             if len(values) != len(self.labels_names):
                 raise ValueError(f"{self.names[0]} takes labels {self.labels_names}, got {values}")
-            child = self.children[values] = _HistogramChild(self.bounds)
+            child = self.children[values] = HistogramChild(self.bounds)
         return child
 
     def observe(self, value: float, n: int = 1) -> None:

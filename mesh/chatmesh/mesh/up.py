@@ -265,7 +265,10 @@ chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
   curl -N {url}/v1/conversations/$conv/turns -H 'content-type: application/json' \\
     -d '{{"turn_id": "'$(python3 -c 'import uuid; print(uuid.uuid4())')'", "content": "What is the capital of France?"}}'
 
-Prometheus metrics: {metrics_lines}
+Prometheus metrics (GET /metrics): {metrics_lines}
+At a glance: chatmesh status [--watch]; a Prometheus config scraping these: chatmesh status --scrape-config
+(Grafana dashboard: docs/observability/grafana-dashboard.json). Each reply on the web page shows its TTFT and
+how many of its prompt tokens came from the engine's cache: the second turn of a conversation hits it.
 
 Press Ctrl-C to stop.""", flush=True)
     while not stopping:

@@ -73,6 +73,7 @@ class Membership:
         self._watch = watch
         self._trust = trust  # the router's own: it calls the engines as spiffe://chatmesh/router
         self._reasons: dict[ReplicaId, str] = {}
+        self.kv_usage: dict[ReplicaId, float] = {}  # device-tier KV occupancy each engine last reported, 0..1
         for r in replicas:
             ring.add(r, serving=not watch)
             self._reasons[r.id] = "connecting" if watch else ""
@@ -151,6 +152,8 @@ class Membership:
                                                   wait_for_ready=True):
                     backoff = delay = BACKOFF_MIN_S
                     self.ring.set_engine_load(replica_id, resp.stats.running_sequences + resp.stats.queue_depth)
+                    device = resp.stats.device
+                    self.kv_usage[replica_id] = device.blocks_used / device.blocks_total if device.blocks_total else 0.0
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     delay = 10.0  # an engine without stats: leases alone carry its load

@@ -80,12 +80,16 @@ class _Collector(Collector):
                                    labels=["replica"])
         serving = GaugeMetricFamily("chatmesh_router_replica_serving", "1 when the replica is in the walk",
                                     labels=["replica"])
+        kv = GaugeMetricFamily("chatmesh_router_replica_kv_usage_ratio",
+                               "device-tier KV blocks in use as the replica last reported, 0..1", labels=["replica"])
         for view in self._membership.views():
             rid = view.load.replica.id
             load.add_metric([rid], view.load.load)
             leases.add_metric([rid], view.load.open_leases)
             serving.add_metric([rid], 1.0 if view.load.serving else 0.0)
-        yield from (load, leases, serving)
+            if rid in self._membership.kv_usage:
+                kv.add_metric([rid], self._membership.kv_usage[rid])
+        yield from (load, leases, serving, kv)
 
 
 class Metrics:

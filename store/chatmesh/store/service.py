@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from chatmesh.mesh import identity, logs
+from chatmesh.mesh import identity, logs, metrics, tracing
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_lease_id, parse_turn_id
@@ -28,7 +28,7 @@ from chatmesh.store import settings
 from chatmesh.store.core import ConversationStore, FieldLimits
 from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
-from chatmesh.store.values import MessageStatus, Reply
+from chatmesh.store.values import Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Purged, Reply
 from chatmesh.store.wire import (
     claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, seed_of, summary_pb, turn_record_pb,
     usage_pb,
@@ -52,10 +52,33 @@ AUTHZ = {"chatmesh.v1.StoreService": {
 }}
 
 
+class StoreMetrics:
+    """The store's own metrics (its calls by RPC and status code, with latency, come from the bootstrap):
+    claims by answer, and what retention purges removed."""
+
+    def __init__(self, registry: metrics.Registry) -> None:
+        claims = registry.counter("chatmesh_store_claims", "BeginTurn answers: claimed, in_progress, done, conflict",
+                                  ["answer"])
+        self.claims: dict[type[Claim], metrics.CounterChild] = {kind: claims.labels(name) for kind, name in (
+            (Claimed, "claimed"), (InProgress, "in_progress"), (Done, "done"), (Conflicted, "conflict"))}
+        self.purges = registry.counter("chatmesh_store_purges", "retention purge runs by outcome", ["outcome"])
+        self.purged = registry.counter("chatmesh_store_purged_conversations", "conversations purged past retention")
+        self.abandoned = registry.counter("chatmesh_store_purged_abandoned_turns",
+                                          "unfinished turns whose lease had long expired, purged")
+
+    def purge(self, purged: Purged | None) -> None:
+        self.purges.labels("ok" if purged is not None else "failed").inc()
+        if purged is not None:
+            self.purged.inc(len(purged.conversations))
+            self.abandoned.inc(purged.abandoned_turns)
+
+
 class StoreServicer(store_pb2_grpc.StoreServiceServicer):
-    def __init__(self, store: ConversationStore, guard: OwnerGuard = OwnerGuard(None)) -> None:
+    def __init__(self, store: ConversationStore, guard: OwnerGuard = OwnerGuard(None),
+                 observed: StoreMetrics | None = None) -> None:
         self.store = store
         self.guard = guard
+        self.metrics = observed or StoreMetrics(metrics.Registry(process=False))
 
     def _in_conversation(self, request: ConversationScoped, context: Context) -> tuple[OwnerId, ConversationId]:
         return self.guard.in_conversation(context, request)
@@ -87,6 +110,8 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
             if request.regenerates_turn_id else None, context_messages=request.context_max_messages)
+        self.metrics.claims[type(outcome)].inc()
+        tracing.annotate({"chatmesh.claim": type(outcome).__name__.lower()})
         return claim_pb(outcome)
 
     @unary_errors
@@ -175,19 +200,22 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def PurgeExpired(self, request: store_pb2.PurgeExpiredRequest,
                            context: Context) -> store_pb2.PurgeExpiredResponse:
         purged = await self.store.purge_expired()
+        self.metrics.purge(purged)
         return store_pb2.PurgeExpiredResponse(
             purged=[store_pb2.OwnedConversation(owner_id=o, conversation_id=c) for o, c in purged.conversations],
             abandoned_turns=purged.abandoned_turns)
 
 
-async def purge_periodically(store: ConversationStore, interval_s: float) -> None:
+async def purge_periodically(store: ConversationStore, interval_s: float, observed: StoreMetrics) -> None:
     while True:
         await asyncio.sleep(interval_s)
         try:
             purged = await store.purge_expired()
+            observed.purge(purged)
             if purged.conversations:
                 log.info("purged_conversations", conversation_ids=[c for _, c in purged.conversations])
         except Exception:  # the next round retries; a failed purge must not stop the service
+            observed.purge(None)
             log.exception("purge_failed")
 
 
@@ -200,14 +228,17 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     store = ConversationStore(engine, FieldLimits(
         max_content_bytes=cfg[mesh_settings.MAX_MESSAGE_BYTES], lease_ttl_ms=cfg[settings.LEASE_TTL_MS],
         retention_days=cfg[settings.RETENTION_DAYS]))
-    servicer = StoreServicer(store, OwnerGuard(trust.verifier))
-    service = Service(name="store", register=lambda server: _register(server, servicer), authz=AUTHZ)
+    registry = metrics.Registry()
+    observed = StoreMetrics(registry)
+    servicer = StoreServicer(store, OwnerGuard(trust.verifier), observed)
+    service = Service(name="store", register=lambda server: _register(server, servicer), authz=AUTHZ,
+                      metrics=registry)
 
     async def start() -> None:
         await prepare_schema(engine)
         interval = cfg[settings.PURGE_INTERVAL_S]
         if interval > 0:
-            service.background.append(asyncio.create_task(purge_periodically(store, interval)))
+            service.background.append(asyncio.create_task(purge_periodically(store, interval, observed)))
 
     async def close() -> None:
         await store.close()

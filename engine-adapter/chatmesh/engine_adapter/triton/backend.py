@@ -53,7 +53,7 @@ from chatmesh.engine_adapter import settings as engine_settings
 from chatmesh.engine_adapter.triton import settings, wire
 from chatmesh.engine_adapter.triton.launcher import TritonServer
 from chatmesh.engine_adapter.triton.render import Deployment, render
-from chatmesh.mesh import logs
+from chatmesh.mesh import logs, tracing
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config, Setting
 from chatmesh.mesh.errors import Unavailable
@@ -233,7 +233,10 @@ class TritonBackend:
             yield {"model_name": self.options.model, "inputs": _infer_inputs(inputs)}
             await done.wait()  # keep the request half open until the last response
 
-        call = self._client.stream_infer(requests(), stream_timeout=self.options.timeout_s)
+        # the turn's trace context (W3C traceparent) travels on to Triton, which continues it when its OpenTelemetry
+        # trace mode is on (`--trace-config mode=opentelemetry`); empty when tracing is off
+        call = self._client.stream_infer(requests(), stream_timeout=self.options.timeout_s,
+                                         headers=tracing.inject({}) or None)
         complete = False
         try:
             async for result, error in call:

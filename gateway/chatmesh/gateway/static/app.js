@@ -140,6 +140,22 @@ async function readEvents(response, onEvent) {
   }
 }
 
+// Under a finished reply: its time to first token (as the edge saw it), prompt tokens, how many of them the
+// engine found in its prefix cache, and the replica that answered. Text only (textContent), never HTML.
+function showFigures(bubble, data) {
+  const usage = data.usage || {};
+  const figures = document.createElement("div");
+  figures.className = "turn-figures";
+  figures.dataset.ttftMs = data.ttft_ms ?? "";
+  figures.dataset.promptTokens = usage.prompt_tokens ?? 0;
+  figures.dataset.cachedTokens = usage.cached_prompt_tokens ?? 0;
+  figures.dataset.replica = data.replica_id || "";
+  const ttft = data.ttft_ms === undefined ? "" : `TTFT ${Math.round(data.ttft_ms)} ms · `;
+  figures.textContent = `${ttft}${usage.prompt_tokens ?? 0} prompt tokens, ` +
+    `${usage.cached_prompt_tokens ?? 0} from cache · ${data.replica_id || "?"}`;
+  bubble.after(figures);
+}
+
 async function stream(path, body, bubble) {
   state.turn = body.turn_id;
   bubble.dataset.turnId = body.turn_id;
@@ -157,7 +173,7 @@ async function stream(path, body, bubble) {
           text += data.text;
           if (!pending) { pending = true; requestAnimationFrame(paint); }
           break;
-        case "turn.completed": bubble.dataset.status = "complete"; break;
+        case "turn.completed": bubble.dataset.status = "complete"; showFigures(bubble, data); break;
         case "turn.stopped": bubble.dataset.status = "stopped"; break;
         case "turn.blocked": bubble.dataset.status = "blocked"; setStatus("The reply was blocked."); break;
         case "turn.failed": bubble.dataset.status = "failed"; setStatus(data.message); break;
