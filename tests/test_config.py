@@ -20,3 +20,9 @@ def test_bad_value_names_the_variable() -> None:
         Config(env={"CHATMESH_GATEWAY_PORT": "eighty"})[settings.GATEWAY_PORT]
     with pytest.raises(ValueError, match="one of debug, info"):
         Config(env={"CHATMESH_LOG_LEVEL": "loud"})[settings.LOG_LEVEL]
+
+
+def test_unread_names_what_no_config_of_the_process_resolved() -> None:
+    cfg = Config(env={"CHATMESH_GATEWAY_PORT": "9000", "CHATMESH_GATEWAY_PROT": "9000", "PATH": "/bin"})
+    cfg[settings.GATEWAY_PORT]
+    assert cfg.unread() == ["CHATMESH_GATEWAY_PROT"]  # a misspelling stays unread; PATH is not a setting

@@ -57,6 +57,7 @@ from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.mesh import channels, ids, logs, metrics
 from chatmesh.mesh.trust import Trust, service_trust
 from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.commands import report_unread
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
 from chatmesh.store import settings as store_settings
@@ -230,6 +231,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         log.info("gateway_ready", chat=chat_target(cfg), auth=cfg[settings.AUTH],
                  owner_token_service=token_server.address if token_server is not None else "off",
                  metrics=f"{exporter.host}:{exporter.port}" if exporter is not None else "off")
+        report_unread(cfg)
         try:
             yield
         finally:

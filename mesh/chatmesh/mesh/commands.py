@@ -66,8 +66,23 @@ async def _run(module: Any, cfg: Config, listen: str, trust: Trust, metrics_port
     # build(cfg, trust=...); a service that needs nothing of its trust but the server's (moderation) takes cfg alone.
     takes_trust = "trust" in inspect.signature(module.build).parameters
     service = module.build(cfg, trust=trust) if takes_trust else module.build(cfg)
-    await serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], trust=trust,
-                health_port=cfg[settings.HEALTH_PORT], metrics_port=metrics_port)
+    ready = asyncio.Event()
+    serving = asyncio.create_task(serve(service, listen, cfg[settings.SHUTDOWN_GRACE_S], ready, trust=trust,
+                                        health_port=cfg[settings.HEALTH_PORT], metrics_port=metrics_port))
+    up = asyncio.create_task(ready.wait())
+    await asyncio.wait([serving, up], return_when=asyncio.FIRST_COMPLETED)
+    up.cancel()
+    if ready.is_set():
+        report_unread(cfg)
+    await serving
+
+
+def report_unread(cfg: Config) -> None:
+    """Once a service is up (every start-up read done): warns of CHATMESH_* variables it was given and never read,
+    a misspelled, stale or another service's setting (names only, never values)."""
+    names = cfg.unread()
+    if names:
+        logs.get("chatmesh.serve").warning("settings_unread", names=names)
 
 
 README_START = "<!-- settings-table:start -->"

@@ -3,6 +3,11 @@
 Each service declares its settings next to its code (a `settings.py` module listed in `SETTING_MODULES`);
 `all_settings()` collects them for the CLI and for the README's table (a test keeps the two in step).
 Precedence: flag, then environment, then the declared default.
+
+What a process read: every setting a `Config` resolves is recorded (process-wide, by variable name), so
+`unread(env)` names the `CHATMESH_*` variables a process was given and never looked at - a misspelled, stale or
+another service's setting. `chatmesh serve` logs them once the service is up (`settings_unread`), and the deploy
+tests use the same record to check that each container's environment is exactly what its service reads.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ SETTING_MODULES = (
 )
 
 _REGISTRY: dict[str, Setting[Any]] = {}
+_READ: set[str] = set()  # every setting any Config of this process has resolved
 
 
 def parse_bool(text: str) -> bool:
@@ -96,8 +102,13 @@ class Config:
     def __getitem__(self, setting: Setting[T]) -> T:
         if setting.env not in self._cache:
             self._cache[setting.env] = setting.read(self._env, self._flags)
+            _READ.add(setting.env)
         value: T = self._cache[setting.env]
         return value
+
+    def unread(self) -> list[str]:
+        """The CHATMESH_* variables of this Config's environment that no Config of this process has read."""
+        return sorted(k for k in self._env if k.startswith("CHATMESH_") and k not in _READ)
 
     def as_env(self, settings: Iterable[Setting[Any]]) -> dict[str, str]:
         """The resolved values as environment variables, to hand to a child process."""
@@ -107,6 +118,11 @@ class Config:
             if raw is not None:
                 out[s.env] = raw
         return out
+
+
+def read_so_far() -> frozenset[str]:
+    """The settings (variable names) this process has resolved through any Config."""
+    return frozenset(_READ)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
