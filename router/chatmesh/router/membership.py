@@ -77,7 +77,8 @@ class Membership:
         for r in replicas:
             ring.add(r, serving=not watch)
             self._reasons[r.id] = "connecting" if watch else ""
-        self._channels: list[grpc.aio.Channel] = []
+        self._stats_interval_ms: int | None = None  # set once the watchers run
+        self._watching: dict[ReplicaId, tuple[grpc.aio.Channel, list[asyncio.Task[None]]]] = {}
 
     # ---- the core calls, with the clock and the reasons attached --------------------------------------
 
@@ -113,18 +114,42 @@ class Membership:
         """Starts the health and load watchers (none when watching is off)."""
         if not self._watch:
             return []
-        tasks: list[asyncio.Task[None]] = []
-        for load in self.ring.loads():
-            channel = open_channel(self._trust, load.replica.address, "engine")
-            self._channels.append(channel)
-            tasks.append(asyncio.create_task(self._watch_health(load.replica.id, channel)))
-            tasks.append(asyncio.create_task(self._watch_stats(load.replica.id, channel, stats_interval_ms)))
+        self._stats_interval_ms = stats_interval_ms
+        return [task for load in self.ring.loads() for task in self._start_watching(load.replica)]
+
+    def _start_watching(self, replica: Replica) -> list[asyncio.Task[None]]:
+        assert self._stats_interval_ms is not None
+        channel = open_channel(self._trust, replica.address, "engine")
+        tasks = [asyncio.create_task(self._watch_health(replica.id, channel)),
+                 asyncio.create_task(self._watch_stats(replica.id, channel, self._stats_interval_ms))]
+        self._watching[replica.id] = (channel, tasks)
         return tasks
 
-    async def close(self) -> None:
-        for channel in self._channels:
+    def add(self, replica: Replica) -> None:
+        """A replica joins (discovery.py): on the ring, not serving until its health watch says so."""
+        self.ring.add(replica, serving=not self._watch)
+        self._reasons[replica.id] = "connecting" if self._watch else ""
+        if self._watch and self._stats_interval_ms is not None:
+            self._start_watching(replica)
+
+    async def remove(self, replica_id: ReplicaId) -> None:
+        """A replica leaves: its watchers stop, then it leaves the ring (its keys move to the next replicas)."""
+        await self._stop_watching(replica_id)
+        self.ring.remove(replica_id)
+        self._reasons.pop(replica_id, None)
+        self.kv_usage.pop(replica_id, None)
+
+    async def _stop_watching(self, replica_id: ReplicaId) -> None:
+        channel, tasks = self._watching.pop(replica_id) if replica_id in self._watching else (None, [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if channel is not None:
             await channel.close(None)
-        self._channels.clear()
+
+    async def close(self) -> None:
+        for replica_id in list(self._watching):
+            await self._stop_watching(replica_id)
 
     async def _watch_health(self, replica_id: ReplicaId, channel: grpc.aio.Channel) -> None:
         stub = health_pb2_grpc.HealthStub(channel)

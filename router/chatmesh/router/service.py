@@ -10,6 +10,7 @@ router sees conversation ids only, never prompt text.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import typing
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import NotFound
 from chatmesh.mesh.ids import ReplicaId, parse_lease_id
 from chatmesh.mesh.server import Service, unary_errors
-from chatmesh.router import settings
+from chatmesh.router import discovery, settings
 from chatmesh.router.membership import Membership, parse_replicas
 from chatmesh.router.ring import PickOutcome, Ring, parse_conversation_key
 from chatmesh.v1 import route_pb2, route_pb2_grpc
@@ -154,7 +155,8 @@ AUTHZ = {"chatmesh.v1.RouteService": {"PickReplica": [identity.CHAT], "ReleaseLe
 def build(cfg: Config, trust: Trust | None = None) -> Service:
     """The router; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/router)."""
     trust = trust or Trust.from_config(cfg, identity.ROUTER)
-    replicas = parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
+    dns = discovery.Pattern.parse(cfg[settings.REPLICAS_DNS]) if cfg[settings.REPLICAS_DNS] else None
+    replicas = () if dns else parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
     ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
                 lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S], min_spill_load=cfg[settings.ROUTER_MIN_SPILL_LOAD])
     membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH], trust=trust)
@@ -165,7 +167,13 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
 
     async def start() -> None:
         service.background.extend(membership.watchers(cfg[settings.ROUTER_STATS_INTERVAL_MS]))
-        log.info("router_ready", replicas=len(replicas), eps=ring.eps, vnodes=ring.vnodes,
+        if dns is not None:  # membership follows the StatefulSet (discovery.py), first round before serving
+            tracker = discovery.Tracker(dns)
+            for replica in tracker.round(await discovery.lookup(dns))[0]:
+                membership.add(replica)
+            service.background.append(asyncio.create_task(discovery.watch(
+                tracker, cfg[settings.REPLICAS_DNS_INTERVAL_S], membership.add, lambda r: membership.remove(r.id))))
+        log.info("router_ready", replicas=len(ring.loads()), eps=ring.eps, vnodes=ring.vnodes,
                  min_spill_load=ring.min_spill_load)
 
     service.start = start

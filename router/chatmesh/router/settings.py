@@ -9,6 +9,12 @@ REPLICAS = Setting(
     "CHATMESH_REPLICAS", "",
     "engine replicas as id=host:port, comma-separated (empty: one replica engine-0 at CHATMESH_ENGINE_ADDRESS)",
     str)
+REPLICAS_DNS = Setting(
+    "CHATMESH_REPLICAS_DNS", "",
+    "engine replicas from DNS, as a StatefulSet's pod name with {ordinal}, e.g. engine-{ordinal}.engine:50054: "
+    "every ordinal whose name resolves is replica engine-<ordinal> (discovery.py; replaces CHATMESH_REPLICAS)", str)
+REPLICAS_DNS_INTERVAL_S = Setting(
+    "CHATMESH_REPLICAS_DNS_INTERVAL_S", 5.0, "seconds between lookups of CHATMESH_REPLICAS_DNS", float)
 ROUTER_EPS = Setting(
     "CHATMESH_ROUTER_EPS", ring.DEFAULT_EPS,
     "bounded-load slack: a replica takes turns up to ceil((1+eps) x average load), then they spill", float)
