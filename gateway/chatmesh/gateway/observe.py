@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from chatmesh.mesh import metrics, tracing
 
 START_KEY = "chatmesh.start"  # scope key: perf_counter() when the request arrived
+LIMITS = ("turns_per_minute", "open_streams", "prompt_tokens_per_hour")  # the budgets' names (limits.refused)
 
 
 class EdgeMetrics:
@@ -34,6 +35,8 @@ class EdgeMetrics:
                         lambda: [((), float(open_streams()))])
         self.rejections = registry.counter("chatmesh_gateway_limit_rejections",
                                            "requests refused with 429, by the limit that refused them", ["limit"])
+        for limit in LIMITS:  # every series exists from the start (0), so rates and alerts see the first refusal
+            self.rejections.labels(limit)
         self.ttft = registry.histogram("chatmesh_gateway_time_to_first_token_seconds",
                                        "a new turn's request received -> its first text written to the client",
                                        metrics.TTFT_BUCKETS)

@@ -247,21 +247,27 @@ def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDet
     return details._replace(metadata=metadata)  # type: ignore[attr-defined,no-any-return]
 
 
-class _ClientInterceptor(_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream):
-    """Puts the current trace context into each outgoing call's metadata."""
-
+# grpc.aio files each interceptor under the FIRST call type it is an instance of (an if/elif chain), so one class
+# implementing all four would only ever see unary-unary calls: one class per call type.
+class _UnaryUnaryContext(_UnaryUnary):
     async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                     request: Any) -> Any:
         return await continuation(_with_context(details), request)
 
+
+class _UnaryStreamContext(_UnaryStream):
     async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                      request: Any) -> Any:
         return await continuation(_with_context(details), request)
 
+
+class _StreamUnaryContext(_StreamUnary):
     async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                      request_iterator: Any) -> Any:
         return await continuation(_with_context(details), request_iterator)
 
+
+class _StreamStreamContext(_StreamStream):
     async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
                                       request_iterator: Any) -> Any:
         return await continuation(_with_context(details), request_iterator)
@@ -272,4 +278,5 @@ def server_interceptors() -> list[_ServerBase]:
 
 
 def client_interceptors() -> list[Any]:  # grpc-stubs leaves aio's ClientInterceptor untyped
-    return [_ClientInterceptor()] if ON else []
+    """Put the current trace context into each outgoing call's metadata, one interceptor per call type."""
+    return [_UnaryUnaryContext(), _UnaryStreamContext(), _StreamUnaryContext(), _StreamStreamContext()] if ON else []
