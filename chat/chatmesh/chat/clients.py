@@ -247,23 +247,24 @@ class GrpcEngines:
     async def generate(self, address: str, generation: Generation, timeout_s: float
                        ) -> AsyncGenerator[EngineEvent, None]:
         stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address, "engine"))
-        rpc = stub.Generate(generate_pb2.GenerateRequest(
-            request_id=generation.request_id, conversation_id=generation.conversation,
-            turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
-            platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
-            temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed),
-            timeout=timeout_s, metadata=tokens.forwarded())
         figures = _StreamFigures(self.observed, len(generation.prompt_token_ids))
-        try:
-            with tracing.span("generate", {"gen_ai.usage.input_tokens": len(generation.prompt_token_ids)}):
+        # the span is current when the call starts, so the engine's Generate span is its child
+        with tracing.span("generate", {"gen_ai.usage.input_tokens": len(generation.prompt_token_ids)}):
+            rpc = stub.Generate(generate_pb2.GenerateRequest(
+                request_id=generation.request_id, conversation_id=generation.conversation,
+                turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
+                platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
+                temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed),
+                timeout=timeout_s, metadata=tokens.forwarded())
+            try:
                 async for resp in rpc:
                     if (event := engine_event(resp)) is not None:
                         figures.event(event)
                         yield event
-        except grpc.aio.AioRpcError as err:
-            raise translate(err, f"engine at {address}") from None
-        finally:
-            rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
+            except grpc.aio.AioRpcError as err:
+                raise translate(err, f"engine at {address}") from None
+            finally:
+                rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
 
     async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int:
         stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address, "engine"))
