@@ -3,7 +3,11 @@
 core: one `Ring` of 8 replicas (160 points each, eps 0.5), pinned to CPU 1. Each cycle picks for the next of
 100,000 conversation ids and releases the lease opened `--in-flight` picks earlier (so 300 leases stay open,
 the reference fleet's scale); `now` is the monotonic clock, read once per 1,000 picks. Also picks alone (no
-releases: the open leases pile up). Rate = picks / the process's CPU time (and / wall time).
+releases: the open leases pile up). Rate = picks / the process's CPU time (and / wall time). The same for the
+follow policy (follow.py, its defaults, over the same ring): there every eighth pick is a conversation it has
+never seen (a first turn, placed by scanning the replicas' loads) and the rest return to their home, the
+reference workload's mix; an engine residency report for 1,000 conversations is applied once per 1,000 picks
+(far more than engines send: one per conversation per turn).
 
 service: `chatmesh serve router` in its own process pinned to CPU 1 with taskset (health watching off, 8
 configured replicas); this process, pinned to CPU 0, runs `--clients` asyncio tasks on one channel calling
@@ -18,7 +22,7 @@ response (protobuf, no router work); and grpc's threaded server (a pool of 4) wi
 Every path runs `--rounds` times, interleaved; the table shows the median round. Issue 4's targets: core
 >= 200,000 picks/s, service >= 5,000 picks/s (15x the reference fleet's 333 turns/s), one core each.
 
-    .venv/bin/python -m bench.router_picks [--seconds 3] [--rounds 3] [--clients 64]
+    .venv/bin/python -m bench.router_picks [--seconds 3] [--rounds 3] [--clients 64] [--core-only]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+import itertools
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
+from chatmesh.router.follow import Follow
 from chatmesh.router.ring import Replica, Ring
 from chatmesh.v1 import route_pb2, route_pb2_grpc
 
@@ -93,23 +99,43 @@ def context_switches(pid: int) -> int:
     return total
 
 
-def core(seconds: float, in_flight: int, release: bool) -> Rate:
-    ring = Ring([Replica(ReplicaId(f"engine-{i}"), f"127.0.0.1:{50054 + 10 * i}") for i in range(REPLICAS)])
+def core(seconds: float, in_flight: int, release: bool, policy: str = "ring") -> Rate:
+    replicas = [Replica(ReplicaId(f"engine-{i}"), f"127.0.0.1:{50054 + 10 * i}") for i in range(REPLICAS)]
+    kv = Follow(replicas) if policy == "follow" else None
+    ring = kv if kv is not None else Ring(replicas)
     pick, free = ring.pick, ring.release
     window: list[LeaseId] = [pick(c, time.monotonic()).lease_id for c in CONVERSATIONS[-in_flight:]]
+    # follow: 7 of 8 picks go to conversations it has placed before, 1 in 8 to one it has never seen
+    known = CONVERSATIONS[:len(CONVERSATIONS) * 7 // 8]
+    fresh = iter(ConversationId(f"new-{i}") for i in itertools.count())
+    if kv is not None:
+        for c in known:
+            free(pick(c, time.monotonic()).lease_id)
+    ids = [r.replica.id for r in ring.loads()]
     n, batch = 0, 1000
     deadline = time.perf_counter() + seconds
     start, cpu0 = time.perf_counter(), time.process_time()
     while time.perf_counter() < deadline:
         now = time.monotonic()
-        first = n % len(CONVERSATIONS)
-        for conversation in CONVERSATIONS[first:first + batch]:
-            lease = pick(conversation, now).lease_id
+        if kv is None:
+            first = n % len(CONVERSATIONS)
+            todo = CONVERSATIONS[first:first + batch]
+        else:
+            first = n % len(known)
+            todo = [next(fresh) if i % 8 == 7 else c for i, c in enumerate(known[first:first + batch])]
+        picked: dict[ReplicaId, list[tuple[ConversationId, int]]] = {rid: [] for rid in ids}
+        for conversation in todo:
+            p = pick(conversation, now)
+            if kv is not None:
+                picked[p.replica.id].append((conversation, 3000))
             if release:
                 k = n % in_flight
                 free(window[k])
-                window[k] = lease
+                window[k] = p.lease_id
             n += 1
+        if kv is not None:  # the engines' residency reports for what this batch stored
+            for rid, items in picked.items():
+                kv.placement.report(rid, items)
     return Rate(n / (time.perf_counter() - start), n / (time.process_time() - cpu0), float("nan"))
 
 
@@ -233,12 +259,44 @@ def start_server(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[
     return subprocess.Popen(cmd, env=env), pinned
 
 
+def core_paths(args: argparse.Namespace) -> list[tuple[str, int | None, Callable[[], Rate]]]:
+    s = args.seconds
+    return [
+        ("core: pick + release", 200_000, lambda: core(s, args.in_flight, release=True)),
+        ("core: pick only", 200_000, lambda: core(s, args.in_flight, release=False)),
+        ("core, follow policy: pick + release", 200_000,
+         lambda: core(s, args.in_flight, release=True, policy="follow")),
+        ("core, follow policy: pick only", 200_000, lambda: core(s, args.in_flight, release=False, policy="follow")),
+    ]
+
+
+def report_core(args: argparse.Namespace, load_start: tuple[float, float, float]) -> int:
+    """--core-only: the in-process paths alone, interleaved over the rounds, pinned to one CPU."""
+    paths = core_paths(args)
+    results: dict[str, list[Rate]] = {name: [] for name, _, _ in paths}
+    for _ in range(args.rounds):
+        for name, _, run in paths:
+            pin(SERVER_CPU)
+            results[name].append(run())
+    load_end = os.getloadavg()
+    print(f"Router core picks, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{platform.machine()}, Python {platform.python_version()}; load {load_start[0]:.2f} -> {load_end[0]:.2f}")
+    print("| path | picks/s (wall) | picks per CPU-second (range) | target |\n|---|---:|---:|---:|")
+    for name, target, _ in paths:
+        rates = sorted(results[name], key=lambda r: r.cpu)
+        mid = rates[len(rates) // 2]
+        print(f"| {name} | {mid.wall:,.0f} | {mid.cpu:,.0f} ({rates[0].cpu:,.0f}-{rates[-1].cpu:,.0f}) | "
+              f"{target:,} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3.0, help="per path and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--in-flight", type=int, default=300)
+    ap.add_argument("--core-only", action="store_true", help="only the in-process core paths (no servers)")
     ap.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     ap.add_argument("--sync-bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -250,6 +308,8 @@ def main() -> int:
         return 0
 
     load_start = os.getloadavg()
+    if args.core_only:
+        return report_core(args, load_start)
     router_address, bare_address, sync_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
     env = {**os.environ, "CHATMESH_REPLICAS": ",".join(f"engine-{i}=127.0.0.1:{50054 + 10 * i}"
                                                         for i in range(REPLICAS)),
@@ -262,8 +322,7 @@ def main() -> int:
         asyncio.run(ready(address))
     s, c = args.seconds, args.clients
     paths: list[tuple[str, int | None, Callable[[], Rate]]] = [
-        ("core: pick + release", 200_000, lambda: core(s, args.in_flight, release=True)),
-        ("core: pick only", 200_000, lambda: core(s, args.in_flight, release=False)),
+        *core_paths(args),
         ("service: PickReplica", 5_000,
          lambda: asyncio.run(drive(router_address, router.pid, s, c, pick_call(release=False)))),
         ("service: PickReplica + ReleaseLease (per pair)", 5_000,

@@ -1,9 +1,11 @@
-"""The router against three real sim engines over gRPC: health moves conversations away and back,
-engine load arrives through WatchStats, and no serving replica is UNAVAILABLE with the reason."""
+"""The router against three real sim engines over gRPC: health moves conversations away (and, for the ring,
+back), engine load and residency arrive through WatchStats, and no serving replica is UNAVAILABLE with the
+reason."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 import uuid
@@ -56,25 +58,39 @@ class Mesh:
     router: route_pb2_grpc.RouteServiceAsyncStub
     addresses: dict[str, str]
     engines: dict[str, Running]
+    policy: str
 
 
-@pytest.fixture
-async def mesh() -> AsyncIterator[Mesh]:
+@contextlib.asynccontextmanager
+async def running_mesh(policy: str) -> AsyncIterator[Mesh]:
     addresses = {rid: f"127.0.0.1:{free_port()}" for rid in ENGINES}
     engines = {rid: await start_engine(rid, addr) for rid, addr in addresses.items()}
     router_address = f"127.0.0.1:{free_port()}"
-    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
-                      "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50"})
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true",
+                      "CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
+                      "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50", "CHATMESH_ROUTER_POLICY": policy})
     ready, stop = asyncio.Event(), asyncio.Event()
     router = asyncio.create_task(serve(build(cfg), router_address, 0.2, ready, stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 20)
     async with grpc.aio.insecure_channel(router_address) as channel:
-        yield Mesh(route_pb2_grpc.RouteServiceStub(channel), addresses, engines)
+        yield Mesh(route_pb2_grpc.RouteServiceStub(channel), addresses, engines, policy)
     stop.set()
     await asyncio.wait_for(router, 20)
     for running in engines.values():
         if not running.task.done():
             await halt(running)
+
+
+@pytest.fixture(params=["follow", "ring"])
+async def mesh(request: pytest.FixtureRequest) -> AsyncIterator[Mesh]:
+    async with running_mesh(request.param) as m:
+        yield m
+
+
+@pytest.fixture
+async def follow_mesh() -> AsyncIterator[Mesh]:
+    async with running_mesh("follow") as m:
+        yield m
 
 
 async def until(what: str, check: Callable[[route_pb2.ListReplicasResponse], bool], stub: Mesh,
@@ -107,7 +123,8 @@ async def test_unhealthy_engine_conversations_move_and_return(mesh: Mesh) -> Non
     await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
     conversations = [str(uuid.uuid4()) for _ in range(60)]
     before = await picks(mesh, conversations)
-    assert all(p.outcome == route_pb2.PICK_OUTCOME_HOME for p in before.values())
+    first = route_pb2.PICK_OUTCOME_PLACED if mesh.policy == "follow" else route_pb2.PICK_OUTCOME_HOME
+    assert all(p.outcome == first for p in before.values())
     homes = {c: p.replica_id for c, p in before.items()}
     assert set(homes.values()) == set(ENGINES)
     assert all(p.address == mesh.addresses[p.replica_id] for p in before.values())
@@ -127,8 +144,32 @@ async def test_unhealthy_engine_conversations_move_and_return(mesh: Mesh) -> Non
     mesh.engines["engine-1"] = await start_engine("engine-1", mesh.addresses["engine-1"])
     await until("engine-1 back", lambda r: states(r)["engine-1"] == SERVING, mesh)
     after = await picks(mesh, conversations)
-    assert {c: p.replica_id for c, p in after.items()} == homes
     assert all(p.outcome == route_pb2.PICK_OUTCOME_HOME for p in after.values())
+    if mesh.policy == "ring":  # the ring's homes are fixed: everyone returns
+        assert {c: p.replica_id for c, p in after.items()} == homes
+    else:  # follow: a moved conversation stays where its prefix now is, nobody else moved
+        assert {c: p.replica_id for c, p in after.items()} == {c: p.replica_id for c, p in during.items()}
+
+
+async def test_follow_learns_where_prefixes_are_from_the_engines(follow_mesh: Mesh) -> None:
+    mesh = follow_mesh
+    await until("all serving", lambda r: set(states(r).values()) == {SERVING}, mesh)
+    conversation = str(uuid.uuid4())
+    pick = (await picks(mesh, [conversation]))[conversation]
+    assert pick.outcome == route_pb2.PICK_OUTCOME_PLACED
+    async with grpc.aio.insecure_channel(pick.address) as channel:
+        engine = generate_pb2_grpc.GenerateServiceStub(channel)
+        [r async for r in engine.Generate(generate_pb2.GenerateRequest(
+            request_id=str(uuid.uuid4()), conversation_id=conversation, turn_id=str(uuid.uuid4()),
+            prompt_token_ids=list(range(1, 100)), cache_salt=b"owner", max_tokens=4))]
+        await until("the engine's report", lambda r: {x.replica_id: x.cached_conversations for x in r.replicas}
+                    [pick.replica_id] == 1, mesh)
+        again = (await picks(mesh, [conversation]))[conversation]
+        assert again.outcome == route_pb2.PICK_OUTCOME_HOME and again.replica_id == pick.replica_id
+        await engine.Evict(generate_pb2.EvictRequest(conversation_id=conversation))  # deletion reaches the cache
+        await until("the eviction's report", lambda r: all(x.cached_conversations == 0 for x in r.replicas), mesh)
+    gone = (await picks(mesh, [conversation]))[conversation]
+    assert gone.outcome == route_pb2.PICK_OUTCOME_PLACED  # nothing cached anywhere: placed by load again
 
 
 async def test_engine_load_arrives_through_watch_stats(mesh: Mesh) -> None:

@@ -43,7 +43,7 @@ async def stub() -> AsyncIterator[route_pb2_grpc.RouteServiceAsyncStub]:
 async def test_pick_is_sticky_and_lease_counts_until_released(stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:
     conv = str(uuid.uuid4())
     first = await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))
-    assert first.outcome == route_pb2.PICK_OUTCOME_HOME
+    assert first.outcome == route_pb2.PICK_OUTCOME_PLACED  # the default (follow) policy: a first turn
     assert first.replica_id == first.home_replica_id
     assert first.address == dict(r.split("=") for r in REPLICAS.split(","))[first.replica_id]
     assert first.lease_expires_at_ms > 0
@@ -55,7 +55,9 @@ async def test_pick_is_sticky_and_lease_counts_until_released(stub: route_pb2_gr
     listed = await stub.ListReplicas(route_pb2.ListReplicasRequest())
     assert all(r.load == 0 and r.state == route_pb2.REPLICA_STATE_SERVING for r in listed.replicas)
     second = await stub.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conv))
-    assert second.replica_id == first.replica_id
+    assert second.replica_id == first.replica_id and second.outcome == route_pb2.PICK_OUTCOME_HOME
+    listed = await stub.ListReplicas(route_pb2.ListReplicasRequest())
+    assert {r.replica_id: r.cached_conversations for r in listed.replicas}[first.replica_id] == 1
 
 
 async def test_exclusion_spills_to_another_replica(stub: route_pb2_grpc.RouteServiceAsyncStub) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity, simulate
+from chatmesh.router import capacity, follow, simulate
 
 
 def register(sub: Any) -> None:
@@ -44,7 +44,8 @@ def register(sub: Any) -> None:
     g.add_argument("--spare-nodes", type=int, default=w.spare_nodes)
     p.set_defaults(handler=_capacity)
 
-    p = sub.add_parser("simulate", help="prefix-cache hit rate under random, modulo, consistent and bounded routing",
+    p = sub.add_parser("simulate", help="prefix-cache hit rate and load balance under random, modulo, consistent, "
+                       "bounded and follow-the-KV routing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     s = simulate.SimConfig()
     p.add_argument("--conversations", type=int, default=s.conversations)
@@ -53,7 +54,19 @@ def register(sub: Any) -> None:
     p.add_argument("--caches", default=",".join(f"{c / 1e6:g}" for c in simulate.REFERENCE_CACHES),
                    help="cache sizes per replica, millions of tokens, comma-separated")
     p.add_argument("--eps", default=",".join(f"{e:g}" for e in simulate.DEFAULT_EPSILONS),
-                   help="bounded-load eps values to compare, comma-separated (empty: none)")
+                   help="bounded-load (ring) eps values to compare, comma-separated (empty: none)")
+    p.add_argument("--follow-eps", default=",".join(f"{e:g}" for e in simulate.DEFAULT_FOLLOW_EPSILONS),
+                   help="follow-the-KV eps values to compare, comma-separated (empty: none)")
+    p.add_argument("--hold-tokens", type=int, default=follow.DEFAULT_HOLD_TOKENS,
+                   help="follow: cached prefix tokens that buy one sequence over the bound (0: no overshoot)")
+    p.add_argument("--overshoot", type=float, default=follow.DEFAULT_OVERSHOOT,
+                   help="follow: the cap over the average is 1 + eps + this")
+    p.add_argument("--follow-floor", type=int, default=follow.DEFAULT_FLOOR,
+                   help="follow: turns in flight below which a replica never sends a turn away from its prefix")
+    p.add_argument("--policies", default="random,modulo,consistent,bounded,follow",
+                   help="which policy families to run, comma-separated")
+    p.add_argument("--report-delay-s", type=float, default=s.report_delay_s,
+                   help="how late engines' residency reports reach the router")
     p.add_argument("--turn-gap-s", type=float, default=s.turn_gap_s, help="mean seconds between a user's turns")
     p.add_argument("--turn-seconds", type=float, default=s.turn_seconds,
                    help="seconds a turn holds its replica (default: reply tokens x the capacity plan's step)")
@@ -61,7 +74,7 @@ def register(sub: Any) -> None:
                    help="for the salting table: conversations sharing one owner's salt")
     p.add_argument("--vnodes", type=int, default=s.vnodes, help="ring points per replica")
     p.add_argument("--min-spill-load", type=int, default=s.min_spill_load,
-                   help="floor under the load bound (turns in flight below which a home never spills)")
+                   help="the ring's floor under the load bound (turns in flight below which a home never spills)")
     p.add_argument("--seed", type=int, default=s.seed)
     p.add_argument("--plots", metavar="DIR", help="write PNG charts to this folder")
     p.set_defaults(handler=_simulate)
@@ -104,9 +117,23 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = simulate.SimConfig(
         conversations=args.conversations, turns=args.turns, replicas=args.replicas, turn_gap_s=args.turn_gap_s,
         turn_seconds=args.turn_seconds, conversations_per_owner=max(1, args.conversations_per_owner),
-        vnodes=args.vnodes, min_spill_load=args.min_spill_load, seed=args.seed)
+        vnodes=args.vnodes, min_spill_load=args.min_spill_load, report_delay_s=args.report_delay_s,
+        seed=args.seed)
     caches = [round(c * 1e6) for c in _floats(args.caches)]
-    report = simulate.run(cfg, caches, _floats(args.eps))
+    families = {x.strip() for x in args.policies.split(",") if x.strip()}
+    unknown = families - {p.value for p in simulate.Policy}
+    if unknown:
+        print(f"chatmesh simulate: unknown policies {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    specs = [spec for spec in simulate.default_specs(_floats(args.eps), _floats(args.follow_eps))
+             if spec.policy.value in families]
+    specs = [dataclasses.replace(spec, hold_tokens=args.hold_tokens, overshoot=args.overshoot,
+                                 floor=args.follow_floor) if spec.policy is simulate.Policy.FOLLOW else spec
+             for spec in specs]
+    if not specs or not caches:
+        print("chatmesh simulate: nothing to simulate (no policy or no cache size)", file=sys.stderr)
+        return 2
+    report = simulate.run(cfg, caches, specs)
     print(simulate.render(report))
     if args.plots:
         for path in simulate.plot(report, Path(args.plots)):

@@ -9,11 +9,15 @@ For each replica two watchers run on one channel:
   walk; anything else, a broken stream or an unreachable engine takes it out (it keeps its ring points, so its
   conversations spill to the next replica and come back when it serves again). Until the first answer a replica
   is not serving ("connecting"): the router never sends a turn to an engine it has not heard from.
-- load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load.
+- load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load. With the
+  follow policy the stream also asks for residency (include_residency): a full listing of the conversations the
+  engine caches, then changes, fed to the policy's placement table (follow.py). A new stream starts with a
+  full listing, which replaces what the last one said (the engine may have restarted empty).
 Both calls wait for the channel to connect (wait_for_ready) instead of failing while the engine is down, and the
 channel retries its connection at most a second apart (`chatmesh.mesh.channels.RECONNECT`, on every channel
 `open_channel` makes), so an engine that comes back is watched, and routed to, within about a second of
-serving (gRPC's default backoff grows to ~10 s gaps after ten seconds down). A stream that ends or fails is opened again after a capped exponential backoff.
+serving (gRPC's default backoff grows to ~10 s gaps after ten seconds down). A stream that ends or fails is
+opened again after a capped exponential backoff.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
+from chatmesh.router.follow import Follow
 from chatmesh.router.ring import Lease, Pick, Replica, ReplicaLoad, Ring
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 
@@ -62,14 +67,17 @@ class ReplicaView:
 
     load: ReplicaLoad
     reason: str
+    cached_conversations: int = 0  # follow policy: conversations whose prefix the replica reports caching
 
 
 class Membership:
-    """The ring plus each replica's health reason; the watchers keep both current."""
+    """The ring (a `Follow` ring when routing by residency) plus each replica's health reason; the watchers keep
+    both current."""
 
     def __init__(self, ring: Ring, replicas: Sequence[Replica], watch: bool, trust: Trust = Trust.insecure()
                  ) -> None:
         self.ring = ring
+        self.placement = ring.placement if isinstance(ring, Follow) else None
         self._watch = watch
         self._trust = trust  # the router's own: it calls the engines as spiffe://chatmesh/router
         self._reasons: dict[ReplicaId, str] = {}
@@ -98,7 +106,10 @@ class Membership:
 
     def views(self) -> tuple[ReplicaView, ...]:
         self.ring.expire(time.monotonic())
-        return tuple(ReplicaView(load, self._reasons[load.replica.id]) for load in self.ring.loads())
+        placement = self.placement
+        return tuple(ReplicaView(load, self._reasons[load.replica.id],
+                                 placement.conversations(load.replica.id) if placement is not None else 0)
+                     for load in self.ring.loads())
 
     def mark(self, replica_id: ReplicaId, serving: bool, reason: str = "") -> None:
         was = self._reasons[replica_id]
@@ -169,16 +180,21 @@ class Membership:
 
     async def _watch_stats(self, replica_id: ReplicaId, channel: grpc.aio.Channel, interval_ms: int) -> None:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        placement = self.placement
+        request = generate_pb2.WatchStatsRequest(interval_ms=interval_ms, include_residency=placement is not None)
         backoff = BACKOFF_MIN_S
         while True:
             delay = backoff
             try:
-                async for resp in stub.WatchStats(generate_pb2.WatchStatsRequest(interval_ms=interval_ms),
-                                                  wait_for_ready=True):
+                async for resp in stub.WatchStats(request, wait_for_ready=True):
                     backoff = delay = BACKOFF_MIN_S
                     self.ring.set_engine_load(replica_id, resp.stats.running_sequences + resp.stats.queue_depth)
                     device = resp.stats.device
                     self.kv_usage[replica_id] = device.blocks_used / device.blocks_total if device.blocks_total else 0.0
+                    if placement is not None and resp.HasField("residency"):
+                        r = resp.residency
+                        placement.report(replica_id, [(ConversationId(c.conversation_id), c.cached_tokens)
+                                                      for c in r.conversations], full=r.full)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     delay = 10.0  # an engine without stats: leases alone carry its load

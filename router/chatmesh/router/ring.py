@@ -79,10 +79,11 @@ class PickOutcome(enum.Enum):
     SPILL_OVER_BOUND = "spill_over_bound"    # the home was at the load bound
     SPILL_HOME_DOWN = "spill_home_down"      # the home is not serving
     SPILL_EXCLUDED = "spill_excluded"        # the caller excluded the home
+    PLACED = "placed"                        # follow.py: no prefix known anywhere; placed where load is lowest
 
     @property
     def spilled(self) -> bool:
-        return self is not PickOutcome.HOME
+        return self is not PickOutcome.HOME and self is not PickOutcome.PLACED
 
 
 # Enum member lookups cost a few hundred ns each in CPython 3.11; the hot path uses these aliases.
@@ -316,6 +317,11 @@ class Ring:
             chosen, outcome = home, _HOME
         else:
             chosen, outcome = self._spill(order, max(self.min_spill_load, math.ceil(limit)), exclude)
+        return self.lease_on(chosen, home, outcome, now)
+
+    def lease_on(self, chosen: ReplicaId, home: ReplicaId, outcome: PickOutcome, now: float) -> Pick:
+        """Opens a lease on the serving replica a pick chose (this walk's, or follow.py's) and returns the pick.
+        The caller has run `expire(now)` when due and checked that `chosen` is serving."""
         seq = self._lease_seq + 1
         if seq == _SEQ_END:
             seq = _SEQ_FIRST
@@ -325,7 +331,7 @@ class Ring:
         if expires_at < self._next_expiry:
             self._next_expiry = expires_at
         self._leases[lease_id] = _new(Lease, (lease_id, chosen, expires_at))
-        load[chosen] += 1
+        self._load[chosen] += 1
         self._total += 1  # chosen is serving
         return _new(Pick, (self._replicas[chosen], home, lease_id, expires_at, outcome))
 

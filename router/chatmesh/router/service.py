@@ -1,7 +1,8 @@
-"""RouteService: the thin gRPC layer over the ring (`ring.py`) and its membership (`membership.py`).
+"""RouteService: the thin gRPC layer over the routing policy (`follow.py` by default, or the ring's bounded-load
+walk, `ring.py`: CHATMESH_ROUTER_POLICY) and the membership (`membership.py`).
 
-PickReplica validates the conversation id (1-128 bytes), picks with the bounded-load walk and returns the
-replica, its address, the lease, home or spill, and the home. ReleaseLease closes a lease (NOT_FOUND when
+PickReplica validates the conversation id (1-128 bytes), picks a replica and returns it, its address, the lease,
+home, spill or placed, and the home. ReleaseLease closes a lease (NOT_FOUND when
 unknown or expired). ListReplicas shows every configured replica with its state and load. Core errors become
 gRPC codes in `chatmesh.mesh.server`. Metrics (served by the bootstrap on CHATMESH_ROUTER_METRICS_PORT): picks by
 outcome (home or spill reason) and replica, spills by reason, per-replica load, leases and serving state. The
@@ -29,6 +30,7 @@ from chatmesh.mesh.errors import NotFound
 from chatmesh.mesh.ids import ReplicaId, parse_lease_id
 from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.router import discovery, settings
+from chatmesh.router.follow import Follow
 from chatmesh.router.membership import Membership, parse_replicas
 from chatmesh.router.ring import PickOutcome, Ring, parse_conversation_key
 from chatmesh.v1 import route_pb2, route_pb2_grpc
@@ -45,6 +47,8 @@ def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
             return route_pb2.PICK_OUTCOME_HOME
         case PickOutcome.SPILL_OVER_BOUND | PickOutcome.SPILL_HOME_DOWN | PickOutcome.SPILL_EXCLUDED:
             return route_pb2.PICK_OUTCOME_SPILL
+        case PickOutcome.PLACED:
+            return route_pb2.PICK_OUTCOME_PLACED
         case _:
             typing.assert_never(outcome)
 
@@ -142,7 +146,7 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
                 replica_id=v.load.replica.id, address=v.load.replica.address,
                 state=route_pb2.REPLICA_STATE_SERVING if v.load.serving else route_pb2.REPLICA_STATE_NOT_SERVING,
                 engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load,
-                reason=v.reason)
+                reason=v.reason, cached_conversations=v.cached_conversations)
             for v in self._membership.views()
         ])
 
@@ -157,8 +161,12 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     trust = trust or Trust.from_config(cfg, identity.ROUTER)
     dns = discovery.Pattern.parse(cfg[settings.REPLICAS_DNS]) if cfg[settings.REPLICAS_DNS] else None
     replicas = () if dns else parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
-    ring = Ring(vnodes=cfg[settings.ROUTER_VNODES], eps=cfg[settings.ROUTER_EPS],
-                lease_ttl_s=cfg[settings.ROUTER_LEASE_TTL_S], min_spill_load=cfg[settings.ROUTER_MIN_SPILL_LOAD])
+    vnodes, eps, ttl = cfg[settings.ROUTER_VNODES], cfg[settings.ROUTER_EPS], cfg[settings.ROUTER_LEASE_TTL_S]
+    floor = cfg[settings.ROUTER_MIN_SPILL_LOAD]
+    ring = Follow(vnodes=vnodes, eps=eps, lease_ttl_s=ttl, min_spill_load=floor,
+                  hold_tokens=cfg[settings.ROUTER_HOLD_TOKENS], overshoot=cfg[settings.ROUTER_OVERSHOOT]) \
+        if cfg[settings.ROUTER_POLICY] == "follow" else Ring(vnodes=vnodes, eps=eps, lease_ttl_s=ttl,
+                                                            min_spill_load=floor)
     membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH], trust=trust)
     registry = metrics.Registry()
     servicer = RouteServicer(membership, Metrics(membership, registry))
@@ -173,8 +181,8 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
                 membership.add(replica)
             service.background.append(asyncio.create_task(discovery.watch(
                 tracker, cfg[settings.REPLICAS_DNS_INTERVAL_S], membership.add, lambda r: membership.remove(r.id))))
-        log.info("router_ready", replicas=len(ring.loads()), eps=ring.eps, vnodes=ring.vnodes,
-                 min_spill_load=ring.min_spill_load)
+        log.info("router_ready", replicas=len(ring.loads()), policy=cfg[settings.ROUTER_POLICY], eps=ring.eps,
+                 vnodes=ring.vnodes, min_spill_load=ring.min_spill_load)
 
     service.start = start
     return service

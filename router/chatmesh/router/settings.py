@@ -1,9 +1,10 @@
-"""RouteService settings: the replicas, the bounded-load parameters, leases and health (its metrics port is in chatmesh.mesh.settings)."""
+"""RouteService settings: the replicas, the policy and its bound, leases and health (its metrics port is in
+chatmesh.mesh.settings)."""
 
 from __future__ import annotations
 
 from chatmesh.mesh.config import Setting, parse_bool
-from chatmesh.router import ring
+from chatmesh.router import follow, ring
 
 REPLICAS = Setting(
     "CHATMESH_REPLICAS", "",
@@ -15,12 +16,24 @@ REPLICAS_DNS = Setting(
     "every ordinal whose name resolves is replica engine-<ordinal> (discovery.py; replaces CHATMESH_REPLICAS)", str)
 REPLICAS_DNS_INTERVAL_S = Setting(
     "CHATMESH_REPLICAS_DNS_INTERVAL_S", 5.0, "seconds between lookups of CHATMESH_REPLICAS_DNS", float)
+ROUTER_POLICY = Setting(
+    "CHATMESH_ROUTER_POLICY", "follow",
+    "follow: turns go where the engines report their conversation's prefix, first turns where load is lowest "
+    "(follow.py); ring: consistent hashing with bounded loads (ring.py)", str, choices=("follow", "ring"))
 ROUTER_EPS = Setting(
-    "CHATMESH_ROUTER_EPS", ring.DEFAULT_EPS,
-    "bounded-load slack: a replica takes turns up to ceil((1+eps) x average load), then they spill", float)
+    "CHATMESH_ROUTER_EPS", follow.DEFAULT_EPS,
+    "bounded-load slack: a replica takes turns up to ceil((1+eps) x average load), then they move (the ring "
+    "policy was tuned at 0.5)", float)
 ROUTER_MIN_SPILL_LOAD = Setting(
-    "CHATMESH_ROUTER_MIN_SPILL_LOAD", 0,
-    "floor under the load bound: a home with fewer in-flight turns never spills (0: the paper's rule)", int)
+    "CHATMESH_ROUTER_MIN_SPILL_LOAD", follow.DEFAULT_FLOOR,
+    "floor under the load bound: a replica with fewer in-flight turns never sends a turn away from its prefix "
+    "(0: the paper's rule)", int)
+ROUTER_HOLD_TOKENS = Setting(
+    "CHATMESH_ROUTER_HOLD_TOKENS", follow.DEFAULT_HOLD_TOKENS,
+    "follow: cached prefix tokens that let a turn stay home one sequence over the bound (0: never over)", int)
+ROUTER_OVERSHOOT = Setting(
+    "CHATMESH_ROUTER_OVERSHOOT", follow.DEFAULT_OVERSHOOT,
+    "follow: no replica goes past ceil((1+eps+overshoot) x average load) while another has room", float)
 ROUTER_VNODES = Setting(
     "CHATMESH_ROUTER_VNODES", ring.DEFAULT_VNODES, "ring points per replica (consistent hashing)", int)
 ROUTER_LEASE_TTL_S = Setting(
@@ -30,4 +43,5 @@ ROUTER_HEALTH = Setting(
     "CHATMESH_ROUTER_HEALTH", True,
     "watch each engine's grpc.health.v1 status and stats (false: every configured replica is serving)", parse_bool)
 ROUTER_STATS_INTERVAL_MS = Setting(
-    "CHATMESH_ROUTER_STATS_INTERVAL_MS", 500, "how often engines report their load to the router", int)
+    "CHATMESH_ROUTER_STATS_INTERVAL_MS", 500,
+    "how often engines report their load (and, for follow, the conversations they cache) to the router", int)

@@ -3,26 +3,34 @@
 What. Conversations arrive at replicas that each keep an LRU prefix cache measured in tokens; the result is
 the share of prompt tokens served from cache. The reference compares random routing with "affinity"
 (conversation index modulo the replica count) and reports 45/48/52/59% against 68/84/95/96% at 0.5, 1, 2 and
-8 M tokens of cache per replica. This module reproduces those and adds the routers chatmesh runs, driven by
-`ring.py` itself: plain consistent hashing, and bounded loads at several eps, where a turn occupies its
-replica while it generates, so a hot replica really does spill turns to the next one on the ring.
+8 M tokens of cache per replica. This module reproduces those and adds the policies chatmesh's router runs,
+driven by the router's own code: plain consistent hashing and bounded loads at several eps (`ring.py`), and
+routing that follows the KV (`follow.py`), where a turn occupies its replica while it generates, so a hot
+replica really does spill turns, and where the engines' reports of what they cache reach the router.
 
-The model, in three separable steps (routing does not depend on the cache, nor arrivals on routing):
+The model. One pass over the turns in arrival order, every policy against the same engines:
 1. Arrivals. Each of `conversations` starts at a uniform time in [0, arrival_window_s) and sends `turns`
-   turns, the gaps exponential with mean `turn_gap_s` (one turn a minute while active).
-2. Routing. A policy maps each turn to a replica. For the ring policies a turn holds a lease from its arrival
-   for `turn_seconds` (default: the reply at the capacity plan's decode step, 400 x 12.7 ms = 5.1 s), so the
-   load the bound sees is the turns in flight. We record spills and the max/average load across replicas.
-3. Caching. Turn k of a conversation sends its history plus a 150-token message; the history starts as the
+   turns, the gaps exponential with mean `turn_gap_s` (one turn a minute while active). Arrivals do not depend
+   on routing, so every policy sees the same schedule.
+2. Routing. A policy maps each turn to a replica. For the router's policies a turn holds a lease from its
+   arrival for `turn_seconds` (default: the reply at the capacity plan's decode step, 400 x 12.7 ms = 5.1 s),
+   so the load the bound sees is the turns in flight. Recorded: turns sent away from their prefix (spills),
+   turns placed with nothing to lose, and the max/average load across replicas after each arrival (its mean
+   and p99 over the steady state, when the average is at least half its peak).
+3. Engines. Turn k of a conversation sends its history plus a 150-token message; the history starts as the
    1,500-token system prompt and grows by message + 400-token reply per turn. The replica serves from its
-   cache the longest prefix it holds for that conversation (a stale entry left by a spilled turn still
-   covers the older part) and stores the new history; least recently used histories are evicted past the
-   capacity. The shared system prompt is always warm (the reference's assumption), unless owners are
-   *salted*: an engine that salts the cache from the first block (TensorRT-LLM's `cache_salt`) cannot share
-   the system prompt across owners, so a turn gets it only if the same owner has a history on that replica.
+   cache the longest prefix it holds for that conversation (a stale entry left by a moved turn still covers
+   the older part) and stores the new history; least recently used histories are evicted past the capacity.
+   Each store and eviction is reported to the router `report_delay_s` later (the stats stream's interval) as
+   the conversation's private tokens on that replica (history minus the system prompt; 0 when evicted), which
+   is what `follow` places turns by; the ring policies ignore reports. The shared system prompt is always warm
+   (the reference's assumption), unless owners are *salted*: an engine that salts the cache from the first
+   block (TensorRT-LLM's `cache_salt`) cannot share the system prompt across owners, so a turn gets it only if
+   the same owner has a history on that replica (salting changes hits, not what is stored, so the same pass
+   counts both).
 
 What it leaves out, as the reference does: batching and queueing delay, eviction cost, the host tier as a
-separate level (the 8 M row stands for HBM plus host memory).
+separate level (the 8 M row stands for HBM plus host memory), and turns' varying lengths.
 """
 
 from __future__ import annotations
@@ -31,19 +39,20 @@ import enum
 import heapq
 import random
 import typing
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, ReplicaId
-from chatmesh.router import capacity
-from chatmesh.router.ring import DEFAULT_EPS, DEFAULT_VNODES, Replica, Ring
+from chatmesh.router import capacity, follow
+from chatmesh.router.ring import DEFAULT_VNODES, PickOutcome, Replica, Ring
 
 REFERENCE_CACHES = (500_000, 1_000_000, 2_000_000, 8_000_000)
 REFERENCE_RANDOM = (0.45, 0.48, 0.52, 0.59)
 REFERENCE_AFFINITY = (0.68, 0.84, 0.95, 0.96)
 DEFAULT_EPSILONS = (0.05, 0.1, 0.25, 0.5, 1.0)
+DEFAULT_FOLLOW_EPSILONS = (follow.DEFAULT_EPS,)
 
 
 def _default_turn_seconds() -> float:
@@ -57,13 +66,17 @@ class Policy(enum.Enum):
     RANDOM = "random"
     MODULO = "modulo"            # the reference's affinity: conversation index mod replicas
     CONSISTENT = "consistent"    # the ring's home, no load bound
-    BOUNDED = "bounded"          # the ring's bounded-load walk (chatmesh's router)
+    BOUNDED = "bounded"          # the ring's bounded-load walk (ring.py)
+    FOLLOW = "follow"            # routing that follows the KV (follow.py): chatmesh's router by default
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     policy: Policy
-    eps: float = DEFAULT_EPS
+    eps: float = 0.5  # BOUNDED and FOLLOW: the bound's slack
+    hold_tokens: int = follow.DEFAULT_HOLD_TOKENS  # FOLLOW
+    overshoot: float = follow.DEFAULT_OVERSHOOT  # FOLLOW
+    floor: int = follow.DEFAULT_FLOOR  # FOLLOW's spill floor (BOUNDED takes SimConfig.min_spill_load)
 
     @property
     def label(self) -> str:
@@ -76,6 +89,11 @@ class PolicySpec:
                 return "consistent"
             case Policy.BOUNDED:
                 return f"bounded e={self.eps:g}"
+            case Policy.FOLLOW:
+                defaults = (follow.DEFAULT_HOLD_TOKENS, follow.DEFAULT_OVERSHOOT, follow.DEFAULT_FLOOR)
+                extra = "" if (self.hold_tokens, self.overshoot, self.floor) == defaults else (
+                    f" h={self.hold_tokens} o={self.overshoot:g} f={self.floor}")
+                return f"follow e={self.eps:g}{extra}"
             case _:
                 typing.assert_never(self.policy)
 
@@ -95,7 +113,8 @@ class SimConfig:
     turn_seconds: float = field(default_factory=_default_turn_seconds)
     conversations_per_owner: int = 1
     vnodes: int = DEFAULT_VNODES
-    min_spill_load: int = 0
+    min_spill_load: int = 0  # the ring's floor for BOUNDED (its default 0 is the paper's rule)
+    report_delay_s: float = 0.5  # engine residency reports reach the router this much later
     seed: int = 1
 
 
@@ -107,19 +126,24 @@ class Arrival:
 
 
 @dataclass(frozen=True)
-class Routing:
-    """Where each turn went (in arrival order), and what the load looked like."""
+class Outcome:
+    """One policy against one cache size: what hit, what moved, how balanced the load was."""
 
     spec: PolicySpec
-    replica_of_turn: tuple[int, ...]
-    spills: int
+    cache_tokens: int
+    hit_rate: float            # share of prompt tokens served from cache, shared system prompt
+    salted_hit_rate: float     # the same with the cache salted per owner from the first block
+    turns: int
+    spills: int                # turns sent away from the replica their prefix was on
+    placed: int                # turns with no prefix anywhere, placed by load (follow only)
     mean_max_over_avg: float   # max replica load / average, averaged over arrivals in steady state
     p99_max_over_avg: float
     peak_in_flight: int
+    replica_of_turn: tuple[int, ...]
 
     @property
     def spill_rate(self) -> float:
-        return self.spills / len(self.replica_of_turn) if self.replica_of_turn else 0.0
+        return self.spills / self.turns if self.turns else 0.0
 
 
 def arrivals(cfg: SimConfig) -> list[Arrival]:
@@ -138,55 +162,6 @@ def conversation_key(c: int) -> ConversationId:
     return ConversationId(f"conversation-{c:08d}")
 
 
-def route(spec: PolicySpec, cfg: SimConfig, schedule: Sequence[Arrival]) -> Routing:
-    """Sends every turn through the policy, holding each replica for `turn_seconds` per turn."""
-    n = cfg.replicas
-    ids = [ReplicaId(f"replica-{i}") for i in range(n)]
-    index = {rid: i for i, rid in enumerate(ids)}
-    ring = Ring([Replica(rid, "") for rid in ids], vnodes=cfg.vnodes, eps=spec.eps, lease_ttl_s=1e18,
-                min_spill_load=cfg.min_spill_load)
-    rng = random.Random(cfg.seed ^ 0x5EED)
-    in_flight = [0] * n
-    done: list[tuple[float, int, int, LeaseId | None]] = []  # (end time, seq, replica, lease)
-    chosen: list[int] = []
-    samples: list[tuple[float, int]] = []  # (average, max) load after each arrival
-    spills = peak = 0
-    for seq, a in enumerate(schedule):
-        while done and done[0][0] <= a.t:
-            _, _, r, lease = heapq.heappop(done)
-            in_flight[r] -= 1
-            if lease is not None:
-                ring.release(lease)
-        lease_id: LeaseId | None = None
-        match spec.policy:
-            case Policy.RANDOM:
-                r = rng.randrange(n)
-            case Policy.MODULO:
-                r = a.conversation % n
-            case Policy.CONSISTENT:
-                r = index[ring.home(conversation_key(a.conversation))]
-            case Policy.BOUNDED:
-                pick = ring.pick(conversation_key(a.conversation), a.t)
-                r, lease_id = index[pick.replica.id], pick.lease_id
-                spills += pick.outcome.spilled
-            case _:
-                typing.assert_never(spec.policy)
-        chosen.append(r)
-        in_flight[r] += 1
-        heapq.heappush(done, (a.t + cfg.turn_seconds, seq, r, lease_id))
-        total = sum(in_flight)
-        peak = max(peak, total)
-        samples.append((total / n, max(in_flight)))
-    top = max((avg for avg, _ in samples), default=0.0)
-    steady = sorted(m / avg for avg, m in samples if avg >= 0.5 * top)
-    return Routing(
-        spec, tuple(chosen), spills,
-        mean_max_over_avg=sum(steady) / len(steady) if steady else 0.0,
-        p99_max_over_avg=steady[min(len(steady) - 1, int(0.99 * len(steady)))] if steady else 0.0,
-        peak_in_flight=peak,
-    )
-
-
 class _ReplicaCache:
     """An LRU of conversation histories, by tokens; tracks which owners have a history here."""
 
@@ -203,75 +178,163 @@ class _ReplicaCache:
         self.entries.move_to_end(conversation)
         return length
 
-    def store(self, conversation: int, owner_of: list[int], length: int) -> None:
+    def store(self, conversation: int, owner_of: list[int], length: int) -> list[int]:
+        """Stores a history; returns the conversations evicted to make room."""
         old = self.entries.pop(conversation, None)
         if old is None:
             self.owners[owner_of[conversation]] += 1
         self.used += length - (old or 0)
         self.entries[conversation] = length
+        gone: list[int] = []
         while self.used > self.capacity and self.entries:
-            gone, tokens = self.entries.popitem(last=False)
+            evicted, tokens = self.entries.popitem(last=False)
             self.used -= tokens
-            self.owners[owner_of[gone]] -= 1
+            self.owners[owner_of[evicted]] -= 1
+            gone.append(evicted)
+        return gone
 
 
-def hit_rate(routing: Routing, cfg: SimConfig, schedule: Sequence[Arrival], cache_tokens: int,
-             salted: bool = False) -> float:
-    """Share of prompt tokens served from cache for one routing and one cache size per replica."""
-    caches = [_ReplicaCache(cache_tokens) for _ in range(cfg.replicas)]
+class _Router:
+    """The policy under test behind one `place(conversation, now) -> replica` call, plus report delivery."""
+
+    def __init__(self, spec: PolicySpec, cfg: SimConfig) -> None:
+        self.spec, self.n = spec, cfg.replicas
+        self.ids = [ReplicaId(f"replica-{i}") for i in range(cfg.replicas)]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        replicas = [Replica(rid, "") for rid in self.ids]
+        self.follow = follow.Follow(replicas, vnodes=cfg.vnodes, eps=spec.eps, lease_ttl_s=1e18,
+                                    min_spill_load=spec.floor, hold_tokens=spec.hold_tokens, overshoot=spec.overshoot)
+        self.ring = self.follow if spec.policy is Policy.FOLLOW else Ring(
+            replicas, vnodes=cfg.vnodes, eps=spec.eps, lease_ttl_s=1e18, min_spill_load=cfg.min_spill_load)
+        self.rng = random.Random(cfg.seed ^ 0x5EED)
+        self.spills = self.placed = 0
+
+    def place(self, c: int, now: float) -> tuple[int, LeaseId | None]:
+        match self.spec.policy:
+            case Policy.RANDOM:
+                return self.rng.randrange(self.n), None
+            case Policy.MODULO:
+                return c % self.n, None
+            case Policy.CONSISTENT:
+                return self.index[self.ring.home(conversation_key(c))], None
+            case Policy.BOUNDED:
+                pick = self.ring.pick(conversation_key(c), now)
+            case Policy.FOLLOW:
+                pick = self.follow.pick(conversation_key(c), now)
+            case _:
+                typing.assert_never(self.spec.policy)
+        self.spills += pick.outcome.spilled
+        self.placed += pick.outcome is PickOutcome.PLACED
+        return self.index[pick.replica.id], pick.lease_id
+
+    def report(self, replica: int, c: int, tokens: int) -> None:
+        if self.spec.policy is Policy.FOLLOW:
+            self.follow.placement.report(self.ids[replica], [(conversation_key(c), tokens)])
+
+
+def simulate(spec: PolicySpec, cfg: SimConfig, schedule: Sequence[Arrival], cache_tokens: int) -> Outcome:
+    """Every turn through the policy and the replicas' caches, in arrival order (see the module header)."""
+    n = cfg.replicas
+    router = _Router(spec, cfg)
+    caches = [_ReplicaCache(cache_tokens) for _ in range(n)]
     owner_of = [c // cfg.conversations_per_owner for c in range(cfg.conversations)]
     history = [cfg.system_tokens] * cfg.conversations
-    cached = total = 0
-    for a, r in zip(schedule, routing.replica_of_turn, strict=True):
-        cache, c = caches[r], a.conversation
+    in_flight = [0] * n
+    done: list[tuple[float, int, int, LeaseId | None]] = []  # (end time, seq, replica, lease)
+    reports: deque[tuple[float, int, int, int]] = deque()  # (due, replica, conversation, private tokens), in due order
+    chosen: list[int] = []
+    samples: list[tuple[float, int]] = []  # (average, max) load after each arrival
+    cached = salted = total = peak = 0
+    for seq, a in enumerate(schedule):
+        while done and done[0][0] <= a.t:
+            _, _, r, lease = heapq.heappop(done)
+            in_flight[r] -= 1
+            if lease is not None:
+                router.ring.release(lease)
+        while reports and reports[0][0] <= a.t:
+            _, r, c, tokens = reports.popleft()
+            router.report(r, c, tokens)
+        c = a.conversation
+        r, lease_id = router.place(c, a.t)
+        chosen.append(r)
+        in_flight[r] += 1
+        heapq.heappush(done, (a.t + cfg.turn_seconds, seq, r, lease_id))
+        load = sum(in_flight)
+        peak = max(peak, load)
+        samples.append((load / n, max(in_flight)))
+        cache = caches[r]
         prompt = history[c] + cfg.message_tokens
         own = cache.lookup(c)
-        if not salted or cache.owners[owner_of[c]] > 0:
-            own = max(own, cfg.system_tokens)  # the system prompt's blocks are warm here
-        cached += min(own, prompt)
         total += prompt
+        cached += min(max(own, cfg.system_tokens), prompt)  # the system prompt's blocks are warm everywhere
+        owner_here = own > 0 or cache.owners[owner_of[c]] > 0
+        salted += min(max(own, cfg.system_tokens if owner_here else 0), prompt)
         history[c] = prompt + cfg.reply_tokens
-        cache.store(c, owner_of, history[c])
-    return cached / total if total else 0.0
+        due = a.t + cfg.report_delay_s  # arrivals come in time order, so reports fall due in append order
+        reports.append((due, r, c, history[c] - cfg.system_tokens))
+        reports.extend((due, r, gone, 0) for gone in cache.store(c, owner_of, history[c]))
+    top = max((avg for avg, _ in samples), default=0.0)
+    steady = sorted(m / avg for avg, m in samples if avg >= 0.5 * top)
+    return Outcome(
+        spec, cache_tokens, cached / total if total else 0.0, salted / total if total else 0.0, len(schedule),
+        router.spills, router.placed,
+        mean_max_over_avg=sum(steady) / len(steady) if steady else 0.0,
+        p99_max_over_avg=steady[min(len(steady) - 1, int(0.99 * len(steady)))] if steady else 0.0,
+        peak_in_flight=peak, replica_of_turn=tuple(chosen))
+
+
+def default_specs(epsilons: Sequence[float] = DEFAULT_EPSILONS,
+                  follow_epsilons: Sequence[float] = DEFAULT_FOLLOW_EPSILONS) -> list[PolicySpec]:
+    return [PolicySpec(Policy.RANDOM), PolicySpec(Policy.MODULO), PolicySpec(Policy.CONSISTENT),
+            *(PolicySpec(Policy.BOUNDED, e) for e in epsilons),
+            *(PolicySpec(Policy.FOLLOW, e) for e in follow_epsilons)]
 
 
 @dataclass(frozen=True)
 class Report:
     cfg: SimConfig
     caches: tuple[int, ...]
-    routings: tuple[Routing, ...]
-    hits: dict[tuple[str, int], float]          # (policy label, cache) -> hit rate, shared system prompt
-    salted_hits: dict[tuple[str, int], float]   # the same with per-owner salting
+    specs: tuple[PolicySpec, ...]
+    outcomes: dict[tuple[str, int], Outcome]   # (policy label, cache) -> outcome
+
+    def outcome(self, label: str, cache: int) -> Outcome:
+        return self.outcomes[(label, cache)]
 
     def hit(self, label: str, cache: int, salted: bool = False) -> float:
-        return (self.salted_hits if salted else self.hits)[(label, cache)]
+        o = self.outcomes[(label, cache)]
+        return o.salted_hit_rate if salted else o.hit_rate
+
+    @property
+    def labels(self) -> list[str]:
+        return [s.label for s in self.specs]
 
 
 def run(cfg: SimConfig = SimConfig(), caches: Sequence[int] = REFERENCE_CACHES,
-        epsilons: Sequence[float] = DEFAULT_EPSILONS) -> Report:
+        specs: Sequence[PolicySpec] | None = None) -> Report:
     schedule = arrivals(cfg)
-    specs = [PolicySpec(Policy.RANDOM), PolicySpec(Policy.MODULO), PolicySpec(Policy.CONSISTENT),
-             *(PolicySpec(Policy.BOUNDED, e) for e in epsilons)]
-    routings = tuple(route(s, cfg, schedule) for s in specs)
-    hits, salted = {}, {}
-    for routing in routings:
-        for cap in caches:
-            hits[(routing.spec.label, cap)] = hit_rate(routing, cfg, schedule, cap)
-            salted[(routing.spec.label, cap)] = hit_rate(routing, cfg, schedule, cap, salted=True)
-    return Report(cfg, tuple(caches), routings, hits, salted)
+    specs = list(specs if specs is not None else default_specs())
+    outcomes = {(s.label, cap): simulate(s, cfg, schedule, cap) for s in specs for cap in caches}
+    return Report(cfg, tuple(caches), tuple(specs), outcomes)
 
 
 def _mtok(tokens: int) -> str:
     return f"{tokens / 1e6:g} M"
 
 
+def balance_cache(caches: Sequence[int]) -> int:
+    """The cache size the load table and the hit-vs-load chart are drawn at: 2 M tokens (the reference's working
+    set fits) when simulated, else the middle one."""
+    return 2_000_000 if 2_000_000 in caches else caches[len(caches) // 2]
+
+
 def render(report: Report) -> str:
     cfg, caches = report.cfg, report.caches
-    labels = [r.spec.label for r in report.routings]
+    labels = report.labels
     lines = [f"prefix-cache hit rate: {cfg.conversations:,} conversations x {cfg.turns} turns on "
              f"{cfg.replicas} replicas (seed {cfg.seed}); share of prompt tokens served from cache", ""]
-    if caches == REFERENCE_CACHES and cfg == SimConfig(seed=cfg.seed, turn_seconds=cfg.turn_seconds,
-                                                     vnodes=cfg.vnodes, min_spill_load=cfg.min_spill_load):
+    reference = SimConfig(seed=cfg.seed, turn_seconds=cfg.turn_seconds, vnodes=cfg.vnodes,
+                          min_spill_load=cfg.min_spill_load, report_delay_s=cfg.report_delay_s)
+    if caches == REFERENCE_CACHES and cfg == reference and {"random", "modulo"} <= set(labels):
         lines.append("the reference's table (its figures in brackets)")
         lines.append(f"  {'cache per replica':<20}{'random':>14}{'affinity (modulo)':>22}")
         for cap, ref_r, ref_a in zip(caches, REFERENCE_RANDOM, REFERENCE_AFFINITY, strict=True):
@@ -284,16 +347,20 @@ def render(report: Report) -> str:
     for cap in caches:
         lines.append(f"  {_mtok(cap):<8}" + "".join(f"{report.hit(x, cap):>{width}.1%}" for x in labels))
     lines.append("")
-    base = "consistent"
-    floor = f", spill floor {cfg.min_spill_load}" if cfg.min_spill_load else ""
-    lines.append(f"load and spill (a turn holds its replica {cfg.turn_seconds:.1f} s{floor}; hit cost against "
-                 f"'{base}' in percentage points per cache size)")
-    lines.append(f"  {'policy':<16}{'spill':>8}{'max/avg mean':>14}{'p99':>7}{'peak in flight':>16}   hit cost "
-                 + " / ".join(_mtok(c) for c in caches))
-    for r in report.routings:
-        cost = " / ".join(f"{100 * (report.hit(base, c) - report.hit(r.spec.label, c)):+.1f}" for c in caches)
-        lines.append(f"  {r.spec.label:<16}{r.spill_rate:>8.2%}{r.mean_max_over_avg:>14.2f}"
-                     f"{r.p99_max_over_avg:>7.2f}{r.peak_in_flight:>16,}   {cost}")
+    at = balance_cache(caches)
+    base = "consistent" if "consistent" in labels else labels[0]
+    floor = f", ring spill floor {cfg.min_spill_load}" if cfg.min_spill_load else ""
+    lines.append(f"load and spill at {_mtok(at)} tokens per replica (a turn holds its replica {cfg.turn_seconds:.1f} s"
+                 f"{floor}; engines report {cfg.report_delay_s:g} s late; hit cost against '{base}' in points)")
+    name = max(16, *(len(x) + 2 for x in labels))
+    lines.append(f"  {'policy':<{name}}{'hit':>8}{'cost':>7}{'spill':>8}{'placed':>8}{'max/avg mean':>14}{'p99':>7}"
+                 f"{'peak in flight':>16}")
+    for label in labels:
+        o = report.outcome(label, at)
+        placed = o.placed / o.turns if o.turns else 0.0
+        lines.append(f"  {label:<{name}}{o.hit_rate:>8.1%}{100 * (report.hit(base, at) - o.hit_rate):>+7.1f}"
+                     f"{o.spill_rate:>8.2%}{placed:>8.2%}{o.mean_max_over_avg:>14.2f}{o.p99_max_over_avg:>7.2f}"
+                     f"{o.peak_in_flight:>16,}")
     lines.append("")
     per_owner = cfg.conversations_per_owner
     lines.append(f"owner salting from the first block (no shared system prompt; {per_owner} conversation"
@@ -305,78 +372,104 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+_COLORS = {Policy.RANDOM: "#5f5e55", Policy.MODULO: "#141413", Policy.CONSISTENT: "#b0420c",
+           Policy.BOUNDED: "#2b6a24", Policy.FOLLOW: "#1f5fa8"}
+
+
 def plot(report: Report, folder: Path) -> list[Path]:
-    """PNG charts: hit rate by policy and cache size; the spill/balance trade-off of eps; salting cost."""
+    """PNG charts: hit rate by policy and cache size; hit rate against max/avg load for every policy; the
+    spill/balance trade-off of the ring's eps; salting cost."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    caches = report.caches
+    caches, specs, cfg = report.caches, report.specs, report.cfg
     xs = [c / 1e6 for c in caches]
+    at = balance_cache(caches)
+    scale = f"{cfg.conversations:,} conversations on {cfg.replicas} replicas"
     written: list[Path] = []
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in report.routings:
-        style = {Policy.RANDOM: "--", Policy.MODULO: ":"}.get(r.spec.policy, "-")
-        marker = {Policy.MODULO: "D", Policy.CONSISTENT: "s"}.get(r.spec.policy, "o")
-        ax.plot(xs, [100 * report.hit(r.spec.label, c) for c in caches], style, marker=marker,
-                label=r.spec.label, markerfacecolor="none" if r.spec.policy is Policy.MODULO else None)
-    if caches == REFERENCE_CACHES:
-        ax.scatter(xs, [100 * v for v in REFERENCE_AFFINITY], marker="x", s=80, color="black",
-                   label="reference affinity", zorder=5)
-        ax.scatter(xs, [100 * v for v in REFERENCE_RANDOM], marker="+", s=80, color="black",
-                   label="reference random", zorder=5)
-    ax.set_xscale("log")
-    ax.minorticks_off()
-    ax.set_xticks(xs, [f"{x:g} M" for x in xs])
-    ax.set_xlabel("prefix cache per replica (tokens)")
-    ax.set_ylabel("prompt tokens served from cache (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"Routing and cache size: {report.cfg.conversations:,} conversations on "
-                 f"{report.cfg.replicas} replicas")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    written.append(_save(fig, folder / "hit_rate_by_policy.png"))
+    if len(caches) > 1:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for spec in specs:
+            style = {Policy.RANDOM: "--", Policy.MODULO: ":"}.get(spec.policy, "-")
+            marker = {Policy.MODULO: "D", Policy.CONSISTENT: "s", Policy.FOLLOW: "^"}.get(spec.policy, "o")
+            ax.plot(xs, [100 * report.hit(spec.label, c) for c in caches], style, marker=marker, label=spec.label,
+                    markerfacecolor="none" if spec.policy is Policy.MODULO else None)
+        if caches == REFERENCE_CACHES:
+            ax.scatter(xs, [100 * v for v in REFERENCE_AFFINITY], marker="x", s=80, color="black",
+                       label="reference affinity", zorder=5)
+            ax.scatter(xs, [100 * v for v in REFERENCE_RANDOM], marker="+", s=80, color="black",
+                       label="reference random", zorder=5)
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(xs, [f"{x:g} M" for x in xs])
+        ax.set_xlabel("prefix cache per replica (tokens)")
+        ax.set_ylabel("prompt tokens served from cache (%)")
+        ax.set_ylim(0, 100)
+        ax.set_title(f"Routing and cache size: {scale}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        written.append(_save(fig, folder / "hit_rate_by_policy.png"))
 
-    bounded = [r for r in report.routings if r.spec.policy is Policy.BOUNDED]
-    if bounded:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    routed = [s for s in specs if s.policy is not Policy.RANDOM]
+    for ax, attr, title in ((left, "p99_max_over_avg", "p99"), (right, "mean_max_over_avg", "mean")):
+        for policy in (Policy.BOUNDED, Policy.FOLLOW):
+            line = sorted((getattr(report.outcome(s.label, at), attr), 100 * report.hit(s.label, at))
+                          for s in routed if s.policy is policy)
+            if len(line) > 1:
+                ax.plot(*zip(*line), "-", color=_COLORS[policy], alpha=0.4)
+        for spec in routed:
+            o = report.outcome(spec.label, at)
+            x, y = getattr(o, attr), 100 * o.hit_rate
+            ax.scatter([x], [y], color=_COLORS[spec.policy], marker="^" if spec.policy is Policy.FOLLOW else "o",
+                       s=45, zorder=3)
+            ax.annotate(spec.label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        ax.set_xlabel(f"max / average replica load ({title} over arrivals in steady state)")
+        ax.set_title(f"{title} max/avg load")
+        ax.grid(alpha=0.3)
+    left.set_ylabel(f"prompt tokens served from cache (%) at {_mtok(at)} tokens per replica")
+    fig.suptitle(f"Hit rate against balance, every policy: {scale} (up and left is better)")
+    fig.tight_layout()
+    written.append(_save(fig, folder / "hit_rate_vs_load.png"))
+
+    bounded = [s for s in specs if s.policy is Policy.BOUNDED]
+    if bounded and "consistent" in report.labels:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-        eps = [r.spec.eps for r in bounded]
-        left.plot(eps, [100 * r.spill_rate for r in bounded], marker="o", label="turns spilled (%)")
-        mid = caches[len(caches) // 2]
-        left.plot(eps, [100 * (report.hit("consistent", mid) - report.hit(r.spec.label, mid)) for r in bounded],
-                  marker="s", label=f"hit rate lost at {_mtok(mid)} (pp)")
+        eps = [s.eps for s in bounded]
+        left.plot(eps, [100 * report.outcome(s.label, at).spill_rate for s in bounded], marker="o",
+                  label="turns spilled (%)")
+        left.plot(eps, [100 * (report.hit("consistent", at) - report.hit(s.label, at)) for s in bounded],
+                  marker="s", label=f"hit rate lost at {_mtok(at)} (pp)")
         left.set_xscale("log")
         left.minorticks_off()
         left.set_xticks(eps, [f"{e:g}" for e in eps])
         left.set_xlabel("eps (bound = ceil((1+eps) x average load))")
-        left.set_title("What the bound costs")
+        left.set_title("What the ring's bound costs")
         left.grid(alpha=0.3)
         left.legend(fontsize=8)
-        others = [r for r in report.routings if r.spec.policy is not Policy.BOUNDED]
-        names = [r.spec.label for r in others] + [r.spec.label for r in bounded]
-        vals = [r.p99_max_over_avg for r in others] + [r.p99_max_over_avg for r in bounded]
-        right.bar(range(len(names)), vals, color=["#b0420c"] * len(others) + ["#2b6a24"] * len(bounded))
+        names = report.labels
+        right.bar(range(len(names)), [report.outcome(x, at).p99_max_over_avg for x in names],
+                  color=[_COLORS[s.policy] for s in specs])
         right.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         right.axhline(1.0, color="grey", linewidth=0.8)
         right.set_ylabel("max / average replica load (p99 over arrivals)")
-        right.set_title("What the bound buys")
+        right.set_title("What a bound buys")
         fig.tight_layout()
         written.append(_save(fig, folder / "bounded_load_tradeoff.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [r.spec.label for r in report.routings]
-    cap = caches[len(caches) // 2]
+    labels = report.labels
     pos = range(len(labels))
-    ax.bar([p - 0.2 for p in pos], [100 * report.hit(x, cap) for x in labels], 0.4, label="shared system prompt")
-    ax.bar([p + 0.2 for p in pos], [100 * report.hit(x, cap, True) for x in labels], 0.4,
+    ax.bar([p - 0.2 for p in pos], [100 * report.hit(x, at) for x in labels], 0.4, label="shared system prompt")
+    ax.bar([p + 0.2 for p in pos], [100 * report.hit(x, at, True) for x in labels], 0.4,
            label="salted per owner from block 0")
     ax.set_xticks(list(pos), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("prompt tokens served from cache (%)")
-    ax.set_ylim(0, 100)
-    ax.set_title(f"The cost of salting the system prompt per owner ({_mtok(cap)} tokens per replica)")
+    ax.set_title(f"The cost of salting the system prompt per owner ({_mtok(at)} tokens per replica)")
     ax.set_ylim(0, 115)
     ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()

@@ -12,6 +12,7 @@ class PickOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PICK_OUTCOME_UNSPECIFIED: _ClassVar[PickOutcome]
     PICK_OUTCOME_HOME: _ClassVar[PickOutcome]
     PICK_OUTCOME_SPILL: _ClassVar[PickOutcome]
+    PICK_OUTCOME_PLACED: _ClassVar[PickOutcome]
 
 class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PICK_OUTCOME_UNSPECIFIED: PickOutcome
 PICK_OUTCOME_HOME: PickOutcome
 PICK_OUTCOME_SPILL: PickOutcome
+PICK_OUTCOME_PLACED: PickOutcome
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_SERVING: ReplicaState
 REPLICA_STATE_NOT_SERVING: ReplicaState
@@ -72,7 +74,7 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason")
+    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason", "cached_conversations")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +82,7 @@ class ReplicaStatus(_message.Message):
     OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -87,4 +90,5 @@ class ReplicaStatus(_message.Message):
     open_leases: int
     load: int
     reason: str
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    cached_conversations: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ..., cached_conversations: _Optional[int] = ...) -> None: ...

@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class RouteServiceStub:
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     def __init__(self, channel):
@@ -54,8 +54,8 @@ class RouteServiceStub:
 
 
 class RouteServiceServicer:
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     def PickReplica(self, request, context):
@@ -106,8 +106,8 @@ def add_RouteServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RouteService:
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     @staticmethod

@@ -27,8 +27,8 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class RouteServiceStub:
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     @_typing.overload
@@ -44,8 +44,8 @@ class RouteServiceStub:
 
 @_typing.type_check_only
 class RouteServiceAsyncStub(RouteServiceStub):
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -57,8 +57,8 @@ class RouteServiceAsyncStub(RouteServiceStub):
     """Lists the configured replicas with their state and load."""
 
 class RouteServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Picks the engine replica for a turn: consistent hashing of the conversation id with bounded loads.
-    The router never sees prompt text.
+    """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
+    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
     """
 
     @_abc_1.abstractmethod
