@@ -98,7 +98,7 @@ def test_follow_learns_evictions_from_the_engines_reports() -> None:
     cap = 200_000  # ~54 average histories per replica for 200 conversations each
     told = simulate.simulate(PolicySpec(Policy.FOLLOW, 0.2), cfg, schedule, cap)
     deaf = simulate.simulate(PolicySpec(Policy.FOLLOW, 0.2), SimConfig(conversations=800, replicas=4,
-                                                                         report_delay_s=1e9), schedule, cap)
+                                                                         report_interval_s=1e9), schedule, cap)
     first_turns = cfg.conversations
     assert told.placed > 2 * first_turns and deaf.placed == first_turns
     assert told.hit_rate >= deaf.hit_rate - 0.002  # a lost prefix costs the same wherever the turn goes

@@ -125,6 +125,25 @@ async def test_two_owners_share_only_the_platform_prefix(backend: TritonBackend)
     assert other[0].cached_tokens == len(SYSTEM)  # another owner reuses the system prompt and nothing else
 
 
+async def test_residency_crosses_triton_to_the_adapter(backend: TritonBackend) -> None:
+    """The router's placement input from the engine inside Triton: the conversation's private blocks, then 0
+    once deleted, read with the residency command into the adapter's own journal."""
+    from dataclasses import replace
+
+    from chatmesh.engine_adapter.residency import FROM_START
+
+    conversation = ConversationId("0b6ee0a4-1f43-4a5e-9d1e-b0a0f5f0a001")
+    await collect(backend, replace(prompt(owner=b"dave", max_tokens=2), conversation_id=conversation))
+    await backend.refresh_residency()
+    first = backend.residency(FROM_START)
+    assert first is not None and first.full
+    assert dict(first.conversations)[conversation] == len(PRIVATE)  # 64 private tokens: 4 full blocks
+    assert await backend.evict_conversation(conversation) == 4
+    await backend.refresh_residency()
+    changed = backend.residency(first.version)
+    assert changed is not None and not changed.full and dict(changed.conversations) == {conversation: 0}
+
+
 async def test_evict_salt_drops_that_owners_blocks(backend: TritonBackend) -> None:
     if (await backend.refresh_stats()).device.total == 0:
         pytest.skip("the served sim engine has no KV cache yet (fixed-step sim)")

@@ -151,3 +151,36 @@ async def test_stats_come_from_iteration_stats_and_kv_events(fake_trtllm: list[F
     assert s.running_sequences == 2 and s.queue_depth == 1 and s.block_size == 32
     assert s.device_evictions == 3  # from the KV events: three blocks removed
     await backend.close()
+
+
+async def test_residency_comes_from_the_kv_events_of_its_generations(fake_trtllm: list[FakeLLM]) -> None:
+    import asyncio
+
+    from chatmesh.engine_adapter.residency import FROM_START
+    from chatmesh.mesh.ids import ConversationId
+
+    backend = TrtLlmBackend({**ARGS, "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 2}})
+    await backend.start()
+    llm = fake_trtllm[0]
+    llm.kv_events = []
+    llm.script = [step([7, 8], "ok"), step([7, 8, 9], " fine", "length")]
+    conversation = ConversationId("5f0c2a55-8d5c-4b8e-a0e9-9a6ff0f0c0de")
+    params = GenerateParams((1, 2, 3, 4, 5, 6), 3, conversation_id=conversation, platform_prefix_tokens=2)
+    events = [e async for e in backend.generate(params)]
+    assert isinstance(events[-1], Finished)
+
+    def block(h: int, tokens: list[int]) -> dict[str, Any]:
+        return {"type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens]}
+
+    # TensorRT-LLM stored the prompt's blocks and the one the reply filled: (1,2) is the platform prefix
+    llm.kv_events = [{"event_id": 3, "window_size": 64, "data": {"type": "stored", "parent_hash": None, "blocks": [
+        block(1, [1, 2]), block(2, [3, 4]), block(3, [5, 6])]}},
+        {"event_id": 4, "window_size": 64, "data": {"type": "stored", "parent_hash": 3, "blocks": [block(4, [7, 8])]}}]
+    for _ in range(300):  # the backend drains events once a second (STATS_POLL_S)
+        r = backend.residency(FROM_START)
+        if r is not None and r.conversations:
+            break
+        await asyncio.sleep(0.01)
+    assert r is not None and dict(r.conversations) == {conversation: 6}
+    await backend.close()

@@ -224,3 +224,15 @@ def test_started_and_the_first_delta_travel_as_one_response() -> None:
     assert wire.events_of(get) == [started, delta]
     assert wire.stats_of(get) == wire.Snapshot("e", 1, stats)
     assert wire.events_of(wire.getter(wire.event_tensors(delta))) == [delta]
+
+
+def test_residency_and_its_cursor_round_trip_through_tensors() -> None:
+    from chatmesh.engine_adapter.backend import Residency
+    from chatmesh.engine_adapter.residency import FROM_START
+    from chatmesh.mesh.ids import ConversationId
+
+    for cursor in (FROM_START, 0, 41):
+        assert wire.cursor_of(wire.getter(wire.command_tensors(wire.Command.RESIDENCY, cursor))) == cursor
+    r = Residency(7, True, ((ConversationId("c1"), 64), (ConversationId("c2"), 0)))
+    assert wire.residency_of(wire.getter(wire.residency_tensors("epoch-1", r))) == ("epoch-1", r)
+    assert wire.residency_of(wire.getter(wire.residency_tensors("epoch-1", None))) == ("epoch-1", None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.residency import ResidencyChanges
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.mesh.turn import Usage as Usage  # a generation's token counts: the value chat bills, the store sums
@@ -130,6 +131,11 @@ class Residency:
     version: int
     full: bool
     conversations: tuple[tuple[ConversationId, int], ...]
+
+    @classmethod
+    def of(cls, changes: ResidencyChanges) -> Residency:
+        """A journal's changes (residency.py) as this value."""
+        return cls(changes.version, changes.full, tuple((ConversationId(c), n) for c, n in changes.conversations))
 
 
 class Backend(Protocol):

@@ -221,8 +221,7 @@ class EngineCore:
             generations=c.generations)
 
     def residency(self, since: int) -> Residency:
-        r = self.blocks.residency.changes(since)
-        return Residency(r.version, r.full, tuple((ConversationId(c), n) for c, n in r.conversations))
+        return Residency.of(self.blocks.residency.changes(since))
 
     # ---- the step loop -------------------------------------------------------------------------------------
 

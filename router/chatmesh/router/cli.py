@@ -65,8 +65,16 @@ def register(sub: Any) -> None:
                    help="follow: turns in flight below which a replica never sends a turn away from its prefix")
     p.add_argument("--policies", default="random,modulo,consistent,bounded,follow",
                    help="which policy families to run, comma-separated")
-    p.add_argument("--report-delay-s", type=float, default=s.report_delay_s,
-                   help="how late engines' residency reports reach the router")
+    p.add_argument("--report-interval-s", type=float, default=s.report_interval_s,
+                   help="how often engines report residency (and load) to the router")
+    p.add_argument("--engine-load-reports", action="store_true",
+                   help="the router also counts the engines' reported in-flight turns (as the live router does)")
+    p.add_argument("--block-size", type=int, default=s.block_size,
+                   help="0: the reference's token model; N: the engines' accounting in blocks of N tokens")
+    p.add_argument("--system-tokens", type=int, default=s.system_tokens)
+    p.add_argument("--message-tokens", type=int, default=s.message_tokens)
+    p.add_argument("--reply-tokens", type=int, default=s.reply_tokens)
+    p.add_argument("--arrival-window-s", type=float, default=s.arrival_window_s)
     p.add_argument("--turn-gap-s", type=float, default=s.turn_gap_s, help="mean seconds between a user's turns")
     p.add_argument("--turn-seconds", type=float, default=s.turn_seconds,
                    help="seconds a turn holds its replica (default: reply tokens x the capacity plan's step)")
@@ -117,7 +125,9 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = simulate.SimConfig(
         conversations=args.conversations, turns=args.turns, replicas=args.replicas, turn_gap_s=args.turn_gap_s,
         turn_seconds=args.turn_seconds, conversations_per_owner=max(1, args.conversations_per_owner),
-        vnodes=args.vnodes, min_spill_load=args.min_spill_load, report_delay_s=args.report_delay_s,
+        vnodes=args.vnodes, min_spill_load=args.min_spill_load, report_interval_s=args.report_interval_s,
+        engine_load_reports=args.engine_load_reports, block_size=args.block_size, system_tokens=args.system_tokens,
+        message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, arrival_window_s=args.arrival_window_s,
         seed=args.seed)
     caches = [round(c * 1e6) for c in _floats(args.caches)]
     families = {x.strip() for x in args.policies.split(",") if x.strip()}

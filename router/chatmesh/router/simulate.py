@@ -21,9 +21,12 @@ The model. One pass over the turns in arrival order, every policy against the sa
    1,500-token system prompt and grows by message + 400-token reply per turn. The replica serves from its
    cache the longest prefix it holds for that conversation (a stale entry left by a moved turn still covers
    the older part) and stores the new history; least recently used histories are evicted past the capacity.
-   Each store and eviction is reported to the router `report_delay_s` later (the stats stream's interval) as
-   the conversation's private tokens on that replica (history minus the system prompt; 0 when evicted), which
-   is what `follow` places turns by; the ring policies ignore reports. The shared system prompt is always warm
+   Every `report_interval_s` (the stats stream's interval) the engines report what changed since their last
+   report: each stored conversation's private tokens on that replica (history minus the system prompt; 0 when
+   evicted), which is what `follow` places turns by (the ring policies ignore it), and, with
+   `engine_load_reports`, their in-flight turns, which the router adds to its leases as the live one does.
+   `block_size` > 0 switches to the engines' accounting (block_manager.py): whole blocks only, the last prompt
+   token always computed, the system prompt's blocks stored once per replica rather than in every history. The shared system prompt is always warm
    (the reference's assumption), unless owners are *salted*: an engine that salts the cache from the first
    block (TensorRT-LLM's `cache_salt`) cannot share the system prompt across owners, so a turn gets it only if
    the same owner has a history on that replica (salting changes hits, not what is stored, so the same pass
@@ -114,7 +117,9 @@ class SimConfig:
     conversations_per_owner: int = 1
     vnodes: int = DEFAULT_VNODES
     min_spill_load: int = 0  # the ring's floor for BOUNDED (its default 0 is the paper's rule)
-    report_delay_s: float = 0.5  # engine residency reports reach the router this much later
+    report_interval_s: float = 0.5  # engines report residency (and load) every this often: the stats interval
+    engine_load_reports: bool = False  # the router also counts each engine's reported in-flight turns (as live)
+    block_size: int = 0  # 0: the reference's token model; else the engines' whole-block accounting
     seed: int = 1
 
 
@@ -231,29 +236,71 @@ class _Router:
         if self.spec.policy is Policy.FOLLOW:
             self.follow.placement.report(self.ids[replica], [(conversation_key(c), tokens)])
 
+    def engine_load(self, in_flight: Sequence[int]) -> None:
+        for rid, load in zip(self.ids, in_flight, strict=True):
+            self.ring.set_engine_load(rid, load)
+
+
+class _Engines:
+    """The replicas' caches and what a turn finds in them: the reference's token model (`block_size` 0), or the
+    engines' own (block_manager.py): whole blocks only, the last token always computed, the platform prefix's
+    blocks shared once per replica instead of counted in every history."""
+
+    def __init__(self, cfg: SimConfig, cache_tokens: int) -> None:
+        self.cfg, bs = cfg, cfg.block_size
+        self.shared = (cfg.system_tokens // bs) * bs if bs else cfg.system_tokens
+        room = cache_tokens - self.shared if bs else cache_tokens
+        self.caches = [_ReplicaCache(room) for _ in range(cfg.replicas)]
+        self.owner_of = [c // cfg.conversations_per_owner for c in range(cfg.conversations)]
+
+    def turn(self, r: int, c: int, prompt: int, history_after: int) -> tuple[int, int, int, list[int]]:
+        """One turn of conversation c on replica r: (cached tokens, cached if salted from block 0, the private
+        tokens it leaves cached there, the conversations evicted to make room)."""
+        bs, cache, shared = self.cfg.block_size, self.caches[r], self.shared
+        own = cache.lookup(c)
+        owner_here = own > 0 or cache.owners[self.owner_of[c]] > 0
+        if bs:
+            usable = ((prompt - 1) // bs) * bs  # the last prompt token is always computed
+            own = own + shared if own else 0
+            stored = ((history_after - 1) // bs) * bs - shared  # KV of all but the last sampled token, full blocks
+        else:
+            usable, stored = prompt, history_after
+        hit = min(max(own, shared), usable)  # the shared system prompt's blocks are warm everywhere
+        salted = min(max(own, shared if owner_here else 0), usable)
+        gone = cache.store(c, self.owner_of, stored)
+        return hit, salted, stored if bs else stored - shared, gone
+
 
 def simulate(spec: PolicySpec, cfg: SimConfig, schedule: Sequence[Arrival], cache_tokens: int) -> Outcome:
     """Every turn through the policy and the replicas' caches, in arrival order (see the module header)."""
     n = cfg.replicas
     router = _Router(spec, cfg)
-    caches = [_ReplicaCache(cache_tokens) for _ in range(n)]
-    owner_of = [c // cfg.conversations_per_owner for c in range(cfg.conversations)]
+    engines = _Engines(cfg, cache_tokens)
     history = [cfg.system_tokens] * cfg.conversations
     in_flight = [0] * n
     done: list[tuple[float, int, int, LeaseId | None]] = []  # (end time, seq, replica, lease)
-    reports: deque[tuple[float, int, int, int]] = deque()  # (due, replica, conversation, private tokens), in due order
+    pending: deque[tuple[int, int, int]] = deque()  # residency changes since the last report: (replica, conv, tokens)
+    next_report = cfg.report_interval_s
     chosen: list[int] = []
     samples: list[tuple[float, int]] = []  # (average, max) load after each arrival
     cached = salted = total = peak = 0
-    for seq, a in enumerate(schedule):
-        while done and done[0][0] <= a.t:
+
+    def finish_until(t: float) -> None:
+        while done and done[0][0] <= t:
             _, _, r, lease = heapq.heappop(done)
             in_flight[r] -= 1
             if lease is not None:
                 router.ring.release(lease)
-        while reports and reports[0][0] <= a.t:
-            _, r, c, tokens = reports.popleft()
-            router.report(r, c, tokens)
+
+    for seq, a in enumerate(schedule):
+        while next_report <= a.t:  # the engines report every interval: what changed, and their load
+            finish_until(next_report)
+            while pending:
+                router.report(*pending.popleft())
+            if cfg.engine_load_reports:
+                router.engine_load(in_flight)
+            next_report += cfg.report_interval_s
+        finish_until(a.t)
         c = a.conversation
         r, lease_id = router.place(c, a.t)
         chosen.append(r)
@@ -262,17 +309,14 @@ def simulate(spec: PolicySpec, cfg: SimConfig, schedule: Sequence[Arrival], cach
         load = sum(in_flight)
         peak = max(peak, load)
         samples.append((load / n, max(in_flight)))
-        cache = caches[r]
         prompt = history[c] + cfg.message_tokens
-        own = cache.lookup(c)
-        total += prompt
-        cached += min(max(own, cfg.system_tokens), prompt)  # the system prompt's blocks are warm everywhere
-        owner_here = own > 0 or cache.owners[owner_of[c]] > 0
-        salted += min(max(own, cfg.system_tokens if owner_here else 0), prompt)
         history[c] = prompt + cfg.reply_tokens
-        due = a.t + cfg.report_delay_s  # arrivals come in time order, so reports fall due in append order
-        reports.append((due, r, c, history[c] - cfg.system_tokens))
-        reports.extend((due, r, gone, 0) for gone in cache.store(c, owner_of, history[c]))
+        hit, hit_salted, private, gone = engines.turn(r, c, prompt, history[c])
+        total += prompt
+        cached += hit
+        salted += hit_salted
+        pending.append((r, c, private))
+        pending.extend((r, g, 0) for g in gone)
     top = max((avg for avg, _ in samples), default=0.0)
     steady = sorted(m / avg for avg, m in samples if avg >= 0.5 * top)
     return Outcome(
@@ -333,7 +377,7 @@ def render(report: Report) -> str:
     lines = [f"prefix-cache hit rate: {cfg.conversations:,} conversations x {cfg.turns} turns on "
              f"{cfg.replicas} replicas (seed {cfg.seed}); share of prompt tokens served from cache", ""]
     reference = SimConfig(seed=cfg.seed, turn_seconds=cfg.turn_seconds, vnodes=cfg.vnodes,
-                          min_spill_load=cfg.min_spill_load, report_delay_s=cfg.report_delay_s)
+                          min_spill_load=cfg.min_spill_load, report_interval_s=cfg.report_interval_s)
     if caches == REFERENCE_CACHES and cfg == reference and {"random", "modulo"} <= set(labels):
         lines.append("the reference's table (its figures in brackets)")
         lines.append(f"  {'cache per replica':<20}{'random':>14}{'affinity (modulo)':>22}")
@@ -351,7 +395,7 @@ def render(report: Report) -> str:
     base = "consistent" if "consistent" in labels else labels[0]
     floor = f", ring spill floor {cfg.min_spill_load}" if cfg.min_spill_load else ""
     lines.append(f"load and spill at {_mtok(at)} tokens per replica (a turn holds its replica {cfg.turn_seconds:.1f} s"
-                 f"{floor}; engines report {cfg.report_delay_s:g} s late; hit cost against '{base}' in points)")
+                 f"{floor}; engines report every {cfg.report_interval_s:g} s; hit cost against '{base}' in points)")
     name = max(16, *(len(x) + 2 for x in labels))
     lines.append(f"  {'policy':<{name}}{'hit':>8}{'cost':>7}{'spill':>8}{'placed':>8}{'max/avg mean':>14}{'p99':>7}"
                  f"{'peak in flight':>16}")

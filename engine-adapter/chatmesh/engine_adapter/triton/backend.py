@@ -20,7 +20,11 @@ Stats and readiness: a poller asks the model for its EngineStats every `stats_in
 Finished carries a fresh snapshot too, and a cancel triggers re-reads 50, 200 and 700 ms later (the model frees
 the sequence within one cancel check, 50 ms by default). Snapshots are versioned, so a late one never overwrites a newer one.
 Readiness is Triton's ModelReady for the model, refreshed by the same poller. The served model's identity
-(`model`) is the one the model on Triton reports with its statistics: its own engine's profile.
+(`model`) is the one the model on Triton reports with its statistics: its own engine's profile. Residency (which
+conversations' prefixes the model's engine caches, for the router) is read by the same poller with the
+`residency` command and a cursor, into a local journal that this backend's own watchers read (`residency`); a
+model that restarted (a new epoch) is read again from a full listing. A model whose engine cannot tell says so,
+and so does this.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from chatmesh.engine_adapter.backend import (
     Usage,
 )
 from chatmesh.engine_adapter import settings as engine_settings
+from chatmesh.engine_adapter.residency import FROM_START, ResidencyJournal
 from chatmesh.engine_adapter.triton import settings, wire
 from chatmesh.engine_adapter.triton.launcher import TritonServer
 from chatmesh.engine_adapter.triton.render import Deployment, render
@@ -106,6 +111,10 @@ class TritonBackend:
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
         self._poller: asyncio.Task[None] | None = None
+        self._residency = ResidencyJournal()  # the model's residency, mirrored
+        self._residency_cursor = FROM_START
+        self._residency_epoch = ""
+        self._residency_supported = True
 
     @property
     def model(self) -> ModelIdentity:
@@ -171,6 +180,7 @@ class TritonBackend:
                     log.info("triton_backend_ready", address=self.address, model=self.options.model)
                 with contextlib.suppress(Unavailable):
                     await self.refresh_stats()
+                    await self.refresh_residency()
 
     # ---- generation ------------------------------------------------------------------------------------------
 
@@ -256,7 +266,7 @@ class TritonBackend:
             else:
                 call.cancel()  # the caller left early: Triton cancels the request, the model aborts it
 
-    async def _command(self, command: wire.Command, argument: bytes | str = b"") -> wire.Getter:
+    async def _command(self, command: wire.Command, argument: bytes | str | int = b"") -> wire.Getter:
         try:
             async with contextlib.aclosing(self._stream(wire.command_tensors(command, argument))) as responses:
                 async for get in responses:
@@ -276,6 +286,31 @@ class TritonBackend:
         self._take(wire.stats_of(await self._command(wire.Command.STATS)))
         return self._stats
 
+    async def refresh_residency(self) -> None:
+        """Reads what changed in the model's residency since the last read into the local journal."""
+        if not self._residency_supported:
+            return
+        epoch, r = wire.residency_of(await self._command(wire.Command.RESIDENCY, self._residency_cursor))
+        if r is None:
+            self._residency_supported = False
+            return
+        if epoch != self._residency_epoch and self._residency_cursor != FROM_START:
+            self._residency_epoch, self._residency_cursor = epoch, FROM_START  # the model restarted: list anew
+            return await self.refresh_residency()
+        self._residency_epoch, self._residency_cursor = epoch, r.version
+        listed = dict(r.conversations)
+        if r.full:
+            for conversation in self._residency.held():
+                if conversation not in listed:
+                    self._residency.set(conversation, 0)
+        for conversation, tokens in listed.items():
+            self._residency.set(conversation, tokens)
+
+    def residency(self, since: int) -> Residency | None:
+        if not self._residency_supported:
+            return None
+        return Residency.of(self._residency.changes(since))
+
     def _refresh_soon(self) -> None:
         async def refresh() -> None:
             for delay in CANCEL_REFRESH_S:
@@ -286,9 +321,6 @@ class TritonBackend:
         task = asyncio.get_running_loop().create_task(refresh())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    def residency(self, since: int) -> Residency | None:
-        return None  # not reported through Triton yet: the router places this replica's turns by its own picks
 
     def stats(self) -> EngineStats:
         return self._stats

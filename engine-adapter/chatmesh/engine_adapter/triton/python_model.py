@@ -221,6 +221,10 @@ class ChatmeshModel:
                         salt = wire.bytes_of(get, "cache_salt")
                         send(wire.evicted_tensors(await self.backend.evict_salt(salt)), final=True)
                         return
+                    case wire.Command.RESIDENCY:
+                        residency = self.backend.residency(wire.cursor_of(get))
+                        send(wire.residency_tensors(self._epoch, residency), final=True)
+                        return
                     case _:
                         assert_never(command)
             except CoreError as err:

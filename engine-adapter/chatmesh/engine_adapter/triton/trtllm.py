@@ -12,7 +12,9 @@ the LLM's keyword arguments verbatim, `kv_cache_config` becoming a `KvCacheConfi
     tokens_per_block, dtype (fp8 KV)
 
 and `enable_chunked_prefill`, `max_batch_size`, `max_num_tokens`, `max_seq_len`, `enable_iter_perf_stats` (the
-iteration stats this backend reads KV occupancy from). A `chatmesh` section carries our own knobs.
+iteration stats this backend reads KV occupancy from). A `chatmesh` section carries our own knobs. The KV event
+stream (`get_kv_cache_events_async`) gives evictions and, mapped to conversations by kv_events.py, the residency
+the router places turns by.
 
 The salt: `generate_async(..., cache_salt=...)` salts the KV block hashes from the FIRST block, so two owners never
 share a block, the system prompt included; chatmesh's own block manager salts only after the platform prefix.
@@ -41,6 +43,7 @@ from chatmesh.engine_adapter.backend import (
     TierStats,
     Usage,
 )
+from chatmesh.engine_adapter.triton.kv_events import KvEventMap
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId
 from chatmesh.model.profile import ModelIdentity
@@ -75,6 +78,7 @@ class TrtLlmBackend:
         self._generations = 0
         self._hit_tokens = 0
         self._miss_tokens = 0
+        self.kv_map = KvEventMap(self.block_size)  # residency from the KV event stream (kv_events.py)
 
     @classmethod
     def from_file(cls, path: str) -> TrtLlmBackend:
@@ -119,6 +123,9 @@ class TrtLlmBackend:
         self._generations += 1
         output = self._llm.generate_async(list(params.prompt_token_ids), sampling_params=sampling, streaming=True,
                                           cache_salt=salt)
+        key = object()  # this generation, in the KV event map's index
+        if params.conversation_id is not None:
+            self.kv_map.started(key, params.conversation_id, params.prompt_token_ids, params.platform_prefix_tokens)
         finished = False
         started = False
         sent = 0
@@ -134,6 +141,7 @@ class TrtLlmBackend:
                     yield Started(cached_tokens=cached, host_cached_tokens=0)
                 new = tuple(completion.token_ids[sent:])
                 sent = len(completion.token_ids)
+                self.kv_map.extended(key, new)
                 if result.finished:
                     finished = True
                     reason = _REASONS.get(str(completion.finish_reason), FinishReason.ERROR)
@@ -168,12 +176,16 @@ class TrtLlmBackend:
             await asyncio.sleep(STATS_POLL_S)
 
     async def _drain_kv_events(self) -> None:
-        """KV events (KvCacheConfig.event_buffer_max_size): blocks `removed` from the device pool are evictions."""
+        """KV events (KvCacheConfig.event_buffer_max_size): blocks `removed` from the device pool are evictions;
+        stored and removed blocks also give the residency the router places turns by (kv_events.py)."""
         while True:
             async for event in self._llm.get_kv_cache_events_async(timeout=STATS_POLL_S):
+                event = json.loads(event) if isinstance(event, str) else event
                 data = event.get("data", event) if isinstance(event, dict) else {}
                 if data.get("type") == "removed":
                     self._device_evictions += len(data.get("block_hashes", ()))
+                if isinstance(event, dict):
+                    self.kv_map.apply([event])
             await asyncio.sleep(STATS_POLL_S)
 
     async def evict_conversation(self, conversation_id: ConversationId) -> int:
@@ -185,7 +197,7 @@ class TrtLlmBackend:
         return 0
 
     def residency(self, since: int) -> Residency | None:
-        return None  # not reported through Triton yet: the router places this replica's turns by its own picks
+        return Residency.of(self.kv_map.journal.changes(since))
 
     def stats(self) -> EngineStats:
         kv = self._iteration.get("kvCacheStats", {})

@@ -1,6 +1,6 @@
 """The tensors between the `triton` backend and chatmesh's Triton model (`chatmesh_llm`), both directions.
 
-One Triton request is one generation, or one control command (stats, evict). The model is decoupled: a
+One Triton request is one generation, or one control command (stats, evict, residency). The model is decoupled: a
 generation answers with a stream of responses, each naming its kind in the `event` output:
 
     started   cached_prompt_tokens, host_cached_prompt_tokens, stats_json
@@ -10,9 +10,12 @@ generation answers with a stream of responses, each naming its kind in the `even
     error     error_kind, error_message   (the request was refused before it started: bad argument, queue full)
     stats     stats_json
     evicted   blocks_evicted
+    residency text: JSON {"epoch", "version", "full", "conversations": [[id, cached tokens], ...]}, or
+              {"epoch", "supported": false} when the model's engine cannot tell which conversations it holds
 
 Inputs (every one optional in config.pbtxt; the model validates through `GenerateParams`):
-    command                 BYTES [1]   generate (default), stats, evict_conversation, evict_salt
+    command                 BYTES [1]   generate (default), stats, evict_conversation, evict_salt, residency
+                                        (residency: `seed` carries the client's cursor + 1, 0 for a full listing)
     prompt_token_ids        INT32 [-1]  the prompt, token ids of the served model's tokenizer
     max_tokens              INT32 [1]
     temperature, top_p      FP32 [1]    0 temperature is greedy; 0 top_p means 1
@@ -43,13 +46,15 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    Residency,
     Started,
     TierStats,
     Usage,
 )
 from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.residency import FROM_START
 from chatmesh.mesh.errors import CoreError, InvalidArgument, ResourceExhausted
-from chatmesh.mesh.ids import parse_conversation_id, parse_turn_id
+from chatmesh.mesh.ids import ConversationId, parse_conversation_id, parse_turn_id
 from chatmesh.model.profile import ModelIdentity
 
 Array = npt.NDArray[np.generic]
@@ -63,6 +68,7 @@ class Command(enum.Enum):
     STATS = "stats"
     EVICT_CONVERSATION = "evict_conversation"
     EVICT_SALT = "evict_salt"
+    RESIDENCY = "residency"
 
 
 class WireEvent(enum.Enum):
@@ -73,6 +79,7 @@ class WireEvent(enum.Enum):
     ERROR = "error"
     STATS = "stats"
     EVICTED = "evicted"
+    RESIDENCY = "residency"
 
 
 class ErrorKind(enum.Enum):
@@ -159,18 +166,28 @@ def _float(get: Getter, name: str, default: float = 0.0) -> float:
 
 # ---- requests -------------------------------------------------------------------------------------------------
 
-def command_tensors(command: Command, argument: bytes | str = b"") -> dict[str, Array]:
+def command_tensors(command: Command, argument: bytes | str | int = b"") -> dict[str, Array]:
     out = {"command": _bytes(command.value)}
     match command:
         case Command.GENERATE | Command.STATS:
             pass
         case Command.EVICT_CONVERSATION:
+            assert not isinstance(argument, int)
             out["conversation_id"] = _bytes(argument)
         case Command.EVICT_SALT:
+            assert not isinstance(argument, int)
             out["cache_salt"] = _bytes(argument)
+        case Command.RESIDENCY:
+            assert isinstance(argument, int) and argument >= FROM_START
+            out["seed"] = np.array([argument + 1], dtype=np.uint64)
         case _:
             raise AssertionError(command)
     return out
+
+
+def cursor_of(get: Getter) -> int:
+    """The residency cursor a `residency` command carries."""
+    return _int(get, "seed") - 1
 
 
 def request_tensors(params: GenerateParams) -> dict[str, Array]:
@@ -316,6 +333,22 @@ def evicted_tensors(blocks: int) -> dict[str, Array]:
     return {"event": _bytes(WireEvent.EVICTED.value), "blocks_evicted": np.array([blocks], dtype=np.int64)}
 
 
+def residency_tensors(epoch: str, r: Residency | None) -> dict[str, Array]:
+    body: dict[str, object] = {"epoch": epoch, "supported": False} if r is None else {
+        "epoch": epoch, "version": r.version, "full": r.full, "conversations": [list(c) for c in r.conversations]}
+    return {"event": _bytes(WireEvent.RESIDENCY.value), "text": _bytes(json.dumps(body, separators=(",", ":")))}
+
+
+def residency_of(get: Getter) -> tuple[str, Residency | None]:
+    """The model instance's epoch and its residency changes (None: its engine cannot tell)."""
+    body = json.loads(text_of(get, "text") or "{}")
+    epoch = str(body.get("epoch", ""))
+    if not body.get("supported", True):
+        return epoch, None
+    return epoch, Residency(int(body["version"]), bool(body["full"]),
+                            tuple((ConversationId(str(c)), int(n)) for c, n in body["conversations"]))
+
+
 def kind_of(get: Getter) -> WireEvent:
     return WireEvent(text_of(get, "event"))
 
@@ -337,7 +370,7 @@ def event_of(get: Getter) -> GenerateEvent:
                                         cached_prompt_tokens=_int(get, "cached_prompt_tokens"),
                                         output_tokens=_int(get, "output_tokens")),
                             error=text_of(get, "error_message"))
-        case WireEvent.FIRST | WireEvent.ERROR | WireEvent.STATS | WireEvent.EVICTED:
+        case WireEvent.FIRST | WireEvent.ERROR | WireEvent.STATS | WireEvent.EVICTED | WireEvent.RESIDENCY:
             raise ValueError(f"a {kind.value} response is not one generation event")
         case _:
             raise AssertionError(kind)
