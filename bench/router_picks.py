@@ -313,7 +313,8 @@ def main() -> int:
     router_address, bare_address, sync_address = (f"127.0.0.1:{free_port()}" for _ in range(3))
     env = {**os.environ, "CHATMESH_REPLICAS": ",".join(f"engine-{i}=127.0.0.1:{50054 + 10 * i}"
                                                         for i in range(REPLICAS)),
-           "CHATMESH_ROUTER_HEALTH": "false", "CHATMESH_LOG_LEVEL": "warning"}
+           "CHATMESH_ROUTER_HEALTH": "false", "CHATMESH_LOG_LEVEL": "warning",
+           "CHATMESH_MESH_PLAINTEXT": "true"}  # loopback, like the bare servers it is compared with
     router, pinned = start_server([sys.executable, "-m", "chatmesh.mesh.cli", "serve", "router", "--listen",
                                    router_address], env)
     bare, _ = start_server([sys.executable, "-m", "bench.router_picks", "--bare-server", bare_address], env)

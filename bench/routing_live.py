@@ -53,6 +53,7 @@ from pathlib import Path
 
 import grpc
 
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.up import replicas_serving
 from chatmesh.router import follow, simulate
 from chatmesh.router.simulate import Policy, PolicySpec, SimConfig
@@ -108,6 +109,7 @@ class Processes:
     def start(self, name: str, service: str, address: str, env: dict[str, str]) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
         full = {**os.environ, "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_ROUTER_METRICS_PORT": "0",
+                "CHATMESH_MESH_PLAINTEXT": "true",  # loopback only
                 "CHATMESH_ENGINE_METRICS_PORT": "0", **env}
         self.procs.append(subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", service,
                                             "--listen", address], env=full, stdout=log, stderr=subprocess.STDOUT,
@@ -138,7 +140,7 @@ async def engine_counters(addresses: dict[str, str]) -> dict[str, tuple[int, int
 
 def wait_serving(router: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not replicas_serving(router):
+    while not replicas_serving(Trust.insecure(), router):
         if time.monotonic() > deadline:
             raise RuntimeError("the router never saw every engine serving")
         time.sleep(0.2)
