@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import itertools
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -107,7 +106,7 @@ def core(seconds: float, in_flight: int, release: bool, policy: str = "ring") ->
     window: list[LeaseId] = [pick(c, time.monotonic()).lease_id for c in CONVERSATIONS[-in_flight:]]
     # follow: 7 of 8 picks go to conversations it has placed before, 1 in 8 to one it has never seen
     known = CONVERSATIONS[:len(CONVERSATIONS) * 7 // 8]
-    fresh = iter(ConversationId(f"new-{i}") for i in itertools.count())
+    fresh = iter([ConversationId(str(uuid.uuid4())) for _ in range(200_000)] if kv is not None else [])
     if kv is not None:
         for c in known:
             free(pick(c, time.monotonic()).lease_id)

@@ -42,18 +42,23 @@ between hit rate and max/avg load is plotted):
   3,000-token prompt: a conversation past its third turn may stay home one over, past its fifth two over).
   0 disables the overshoot.
 - `overshoot` = 0.15: the cap C is (1 + eps + overshoot) x the average.
-- `floor` = 16 (CHATMESH_ROUTER_MIN_SPILL_LOAD): no turn leaves its prefix for a replica running fewer than 16
-  sequences (an engine batches hundreds): at low traffic turns stay home, the bound acts when load is real.
+- `floor` = 16 (CHATMESH_ROUTER_MIN_SPILL_LOAD): a replica running fewer than 16 sequences never sends a turn
+  away from its prefix (an engine batches hundreds): at low traffic turns stay home, the bound acts when load is
+  real (the bound is at least the floor).
 - `max_conversations` = 262,144 placement entries (least recently picked dropped first: a dropped conversation
   is treated as new). 13 reference fleets' worth of open conversations; ~100 MB.
-What it achieves (reference setup: 4,000 conversations x 8 turns, 8 replicas, 2 M tokens each): hit rate about
-0.7 point under unbounded consistent hashing (95.3%) at a p99 max/avg load of 1.30 instead of 1.69, and about
-3.5 points over the ring's bound at eps 0.25 at the same balance; figures at 8/16/64 replicas in BENCHMARKS.md.
+What it achieves (`chatmesh simulate`, the reference's setup: 4,000 conversations x 8 turns, 8 replicas, 2 M
+tokens each): 94.5% of prompt tokens cached at a p99 max/avg load of 1.30, where unbounded consistent hashing
+gets 95.3% at 1.69 and the ring's bound at eps 0.25 91.1% at 1.31; 94.3% at 1.32 and 1.35 on 16 and 64 replicas
+at the same density. What it does not: 95% at a p99 of 1.25. A replica's turns in flight are a Poisson count,
+so holding the busiest to 1.25x the average moves every turn that arrives while it is full (Erlang's loss
+formula: 2-5% of turns at 20-37 in flight), and a moved turn loses its history; BENCHMARKS.md has the curve.
 
-Cost. The usual pick (home known and under the bound) is one dict lookup more than ring.py's: the walk (one
-blake2b and a bisect, cached per ring index), the home, one comparison; placing or moving a turn scans the
-serving replicas once. A report costs O(conversations in it); the table keeps, per conversation, a small dict
-of replicas, and per replica the set of its conversations (for full listings and removal).
+Cost. The usual pick (home known and under the bound) hashes nothing: a dict lookup of the home, one
+comparison, a move to the end of the placement's LRU, the lease. Placing or moving a turn walks the ring as
+ring.py does (one blake2b, a bisect, a cached walk) and scans the serving replicas once. A report costs
+O(conversations in it). The table keeps, per conversation, a small dict of replicas and, per replica, the set of
+its conversations (for full listings and removal).
 """
 
 from __future__ import annotations
@@ -251,21 +256,20 @@ class Follow(Ring):
         walk order (the home skipped: it was over its allowance, down or excluded); none under the bound: the
         least-loaded usable replica, the home included."""
         serving, load = self._serving, self._load
-        held = self._held.get(conversation) or {}
-        best: ReplicaId | None = None
-        best_key = (1, 0)
-        fallback: ReplicaId | None = None
+        held = self._held.get(conversation)
+        best = fallback = None
+        best_tokens = best_load = fallback_load = 0
         for rid in self.walk(conversation):
             if rid not in serving or rid in exclude:
                 continue
             lr = load[rid]
-            if fallback is None or lr < load[fallback]:
-                fallback = rid
+            if fallback is None or lr < fallback_load:
+                fallback, fallback_load = rid, lr
             if rid == home or lr >= bound:
                 continue
-            key = (-held.get(rid, 0), lr)
-            if best is None or key < best_key:
-                best, best_key = rid, key
+            tokens = held.get(rid, 0) if held else 0
+            if best is None or tokens > best_tokens or (tokens == best_tokens and lr < best_load):
+                best, best_tokens, best_load = rid, tokens, lr
         if best is not None:
             return best
         if fallback is None:
