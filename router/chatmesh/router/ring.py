@@ -42,6 +42,9 @@ Parameters and defaults:
 - `lease_ttl_s` = 120 s: longer than a normal turn (400 tokens at ~79 tokens/s is ~5 s); a longer turn's
   load is still covered by the engine's own report after its lease lapses.
 
+follow.py (the router's default policy, CHATMESH_ROUTER_POLICY=follow) builds on this ring: the same membership,
+loads, leases and walk order, with a pick that goes where the conversation's prefix is cached.
+
 The core does no I/O and reads no clock: callers pass `now` (any monotonic seconds, never going back),
 which keeps it deterministic for tests and lets the simulator drive it with simulated time.
 
