@@ -159,7 +159,8 @@ async def test_residency_comes_from_the_kv_events_of_its_generations(fake_trtllm
     from chatmesh.engine_adapter.residency import FROM_START
     from chatmesh.mesh.ids import ConversationId
 
-    backend = TrtLlmBackend({**ARGS, "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 2}})
+    backend = TrtLlmBackend({**ARGS, "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 2}},
+                            end_ids=frozenset({7}))
     await backend.start()
     llm = fake_trtllm[0]
     llm.kv_events = []
