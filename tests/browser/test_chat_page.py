@@ -85,3 +85,48 @@ def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
             assert gone.status == 404
         finally:
             browser.close()
+
+
+@pytest.fixture(scope="module")
+def quick_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
+    from tests.e2e.conftest import start_mesh
+
+    mesh = start_mesh(tmp_path_factory.mktemp("browser-quick"), CHATMESH_MAX_REPLY_TOKENS="24")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.timeout(180)
+def test_each_reply_shows_its_ttft_prompt_and_cached_tokens_and_replica(quick_mesh: Mesh) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(quick_mesh.gateway_url)
+            expect(page.locator("#whoami")).to_contain_text("signed in as")
+            figures = page.locator(".turn-figures")
+            for n, text in enumerate(["What is a prefix cache?", "And why does the second turn hit it?"], 1):
+                page.fill("#input", text)
+                page.click("#send")
+                expect(figures).to_have_count(n)
+                expect(page.locator("#send")).to_be_enabled()
+            first, second = figures.nth(0), figures.nth(1)
+            prompt = [int(f.get_attribute("data-prompt-tokens") or 0) for f in (first, second)]
+            cached = [int(f.get_attribute("data-cached-tokens") or 0) for f in (first, second)]
+            # the second turn's prompt starts with the whole first turn, which the engine still holds
+            assert prompt[1] > prompt[0] > 0
+            assert cached[1] > cached[0] and cached[1] >= prompt[0] // 2
+            assert float(second.get_attribute("data-ttft-ms") or "nan") > 0
+            assert second.get_attribute("data-replica") == "engine-0"
+            expect(second).to_contain_text(f"{prompt[1]} prompt tokens, {cached[1]} from cache")
+            expect(second).to_contain_text("TTFT ")
+            expect(second).to_contain_text("engine-0")
+        finally:
+            browser.close()
