@@ -35,4 +35,8 @@ def test_serve_names_the_settings_it_was_given_and_never_read(tmp_path: Path) ->
         proc.wait(10)
     assert found, log.read_text()
     assert found[0]["names"] == ["CHATMESH_KEY_PEPPER", "CHATMESH_ROUTER_EPSILON", "CHATMESH_STORE_DATABASE_URL"]
+    assert found[0]["unknown"] == ["CHATMESH_ROUTER_EPSILON", "CHATMESH_STORE_DATABASE_URL"]
+    assert found[0]["level"] == "warning"
+    read = [e for e in map(json.loads, filter(None, log.read_text().splitlines())) if e.get("event") == "settings_read"]
+    assert "CHATMESH_ROUTER_HEALTH" in read[0]["names"] and "CHATMESH_ROUTER_EPSILON" not in read[0]["names"]
     assert "0.3" not in log.read_text() and "x" * 32 not in log.read_text()  # names only, never values

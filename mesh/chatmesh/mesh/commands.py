@@ -78,11 +78,19 @@ async def _run(module: Any, cfg: Config, listen: str, trust: Trust, metrics_port
 
 
 def report_unread(cfg: Config) -> None:
-    """Once a service is up (every start-up read done): warns of CHATMESH_* variables it was given and never read,
-    a misspelled, stale or another service's setting (names only, never values)."""
+    """Once a service is up (every start-up read done): logs the settings it read (`settings_read`, names only)
+    and warns of CHATMESH_* variables it was given and never read (`settings_unread`): a misspelled, stale or
+    another service's setting. Names only, never values."""
+    log = logs.get("chatmesh.serve")
+    log.info("settings_read", names=sorted(config.read_so_far()))
     names = cfg.unread()
-    if names:
-        logs.get("chatmesh.serve").warning("settings_unread", names=names)
+    if not names:
+        return
+    known = {s.env for s in config.all_settings()}
+    unknown = [n for n in names if n not in known]
+    # a name no service declares is a mistake; another service's setting (chatmesh up hands every process the
+    # whole mesh's environment) is only noted
+    (log.warning if unknown else log.info)("settings_unread", names=names, unknown=unknown)
 
 
 README_START = "<!-- settings-table:start -->"

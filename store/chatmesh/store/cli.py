@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.mesh import config, logs
 from chatmesh.mesh import settings as mesh_settings
+from chatmesh.mesh.commands import report_unread
 from chatmesh.mesh.config import Config
 from chatmesh.store import migrate, settings
 from chatmesh.store.core import ConversationStore, FieldLimits
@@ -37,7 +38,9 @@ def _store(args: argparse.Namespace) -> int:
     if args.action == "downgrade" and not args.revision:
         print("chatmesh store downgrade needs --revision (e.g. base)")
         return 2
-    return asyncio.run(_run(cfg, args.action, args.revision))
+    code = asyncio.run(_run(cfg, args.action, args.revision))
+    report_unread(cfg)  # names only: what a Job's environment gave this command and it never read
+    return code
 
 
 async def _run(cfg: Config, action: str, revision: str | None) -> int:
