@@ -231,15 +231,55 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _step(address: str, i: int) -> str:
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + 10 * i}"
+
+
+def scaled(cfg: Config, engines: int, chats: int) -> tuple[dict[str, str], list[Extra]]:
+    """More engine replicas and chat processes on one host: replica i (engine-i) and chat process i listen ten
+    ports above the previous one (engines 50054, 50064, ...; chats 50051, 50061, ...). Returns the settings every
+    process gets (the router's CHATMESH_REPLICAS, the gateway's CHATMESH_CHAT_ADDRESSES) and the extra processes."""
+    if engines < 1 or chats < 1:
+        raise MeshError("--engines and --chats must be at least 1")
+    env: dict[str, str] = {}
+    extra: list[Extra] = []
+    if engines > 1:
+        replicas = next(s for s in config.all_settings() if s.env == "CHATMESH_REPLICAS")  # the router's setting
+        if cfg[replicas]:
+            raise MeshError("--engines replaces CHATMESH_REPLICAS; set one or the other")
+        addresses = [_step(cfg[settings.ENGINE_ADDRESS], i) for i in range(engines)]
+        env[replicas.env] = ",".join(f"engine-{i}={a}" for i, a in enumerate(addresses))
+        extra += [Extra(f"engine-{i}", "engine", a, {"CHATMESH_REPLICA_ID": f"engine-{i}"})
+                  for i, a in enumerate(addresses) if i]
+    if chats > 1:
+        addresses = [_step(cfg[settings.CHAT_ADDRESS], i) for i in range(chats)]
+        env["CHATMESH_CHAT_ADDRESSES"] = ",".join(addresses)
+        extra += [Extra(f"chat-{i}", "chat", a, {"CHATMESH_CHAT_INSTANCE_ID": f"chat-{i}"})
+                  for i, a in enumerate(addresses) if i]
+    return env, extra
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("up", help="run every service on loopback with the embedded defaults")
+    p.add_argument("--engines", type=int, default=1, metavar="N",
+                   help="engine replicas (engine-0 .. engine-N-1, ports ten apart from CHATMESH_ENGINE_ADDRESS): "
+                        "watch conversation affinity and spill with `chatmesh status --watch`")
+    p.add_argument("--chats", type=int, default=1, metavar="N",
+                   help="chat processes (ports ten apart from CHATMESH_CHAT_ADDRESS); the gateway spreads turns "
+                        "over them (CHATMESH_CHAT_ADDRESSES)")
     config.add_flags(p)
     p.set_defaults(handler=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     cfg = Config(flags=config.flags_of(args))
-    env = cfg.as_env(config.all_settings())
+    try:
+        more_env, extra = scaled(cfg, args.engines, args.chats)
+    except MeshError as err:
+        print(f"chatmesh: {err}", file=sys.stderr)
+        return 2
+    env = {**cfg.as_env(config.all_settings()), **more_env}
     mesh = Mesh(env=env, log_dir=Path(cfg[settings.DATA_DIR]) / "logs")
     stopping = False
 
@@ -252,7 +292,8 @@ def _up(args: argparse.Namespace) -> int:
     print("chatmesh: starting store, moderation, engine, router, chat, gateway "
           f"(logs in {mesh.log_dir})", file=sys.stderr)
     try:
-        mesh.start(on_ready=lambda name, where: print(f"  {name:<10} ready at {where}", file=sys.stderr))
+        mesh.start(on_ready=lambda name, where: print(f"  {name:<10} ready at {where}", file=sys.stderr),
+                   extra=extra)
     except MeshError as err:
         print(f"chatmesh: {err}", file=sys.stderr)
         return 1
@@ -271,6 +312,10 @@ At a glance: chatmesh status [--watch]; a Prometheus config scraping these: chat
 how many of its prompt tokens came from the engine's cache: the second turn of a conversation hits it.
 
 Press Ctrl-C to stop.""", flush=True)
+    if extra:
+        print(f"{args.engines} engine replicas, {args.chats} chat processes: `chatmesh status --watch` shows each "
+              "replica's load and picks; a conversation's turns stay on one replica (its prefix is cached there) "
+              "until that replica is over the load bound, then they spill.", flush=True)
     while not stopping:
         dead = mesh.dead()
         if dead:
