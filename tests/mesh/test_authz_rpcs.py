@@ -31,7 +31,8 @@ CLIENT = ident.client("dev")
 EXPECTED: dict[str, dict[str, set[Identity]]] = {
     "chatmesh.v1.ChatService": {**{rpc: {GATEWAY, CLIENT} for rpc in (
         "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
-        "DeleteConversation", "GetUsage", "ExportUserData")}, "StopTurn": {GATEWAY, CLIENT, CHAT}},
+        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn")},
+        "StopTurn": {GATEWAY, CLIENT, CHAT}},
     "chatmesh.v1.StoreService": {**{rpc: {CHAT} for rpc in (
         "InsertConversation", "ReadConversation", "BeginTurn", "FinishTurn", "FailTurn", "UpdateTurnProgress",
         "ReadTurn", "SaveSummary", "ListOwnerConversations", "DeleteStoredConversation", "DeleteStoredTurn",
