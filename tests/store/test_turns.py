@@ -150,6 +150,34 @@ async def test_regenerate_supersedes_earlier_reply(store: ConversationStore) -> 
     assert day.turns == 3
 
 
+async def test_concurrent_regenerates_of_one_reply_leave_one_current(store: ConversationStore) -> None:
+    """Regenerates of the same reply finishing at once: each is stored once, at its own index, and every
+    earlier reply is superseded, whichever order they commit in (each finish must see the others' replies)."""
+    conv = await conversation(store)
+    first = new_turn()
+    c = await claim(store, conv, first)
+    assert isinstance(c, Claimed)
+    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("original"))
+    regens = [new_turn() for _ in range(6)]
+    claims = [await store.begin_turn(OWNER, conv, t, content="", lease_holder="c", regenerates=first)
+              for t in regens]
+    leases = [r.lease_id for r in claims if isinstance(r, Claimed)]
+    assert len(leases) == len(regens)
+    finished = await asyncio.gather(*[store.finish_turn(OWNER, conv, t, lease, reply(f"again {i}"))
+                                      for i, (t, lease) in enumerate(zip(regens, leases))])
+    assert not any(f.already_finished for f in finished)
+    messages = (await store.read_conversation(OWNER, conv)).messages
+    assert [m.index for m in messages] == list(range(8))
+    assert sorted(f.reply.index for f in finished) == list(range(2, 8))
+    assert [m.superseded for m in messages[1:]] == [True] * 6 + [False]
+    for t, f in zip(regens, finished):
+        record = await store.read_turn(OWNER, conv, t)
+        assert record.state is TurnRecordState.STORED and record.reply is not None
+        assert (record.reply.index, record.reply.content) == (f.reply.index, f.reply.content)
+    [day] = await store.usage(OWNER)
+    assert day.turns == 7
+
+
 async def test_regenerate_needs_a_stored_turn(store: ConversationStore) -> None:
     conv = await conversation(store)
     pending = new_turn()

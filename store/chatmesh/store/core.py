@@ -4,14 +4,23 @@ The turn record is the idempotency key of invariant I2, one row per (owner, conv
 durable projection of the turn state machine (`chatmesh.mesh.turn`: its header shows the record's moves beside
 chat's states; `require_record_move` guards them here).
 
-BeginTurn answers exactly one of Claimed / InProgress / Done / Conflicted, atomically on both backends:
-an `INSERT .. SELECT .. ON CONFLICT DO NOTHING RETURNING` creates the record only if the conversation
-exists for this owner and the turn id is new; otherwise the row is read, and a failed or expired claim is
-taken over by a compare-and-swap `UPDATE .. WHERE state = :seen AND lease_id = :seen_lease`, which exactly
-one racer wins (PostgreSQL re-checks the WHERE on the locked row; SQLite runs writes under BEGIN IMMEDIATE).
-FinishTurn locks the turn row, checks the lease, appends the messages (the conversation row hands out
-message indexes), marks the turn final and adds the usage, all in one transaction; a second finish reads
-the final state and says `already_finished`.
+Each turn operation has one implementation per backend. Creating a turn record and storing a turn are the
+hot path's (`chatmesh.store.hot`: one round trip, SQL written per backend); the rest of the turn's life is
+one SQLAlchemy statement here that both backends run as it is:
+
+- BeginTurn answers exactly one of Claimed / InProgress / Done / Conflicted, atomically on both backends:
+  the hot path's `INSERT .. SELECT .. ON CONFLICT DO NOTHING RETURNING` creates the record only if the
+  conversation exists for this owner and the turn id is new (a regenerate's, once the turn it regenerates is
+  checked here); otherwise the row is read here, and a failed or expired claim is taken over by a
+  compare-and-swap `UPDATE .. WHERE state = :seen AND lease_id = :seen_lease`, which exactly one racer wins
+  (PostgreSQL re-checks the WHERE on the locked row; SQLite runs writes under BEGIN IMMEDIATE).
+- UpdateTurnProgress (the heartbeat) and FailTurn are each one `UPDATE .. WHERE lease_id = :held AND state
+  IN (received, running)`.
+- FinishTurn is the hot path's guarded store of the messages, the final state and the usage (one
+  statement on PostgreSQL, one transaction on SQLite; the conversation row hands out message indexes). When
+  its guard does not match nothing is written and the record is read here to say why: a second finish
+  finds the final state and says `already_finished`; another lease, a stale regenerate or a missing row
+  is an error; a record that no longer stands in the way (a racing write moved on) is tried again.
 
 Partitioning: every statement on an owner table filters on `owner_id` (tests record the SQL to prove it),
 except the retention purge's candidate scan, which by nature looks across owners and then deletes owner by
@@ -30,8 +39,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, Table, and_, bindparam, delete, false, insert, select, update
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy import ColumnElement, Row, Table, and_, bindparam, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -39,7 +47,7 @@ from chatmesh.mesh import logs
 from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId, new_conversation_id, new_lease_id
 from chatmesh.mesh.turn import RECORD_ACTIVE, RECORD_FINAL, require_record_move
-from chatmesh.store.db import autocommit, hot_path, is_sqlite
+from chatmesh.store.db import autocommit, hot_path
 from chatmesh.store.hot import FinishValues, NewTurn
 from chatmesh.store.schema import Base, ConversationRow, MessageRow, TurnRow, UsageRow
 from chatmesh.store.values import (
@@ -57,64 +65,16 @@ TURN = Base.metadata.tables[TurnRow.__tablename__]
 USAGE = Base.metadata.tables[UsageRow.__tablename__]
 
 
-# --- the hot path's statements, built once: constructing a statement costs more CPU than running it ---
+# --- statements used per turn, built once: constructing a statement costs more CPU than running it ---
 
 def _key(table: Table) -> ColumnElement[bool]:
     return and_(table.c.owner_id == bindparam("owner"), table.c.conversation_id == bindparam("conversation"))
 
 
-CLAIM_COLUMNS = ("turn_id", "fingerprint", "state", "content", "lease_id", "lease_holder", "lease_expires_at_ms",
-                 "regenerates_turn_id", "user_index", "partial_text", "event_sequence", "prompt_tokens",
-                 "cached_prompt_tokens", "output_tokens", "created_at_ms", "updated_at_ms")
 CONVERSATION_ROW = select(CONV).where(_key(CONV))
-# Writers that touch a conversation's turn or messages lock its row first (this order, everywhere, so a finish
-# and a delete cannot deadlock). NO KEY: claims' foreign-key checks (KEY SHARE) do not wait on it.
-CONVERSATION_LOCK = select(CONV.c.message_count).where(_key(CONV)).with_for_update(key_share=True)  # FOR NO KEY UPDATE
 TURN_ROW = select(TURN).where(_key(TURN), TURN.c.turn_id == bindparam("turn"))
-TURN_FOR_FINISH = (select(TURN.c.state, TURN.c.lease_id, TURN.c.content, TURN.c.regenerates_turn_id,
-                          TURN.c.user_index, TURN.c.reply_index)
-                   .where(_key(TURN), TURN.c.turn_id == bindparam("turn")).with_for_update())
-MESSAGES_FROM = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
-                 .order_by(MSG.c.message_index))
-CONTEXT_MESSAGES = (select(MSG).where(_key(MSG), MSG.c.message_index > bindparam("after_index"))
-                    .order_by(MSG.c.message_index.desc()).limit(bindparam("limit")))
-NEWEST_MESSAGES = (select(MSG).where(_key(MSG), MSG.c.message_index >= bindparam("from_index"))
-                   .order_by(MSG.c.message_index.desc()).limit(bindparam("limit")))
 MESSAGE_AT = select(MSG).where(_key(MSG), MSG.c.message_index == bindparam("index"))
-ADVANCE_CONVERSATION = (update(CONV).where(_key(CONV))
-                        .values(message_count=CONV.c.message_count + bindparam("added"),
-                                updated_at_ms=bindparam("now"))
-                        .returning(CONV.c.message_count))
 INSERT_MESSAGES = insert(MSG)
-STORE_TURN = (update(TURN).where(_key(TURN), TURN.c.turn_id == bindparam("turn"))
-              .values(state=bindparam("to_state"), content=None, partial_text="",
-                      user_index=bindparam("to_user_index"), reply_index=bindparam("to_reply_index"),
-                      prompt_tokens=bindparam("to_prompt_tokens"),
-                      cached_prompt_tokens=bindparam("to_cached_prompt_tokens"),
-                      output_tokens=bindparam("to_output_tokens"), updated_at_ms=bindparam("now")))
-
-
-def _claim_statement(upsert: Any) -> Any:
-    """INSERT INTO turns SELECT <owner, conversation, values> FROM conversations WHERE <owner's conversation>
-    ON CONFLICT DO NOTHING RETURNING turn_id: a new claim exactly when the conversation is the owner's and
-    the turn id is new."""
-    source = select(CONV.c.owner_id, CONV.c.conversation_id,
-                    *[bindparam(f"v_{k}", type_=TURN.c[k].type) for k in CLAIM_COLUMNS]).where(_key(CONV))
-    return (upsert(TURN).from_select(["owner_id", "conversation_id", *CLAIM_COLUMNS], source)
-            .on_conflict_do_nothing(index_elements=["owner_id", "conversation_id", "turn_id"])
-            .returning(TURN.c.turn_id))
-
-
-def _usage_statement(upsert: Any) -> Any:
-    stmt = upsert(USAGE).values(owner_id=bindparam("owner"), day=bindparam("day"),
-                                prompt_tokens=bindparam("add_prompt_tokens"),
-                                cached_prompt_tokens=bindparam("add_cached_prompt_tokens"),
-                                output_tokens=bindparam("add_output_tokens"), turns=1)
-    return stmt.on_conflict_do_update(index_elements=["owner_id", "day"], set_=dict(
-        prompt_tokens=USAGE.c.prompt_tokens + stmt.excluded.prompt_tokens,
-        cached_prompt_tokens=USAGE.c.cached_prompt_tokens + stmt.excluded.cached_prompt_tokens,
-        output_tokens=USAGE.c.output_tokens + stmt.excluded.output_tokens,
-        turns=USAGE.c.turns + stmt.excluded.turns))
 
 Clock = Callable[[], int]
 DAY_MS = 86_400_000
@@ -155,16 +115,14 @@ class FieldLimits:
 
 
 class ConversationStore:
-    """Async store core over one SQLAlchemy engine (SQLite or PostgreSQL; same statements)."""
+    """Async store core over one SQLAlchemy engine (SQLite or PostgreSQL): SQLAlchemy Core statements that both
+    backends run as they are, and the hot path (`self.hot`) for the turn cycle's claim, read and finish."""
 
     def __init__(self, engine: AsyncEngine, limits: FieldLimits = FieldLimits(), clock: Clock = wall_clock_ms):
         self.engine = engine
         self.limits = limits
         self._clock = clock
-        upsert = sqlite.insert if is_sqlite(engine) else postgresql.insert
-        self._claim = _claim_statement(upsert)
-        self._add_usage_stmt = _usage_statement(upsert)
-        self.hot = hot_path(engine)  # the turn cycle's common case, one round trip per call
+        self.hot = hot_path(engine)  # the turn cycle's writes and reads, one round trip per call
 
     async def close(self) -> None:
         """Closes what the store opened itself (SQLite's hot-path connections); the engine is the caller's."""
@@ -328,22 +286,9 @@ class ConversationStore:
             raise InvalidArgument("regenerates_turn_id must differ from turn_id")
         ttl = self._ttl(lease_ttl_ms)
         fingerprint = fingerprint or default_fingerprint(content, regenerates)
-        insert = True
-        if regenerates is None:  # the common case: a new turn id, claimed in one round trip
-            now = self._clock()
-            new = NewTurn(turn, fingerprint, content, new_lease_id(), lease_holder, now + ttl, now)
-            claimed, prompt_context = await self.hot.claim(owner, conversation, new, context_messages)
-            if claimed:
-                log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
-                return Claimed(new.lease, new.lease_expires_at_ms, prompt_context)
-            insert = False  # known turn id (or no such conversation): the general path reads the record
         for _ in range(CLAIM_ATTEMPTS):
-            try:
-                outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint,
-                                                 ttl, regenerates, context_messages, insert)
-                insert = True
-            except IntegrityError:  # the conversation was deleted under us
-                raise NotFound(f"conversation {conversation} not found") from None
+            outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint, ttl,
+                                             regenerates, context_messages)
             if outcome is not None:
                 if isinstance(outcome, Claimed):
                     log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
@@ -352,21 +297,20 @@ class ConversationStore:
 
     async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
                           lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None,
-                          context_messages: int, insert: bool = True) -> Claim | None:
+                          context_messages: int) -> Claim | None:
+        """A new record through the hot path (one round trip, the common case), else the record read and, when
+        its claim failed or expired, taken over. None: another racer moved the record on; look again."""
         now = self._clock()
-        lease, expires = new_lease_id(), now + ttl
-        async with self._single() as conn:
-            user_index = None
-            if regenerates is not None:
+        user_index = None
+        if regenerates is not None:
+            async with self._single() as conn:
                 user_index = await self._regenerated_user_index(conn, owner, conversation, regenerates)
-            values: dict[str, Any] = dict(
-                turn_id=turn, fingerprint=fingerprint, state=TurnRecordState.RECEIVED.value, content=content,
-                lease_id=lease, lease_holder=lease_holder, lease_expires_at_ms=expires,
-                regenerates_turn_id=regenerates, user_index=user_index, partial_text="", event_sequence=0,
-                prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, created_at_ms=now, updated_at_ms=now)
-            params = {"owner": owner, "conversation": conversation} | {f"v_{k}": v for k, v in values.items()}
-            if insert and (await conn.execute(self._claim, params)).first() is not None:
-                return Claimed(lease, expires, await self._context(conn, owner, conversation, context_messages))
+        new = NewTurn(turn, fingerprint, content, new_lease_id(), lease_holder, now + ttl, now, regenerates,
+                      user_index)
+        claimed, prompt_context = await self.hot.claim(owner, conversation, new, context_messages)
+        if claimed:
+            return Claimed(new.lease, new.lease_expires_at_ms, prompt_context)
+        async with self._single() as conn:
             row = (await conn.execute(TURN_ROW, {"owner": owner, "conversation": conversation,
                                                  "turn": turn})).first()
             if row is None:
@@ -383,25 +327,24 @@ class ConversationStore:
             taken = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation, TURN.c.turn_id == turn,
                                 TURN.c.state == row.state, seen_lease)
-                .values(state=TurnRecordState.RECEIVED.value, content=content, lease_id=lease, lease_holder=lease_holder,
-                        lease_expires_at_ms=expires, partial_text="", event_sequence=0, updated_at_ms=now)
+                .values(state=TurnRecordState.RECEIVED.value, content=content, lease_id=new.lease,
+                        lease_holder=lease_holder, lease_expires_at_ms=new.lease_expires_at_ms, partial_text="",
+                        event_sequence=0, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
-            if taken is not None:
-                log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
-                         previous_state=state.value)
-                return Claimed(lease, expires, await self._context(conn, owner, conversation, context_messages))
-        return None  # another racer took it between our read and our update: look again
+        if taken is None:
+            return None  # another racer took it between our read and our update: look again
+        log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
+                 previous_state=state.value)
+        return Claimed(new.lease, new.lease_expires_at_ms, await self._context(owner, conversation,
+                                                                                context_messages))
 
-    async def _context(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
-                       limit: int) -> History | None:
+    async def _context(self, owner: OwnerId, conversation: ConversationId, limit: int) -> History | None:
         if not limit:
             return None
-        row = await self._conversation_row(conn, owner, conversation)
-        rows = list((await conn.execute(CONTEXT_MESSAGES, {
-            "owner": owner, "conversation": conversation, "after_index": row.summary_covers_through,
-            "limit": limit})).all())
-        rows.reverse()
-        return History(_conversation(row), [_message(r) for r in rows], _summary(row))
+        history = await self.hot.read(owner, conversation, None, limit)
+        if history is None:
+            raise NotFound(f"conversation {conversation} not found")
+        return history
 
     async def _regenerated_user_index(self, conn: AsyncConnection, owner: OwnerId, conversation: ConversationId,
                                       regenerates: TurnId) -> int:
@@ -436,21 +379,31 @@ class ConversationStore:
         now = self._clock()
         target = TurnRecordState.STOPPED if reply.status is MessageStatus.STOPPED else TurnRecordState.STORED
         usage = reply.usage
-        user_index = await self.hot.finish(owner, conversation, turn, lease, FinishValues(
-            target.value, reply.user_token_count, reply.user_status.value, reply.text, reply.token_count,
-            reply.status.value, usage.prompt_tokens, usage.cached_prompt_tokens, usage.output_tokens, now,
-            utc_day(now)))
-        if user_index is not None:  # the common case, stored in one statement
-            log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn, state=target.value,
-                     output_tokens=usage.output_tokens)
-            return Finished(False, Message(user_index + 1, Role.ASSISTANT, reply.text, reply.token_count,
-                                           reply.status, turn, now))
-        # Already finished, another lease, a regenerate, or unknown: the general path finds out which.
-        async with self._write() as conn:
+        values = FinishValues(target.value, reply.user_token_count, reply.user_status.value, reply.text,
+                              reply.token_count, reply.status.value, usage.prompt_tokens, usage.cached_prompt_tokens,
+                              usage.output_tokens, now, utc_day(now))
+        for _ in range(CLAIM_ATTEMPTS):
+            reply_index = await self.hot.finish(owner, conversation, turn, lease, values)
+            if reply_index is not None:
+                log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn,
+                         state=target.value, output_tokens=usage.output_tokens)
+                return Finished(False, Message(reply_index, Role.ASSISTANT, reply.text, reply.token_count,
+                                               reply.status, turn, now))
+            finished = await self._finish_refused(owner, conversation, turn, lease, target)
+            if finished is not None:
+                return finished
+        raise Unavailable(f"turn {turn}: finish contended {CLAIM_ATTEMPTS} times; retry")
+
+    async def _finish_refused(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
+                              target: TurnRecordState) -> Finished | None:
+        """Why the hot path's finish wrote nothing: the stored reply when the turn is already final (a second
+        finish), an error when the lease is not held, the regenerate is stale or a row is gone, or None when
+        nothing stands in the way any more (a racing write moved on; the finish is tried again)."""
+        async with self._single() as conn:
             key = {"owner": owner, "conversation": conversation}
-            if (await conn.execute(CONVERSATION_LOCK, key)).first() is None:  # lock order: conversation, turn
+            if (await conn.execute(CONVERSATION_ROW, key)).first() is None:
                 raise NotFound(f"conversation {conversation} not found")
-            row = (await conn.execute(TURN_FOR_FINISH, key | {"turn": turn})).first()
+            row = (await conn.execute(TURN_ROW, key | {"turn": turn})).first()
             if row is None:
                 raise NotFound(f"turn {turn} not found")
             state = TurnRecordState(row.state)
@@ -462,33 +415,7 @@ class ConversationStore:
             require_record_move(turn, state, target)
             if row.regenerates_turn_id is not None:
                 await self._require_last_exchange(conn, owner, conversation, row.user_index)
-            added = 1 if row.regenerates_turn_id is not None else 2
-            end = (await conn.execute(ADVANCE_CONVERSATION, key | {"added": added, "now": now})).scalar_one_or_none()
-            if end is None:
-                raise NotFound(f"conversation {conversation} not found")
-            stored = Message(end - 1, Role.ASSISTANT, reply.text, reply.token_count, reply.status, turn, now)
-            rows = [_message_values(owner, conversation, stored)]
-            if row.regenerates_turn_id is None:
-                user_index = end - 2
-                rows.insert(0, _message_values(owner, conversation, Message(
-                    user_index, Role.USER, row.content or "", reply.user_token_count, reply.user_status, turn, now)))
-            else:
-                user_index = row.user_index
-                await conn.execute(update(MSG).where(
-                    MSG.c.owner_id == owner, MSG.c.conversation_id == conversation, MSG.c.message_index > user_index,
-                    MSG.c.role == Role.ASSISTANT.value, MSG.c.superseded == false()).values(superseded=True))
-            await conn.execute(INSERT_MESSAGES, rows)  # executemany: cached, unlike a multi-VALUES insert
-            usage = reply.usage
-            await conn.execute(STORE_TURN, key | {
-                "turn": turn, "to_state": target.value, "to_user_index": user_index, "to_reply_index": end - 1,
-                "to_prompt_tokens": usage.prompt_tokens, "to_cached_prompt_tokens": usage.cached_prompt_tokens,
-                "to_output_tokens": usage.output_tokens, "now": now})
-            await conn.execute(self._add_usage_stmt, {
-                "owner": owner, "day": utc_day(now), "add_prompt_tokens": usage.prompt_tokens,
-                "add_cached_prompt_tokens": usage.cached_prompt_tokens, "add_output_tokens": usage.output_tokens})
-        log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn, state=target.value,
-                 output_tokens=reply.usage.output_tokens)
-        return Finished(False, stored)
+        return None
 
     async def fail_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                         reason: str = "") -> bool:
@@ -701,12 +628,6 @@ class ConversationStore:
                 break
         log.info("purged", conversations=len(purged), abandoned_turns=abandoned)
         return Purged(purged, abandoned)
-
-
-def _summary(row: Row[Any]) -> Summary | None:
-    if row.summary_text is None:
-        return None
-    return Summary(row.summary_text, row.summary_covers_through, row.summary_token_count, row.summary_created_at_ms)
 
 
 def _usage(row: Row[Any]) -> Usage:

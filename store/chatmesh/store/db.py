@@ -1,10 +1,12 @@
-"""Engines for the two backends, one code path.
+"""Engines for the two backends, and the hot path that goes with each.
 
-SQLite (embedded default): WAL, `synchronous=NORMAL`, a busy timeout, foreign keys on, and every write
-transaction opened with `BEGIN IMMEDIATE`, so a read-then-write (the turn claim) takes the write lock up
-front instead of failing with SQLITE_BUSY when it upgrades. Work made of statements that are each atomic
-runs without a transaction (see `autocommit`). PostgreSQL: asyncpg, READ COMMITTED; atomicity comes from single conditional statements
-(INSERT .. ON CONFLICT DO NOTHING, UPDATE .. WHERE lease_id = :old) and row locks.
+Both backends run the core's SQLAlchemy statements as they are; the turn cycle's claim, read and finish are
+the hot path's (`chatmesh.store.hot`), whose SQL is written once per backend. SQLite (embedded default): WAL,
+`synchronous=NORMAL`, a busy timeout, foreign keys on, and every write transaction opened with `BEGIN
+IMMEDIATE`, so a read-then-write takes the write lock up front instead of failing with SQLITE_BUSY when it
+upgrades. Work made of statements that are each atomic runs without a transaction (see `autocommit`).
+PostgreSQL: asyncpg, READ COMMITTED; atomicity comes from single conditional statements (INSERT .. ON
+CONFLICT DO NOTHING, UPDATE .. WHERE lease_id = :old, the finish's one data-modifying statement) and row locks.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ async def autocommit(conn: AsyncConnection) -> AsyncConnection:
 
 
 def hot_path(engine: AsyncEngine) -> HotPath:
-    """The turn cycle's one-round-trip-per-call path for this engine's database (see `chatmesh.store.hot`)."""
+    """The turn cycle's one-round-trip-per-call claim, read and finish for this engine's database (see
+    `chatmesh.store.hot`)."""
     if not is_sqlite(engine):
         pool = engine.pool
         size = pool.size() if isinstance(pool, QueuePool) else 1

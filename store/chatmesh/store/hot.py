@@ -1,25 +1,32 @@
-"""The turn cycle's hot path, one database round trip per operation, sent through the driver.
+"""The turn cycle's writes and reads, one database round trip per operation, written once per backend.
 
 The chat service's per-turn store work is three calls: BeginTurn (the claim, optionally with the prompt's
 context), the history read, FinishTurn. Through SQLAlchemy's async layer each of their ~10 statements cost
 ~0.4-0.6 ms of client CPU, which capped PostgreSQL at a few hundred turns/s on two cores. Here each call is one
-round trip whose SQL is written once per backend:
+round trip, and this module is the only place the store creates a turn record or stores a turn: plain turns and
+regenerates alike, each backend's SQL written once. (The core, `chatmesh.store.core`, keeps the operations that
+are one SQLAlchemy statement on both backends, e.g. a claim's compare-and-swap takeover, fail, progress; and
+when a call here writes nothing it reads why.)
 
 - PostgreSQL (asyncpg, a raw connection from SQLAlchemy's pool, asyncpg's prepared-statement cache):
   the claim is one `INSERT .. SELECT .. ON CONFLICT DO NOTHING`, with the context read in the same statement
   (a CTE; the read sees the statement's snapshot); the read is one statement (conversation LEFT JOIN LATERAL
   its newest messages); the finish is ONE statement, so one implicit transaction and one commit:
-      conv     SELECT .. FROM conversations .. FOR NO KEY UPDATE   -- lock order: conversation, then turn
-      turn     UPDATE turns SET state = stored, indexes from conv .. WHERE lease_id = $lease AND state IN
-               (received, running) AND regenerates_turn_id IS NULL  -- the guard; re-checked on the locked row
-      advanced UPDATE conversations SET message_count = message_count + 2 .. WHERE EXISTS (turn)
-      stored   INSERT INTO messages (user message, reply) .. FROM turn
-      metered  INSERT INTO usage_days .. FROM turn ON CONFLICT DO UPDATE (add)
+      conv       SELECT .. FROM conversations .. FOR NO KEY UPDATE   -- lock order: conversation, then turn
+      turn       UPDATE turns SET state = stored, indexes from conv .. WHERE lease_id = $lease AND state IN
+                 (received, running)  -- the guard, re-checked on the locked row; a regenerate also needs that
+                 no user message follows the one it answers, and that no finish committed since the
+                 statement's snapshot (its reads below must see every message: else nothing is written)
+      advanced   UPDATE conversations SET message_count = message_count + 2 (a regenerate: + 1) .. WHERE
+                 EXISTS (turn)
+      superseded UPDATE messages SET superseded = true: a regenerate's earlier replies to that user message
+      stored     INSERT INTO messages (user message unless a regenerate, reply) .. FROM turn
+      metered    INSERT INTO usage_days .. FROM turn ON CONFLICT DO UPDATE (add)
   Either all of it happens or none (one statement); when the guard does not match (already finished, another
-  lease, a regenerate, unknown turn) nothing is written and the caller takes the general path, which says why.
+  lease, a stale regenerate, unknown turn, a racing finish) nothing is written and the caller reads why.
 - SQLite (its own connections, each used by one worker thread; WAL, BEGIN IMMEDIATE for writes): each call's
   statements run together in one hop to a worker thread (aiosqlite hopped per statement and per cursor call);
-  the finish runs the same guard in one transaction.
+  the finish runs the same guard and writes in one transaction (BEGIN IMMEDIATE: no finish races it).
 
 Every statement sent here passes `_observe`, so tests see (and check for the owner id) exactly what the hot
 path sends, as they see SQLAlchemy's statements through its events.
@@ -61,7 +68,8 @@ STATUSES = {s.value: s for s in MessageStatus}
 
 @dataclass(frozen=True)
 class NewTurn:
-    """The values of a new turn record (state received, no progress, no usage)."""
+    """The values of a new turn record (state received, no progress, no usage). A regenerate names the turn
+    it regenerates and that turn's user message index."""
 
     turn: TurnId
     fingerprint: str
@@ -70,11 +78,13 @@ class NewTurn:
     lease_holder: str
     lease_expires_at_ms: int
     now_ms: int
+    regenerates: TurnId | None = None
+    user_index: int | None = None
 
 
 @dataclass(frozen=True)
 class FinishValues:
-    """What a plain (not regenerating) finish writes."""
+    """What a finish writes (a regenerate stores no user message: the user_* values are then unused)."""
 
     to_state: str
     user_token_count: int
@@ -120,16 +130,17 @@ class HotPath(abc.ABC):
         `context_limit` messages after the summary."""
 
     @abc.abstractmethod
-    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int | None,
                    limit: int) -> History | None:
-        """The conversation, its summary and its messages from `from_index` (the newest `limit` of them when
-        limit > 0), or None when the owner has no such conversation."""
+        """The conversation, its summary and its messages from `from_index` (None: those after the summary;
+        the newest `limit` of them when limit > 0), or None when the owner has no such conversation."""
 
     @abc.abstractmethod
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                      values: FinishValues) -> int | None:
-        """Stores a plain turn whose lease is held and which is received/running: the user message, the reply,
-        the turn's final state, the usage, atomically. Returns the user message's index, or None when the
+        """Stores a turn whose lease is held and which is received/running, atomically: the user message (a
+        regenerate: none, and its earlier replies marked superseded, provided no user message followed the one
+        it answers), the reply, the turn's final state, the usage. Returns the reply's index, or None when the
         guard did not match (nothing written)."""
 
     @abc.abstractmethod
@@ -158,45 +169,60 @@ def _pg_read(bound: str) -> str:
 _PG_INSERT_TURN = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
     "SELECT conversations.owner_id, conversations.conversation_id, {turn}, {fp}, 'received', {content}, {lease}, "
-    "{holder}, {expires}::bigint, NULL, NULL, NULL, '', 0, 0, 0, 0, {now}::bigint, {now}::bigint "
+    "{holder}, {expires}::bigint, {regenerates}::varchar, {user_index}::integer, NULL, '', 0, 0, 0, 0, "
+    "{now}::bigint, {now}::bigint "
     "FROM conversations WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 PG_CLAIM = _PG_INSERT_TURN.format(turn="$3::varchar", fp="$4::varchar", content="$5::text", lease="$6::varchar",
-                                  holder="$7::varchar", expires="$8", now="$9")
+                                  holder="$7::varchar", expires="$8", now="$9", regenerates="$10",
+                                  user_index="$11")
 # With the context: the read runs in the same statement (same snapshot; the new turn is not a message yet).
 PG_CLAIM_WITH_CONTEXT = (
     "WITH claimed AS (" + _PG_INSERT_TURN.format(
         turn="$4::varchar", fp="$5::varchar", content="$6::text", lease="$7::varchar", holder="$8::varchar",
-        expires="$9", now="$10") + ") "
+        expires="$9", now="$10", regenerates="$11", user_index="$12") + ") "
     "SELECT (SELECT count(*) FROM claimed), r.* FROM ("
     + _pg_read("conversations.summary_covers_through + 1") + ") AS r")
 PG_READ = _pg_read("$4::integer")
+PG_CONTEXT = _pg_read("conversations.summary_covers_through + 1")
+_PG_OWN = "{t}.owner_id = $1 AND {t}.conversation_id = $2"
 PG_FINISH = (
     "WITH conv AS (SELECT conversations.message_count FROM conversations "
-    "WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 FOR NO KEY UPDATE), "
+    f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), "
     "turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
-    "user_index = (SELECT conv.message_count FROM conv), reply_index = (SELECT conv.message_count + 1 FROM conv), "
+    "user_index = CASE WHEN turns.regenerates_turn_id IS NULL THEN (SELECT conv.message_count FROM conv) "
+    "ELSE turns.user_index END, reply_index = (SELECT conv.message_count FROM conv) "
+    "+ CASE WHEN turns.regenerates_turn_id IS NULL THEN 1 ELSE 0 END, "
     "prompt_tokens = $11::bigint, cached_prompt_tokens = $12::bigint, output_tokens = $13::bigint, "
     "updated_at_ms = $14::bigint FROM turns AS prev "
-    "WHERE turns.owner_id = $1 AND turns.conversation_id = $2 AND turns.turn_id = $3 AND turns.lease_id = $4 "
-    "AND turns.state IN ('received', 'running') AND turns.regenerates_turn_id IS NULL "
-    "AND EXISTS (SELECT FROM conv) AND prev.owner_id = $1 AND prev.conversation_id = $2 AND prev.turn_id = $3 "
-    "RETURNING turns.user_index, prev.content), "
-    "advanced AS (UPDATE conversations SET message_count = conversations.message_count + 2, "
-    "updated_at_ms = $14::bigint "
-    "WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 AND EXISTS (SELECT FROM turn)), "
+    f"WHERE {_PG_OWN.format(t='turns')} AND turns.turn_id = $3 AND turns.lease_id = $4 "
+    "AND turns.state IN ('received', 'running') AND EXISTS (SELECT FROM conv) "
+    "AND (turns.regenerates_turn_id IS NULL OR ("
+    f"NOT EXISTS (SELECT FROM messages WHERE {_PG_OWN.format(t='messages')} "
+    "AND messages.message_index > turns.user_index AND messages.role = 'user') "
+    f"AND (SELECT conversations.message_count FROM conversations WHERE {_PG_OWN.format(t='conversations')}) "
+    "= (SELECT conv.message_count FROM conv))) "
+    f"AND {_PG_OWN.format(t='prev')} AND prev.turn_id = $3 "
+    "RETURNING turns.user_index, turns.reply_index, turns.regenerates_turn_id IS NOT NULL AS regenerate, "
+    "prev.content), "
+    "advanced AS (UPDATE conversations SET message_count = conversations.message_count "
+    "+ (SELECT CASE WHEN turn.regenerate THEN 1 ELSE 2 END FROM turn), updated_at_ms = $14::bigint "
+    f"WHERE {_PG_OWN.format(t='conversations')} AND EXISTS (SELECT FROM turn)), "
+    "superseded AS (UPDATE messages SET superseded = true FROM turn "
+    f"WHERE {_PG_OWN.format(t='messages')} AND turn.regenerate AND messages.message_index > turn.user_index "
+    "AND messages.role = 'assistant' AND NOT messages.superseded), "
     "stored AS (INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, status, "
     "turn_id, created_at_ms, superseded) "
     "SELECT $1, $2, turn.user_index, 'user', turn.content, $6::integer, $7::varchar, $3, $14::bigint, false "
-    "FROM turn UNION ALL "
-    "SELECT $1, $2, turn.user_index + 1, 'assistant', $8::text, $9::integer, $10::varchar, $3, $14::bigint, false "
+    "FROM turn WHERE NOT turn.regenerate UNION ALL "
+    "SELECT $1, $2, turn.reply_index, 'assistant', $8::text, $9::integer, $10::varchar, $3, $14::bigint, false "
     "FROM turn), "
     "metered AS (INSERT INTO usage_days (owner_id, day, prompt_tokens, cached_prompt_tokens, output_tokens, turns) "
     "SELECT $1, $15::varchar, $11::bigint, $12::bigint, $13::bigint, 1 FROM turn "
     "ON CONFLICT (owner_id, day) DO UPDATE SET prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens, "
     "cached_prompt_tokens = usage_days.cached_prompt_tokens + excluded.cached_prompt_tokens, "
     "output_tokens = usage_days.output_tokens + excluded.output_tokens, turns = usage_days.turns + 1) "
-    "SELECT turn.user_index FROM turn")
+    "SELECT turn.reply_index FROM turn")
 
 # The driver's errors that mean "the database is unreachable or shedding load" (answered UNAVAILABLE).
 PG_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
@@ -255,18 +281,22 @@ class PostgresHotPath(HotPath):
                     context_limit: int) -> tuple[bool, History | None]:
         if not context_limit:
             rows = await self._fetch(PG_CLAIM, owner, conversation, new.turn, new.fingerprint, new.content,
-                                     new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms)
+                                     new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms,
+                                     new.regenerates, new.user_index)
             return bool(rows), None
         rows = await self._fetch(PG_CLAIM_WITH_CONTEXT, owner, conversation, context_limit, new.turn,
                                  new.fingerprint, new.content, new.lease, new.lease_holder,
-                                 new.lease_expires_at_ms, new.now_ms)
+                                 new.lease_expires_at_ms, new.now_ms, new.regenerates, new.user_index)
         if not rows:
             return False, None
         return bool(rows[0][0]), history_from([tuple(r)[1:] for r in rows])
 
-    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int | None,
                    limit: int) -> History | None:
-        rows = await self._fetch(PG_READ, owner, conversation, limit or None, from_index)
+        if from_index is None:
+            rows = await self._fetch(PG_CONTEXT, owner, conversation, limit or None)
+        else:
+            rows = await self._fetch(PG_READ, owner, conversation, limit or None, from_index)
         return history_from(rows) if rows else None
 
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
@@ -293,15 +323,20 @@ SQ_MESSAGES = (f"SELECT {', '.join(f'messages.{c}' for c in MSG_COLUMNS)} FROM m
                "ORDER BY messages.message_index DESC LIMIT ?")
 SQ_CLAIM = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
-    "SELECT conversations.owner_id, conversations.conversation_id, ?, ?, 'received', ?, ?, ?, ?, NULL, NULL, NULL, "
+    "SELECT conversations.owner_id, conversations.conversation_id, ?, ?, 'received', ?, ?, ?, ?, ?, ?, NULL, "
     "'', 0, 0, 0, 0, ?, ? FROM conversations WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 SQ_TURN_FOR_FINISH = (
-    "SELECT turns.content FROM turns WHERE turns.owner_id = ? AND turns.conversation_id = ? AND turns.turn_id = ? "
-    "AND turns.lease_id = ? AND turns.state IN ('received', 'running') AND turns.regenerates_turn_id IS NULL")
-SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_count + 2, updated_at_ms = ? "
+    "SELECT turns.content, turns.regenerates_turn_id, turns.user_index FROM turns WHERE turns.owner_id = ? "
+    "AND turns.conversation_id = ? AND turns.turn_id = ? AND turns.lease_id = ? "
+    "AND turns.state IN ('received', 'running')")
+SQ_LATER_USER_MESSAGE = ("SELECT 1 FROM messages WHERE messages.owner_id = ? AND messages.conversation_id = ? "
+                         "AND messages.message_index > ? AND messages.role = 'user' LIMIT 1")
+SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_count + ?, updated_at_ms = ? "
               "WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
               "RETURNING conversations.message_count")
+SQ_SUPERSEDE = ("UPDATE messages SET superseded = 1 WHERE messages.owner_id = ? AND messages.conversation_id = ? "
+                "AND messages.message_index > ? AND messages.role = 'assistant' AND messages.superseded = 0")
 SQ_INSERT_MESSAGE = ("INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, "
                      "status, turn_id, created_at_ms, superseded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)")
 SQ_STORE_TURN = ("UPDATE turns SET state = ?, content = NULL, partial_text = '', user_index = ?, reply_index = ?, "
@@ -388,7 +423,7 @@ class SqliteHotPath(HotPath):
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
         args = (new.turn, new.fingerprint, new.content, new.lease, new.lease_holder, new.lease_expires_at_ms,
-                new.now_ms, new.now_ms, owner, conversation)
+                new.regenerates, new.user_index, new.now_ms, new.now_ms, owner, conversation)
 
         def work(conn: sqlite3.Connection) -> tuple[bool, History | None]:
             if not context_limit:
@@ -402,7 +437,7 @@ class SqliteHotPath(HotPath):
         result: tuple[bool, History | None] = await self._run(work)
         return result
 
-    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int,
+    async def read(self, owner: OwnerId, conversation: ConversationId, from_index: int | None,
                    limit: int) -> History | None:
         def work(conn: sqlite3.Connection) -> History | None:
             self._exec(conn, "BEGIN")  # one snapshot for the conversation row and its messages
@@ -418,23 +453,35 @@ class SqliteHotPath(HotPath):
         def work(conn: sqlite3.Connection) -> int | None:
             self._exec(conn, "BEGIN IMMEDIATE")
             row = self._exec(conn, SQ_TURN_FOR_FINISH, (owner, conversation, turn, lease)).fetchone()
-            advanced = [] if row is None else self._exec(conn, SQ_ADVANCE, (v.now_ms, owner, conversation)).fetchall()
+            regenerate = row is not None and row[1] is not None
+            if regenerate and self._exec(conn, SQ_LATER_USER_MESSAGE,
+                                         (owner, conversation, row[2])).fetchone() is not None:
+                row = None  # a user message followed the one it answers
+            advanced = [] if row is None else self._exec(
+                conn, SQ_ADVANCE, (1 if regenerate else 2, v.now_ms, owner, conversation)).fetchall()
             if row is None or not advanced:
                 self._exec(conn, "ROLLBACK")
                 return None
-            user_index = int(advanced[0][0]) - 2
-            self._observe(SQ_INSERT_MESSAGE)
-            conn.executemany(SQ_INSERT_MESSAGE, (
-                (owner, conversation, user_index, "user", row[0], v.user_token_count, v.user_status, turn, v.now_ms),
-                (owner, conversation, user_index + 1, "assistant", v.reply_text, v.reply_token_count, v.reply_status,
-                 turn, v.now_ms)))
-            self._exec(conn, SQ_STORE_TURN, (v.to_state, user_index, user_index + 1, v.prompt_tokens,
+            reply_index = int(advanced[0][0]) - 1
+            reply = (owner, conversation, reply_index, "assistant", v.reply_text, v.reply_token_count,
+                     v.reply_status, turn, v.now_ms)
+            if regenerate:
+                user_index = int(row[2])
+                self._exec(conn, SQ_SUPERSEDE, (owner, conversation, user_index))
+                self._exec(conn, SQ_INSERT_MESSAGE, reply)
+            else:
+                user_index = reply_index - 1
+                self._observe(SQ_INSERT_MESSAGE)
+                conn.executemany(SQ_INSERT_MESSAGE, (
+                    (owner, conversation, user_index, "user", row[0], v.user_token_count, v.user_status, turn,
+                     v.now_ms), reply))
+            self._exec(conn, SQ_STORE_TURN, (v.to_state, user_index, reply_index, v.prompt_tokens,
                                              v.cached_prompt_tokens, v.output_tokens, v.now_ms, owner,
                                              conversation, turn))
             self._exec(conn, SQ_ADD_USAGE, (owner, v.day, v.prompt_tokens, v.cached_prompt_tokens,
                                             v.output_tokens))
             self._exec(conn, "COMMIT")
-            return user_index
+            return reply_index
 
         result: int | None = await self._run(work)
         return result
