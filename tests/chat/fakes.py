@@ -305,12 +305,19 @@ class FakeEngine:
         return 1
 
 
+OUTAGE = Screening(blocked=True, category="moderation_unavailable", reason="moderation failed (UNAVAILABLE); failing "
+                   "closed", unavailable=True)  # what the client's fail-closed policy answers while it is down
+
+
 class _Screen:
-    def __init__(self, words: set[str]) -> None:
+    def __init__(self, words: set[str], moderation: FakeModeration) -> None:
         self.words = words
+        self.moderation = moderation
         self.closed = False
 
     async def check(self, chunk: str, final: bool = False) -> Screening:
+        if self.moderation.output_down:
+            return OUTAGE
         hit = next((w for w in self.words if w in chunk), None)
         return Screening(blocked=hit is not None, category="abuse" if hit else "", reason="marker" if hit else "")
 
@@ -324,14 +331,18 @@ class FakeModeration:
         self.output_words = {"BADWORD"}
         self.screens: list[_Screen] = []
         self.inputs_checked = 0
+        self.input_down = False  # checks answer the fail-closed outage (the service is down)
+        self.output_down = False
 
     async def check_input(self, text: str, conversation: ConversationId) -> Screening:
         self.inputs_checked += 1
+        if self.input_down:
+            return OUTAGE
         hit = any(w in text for w in self.input_words)
         return Screening(blocked=hit, category="abuse" if hit else "", reason="marker" if hit else "")
 
     async def open_output(self, conversation: ConversationId) -> OutputScreen:
-        screen = _Screen(self.output_words)
+        screen = _Screen(self.output_words, self)
         self.screens.append(screen)
         return screen
 
@@ -364,3 +375,7 @@ class WordRenderer:
     @staticmethod
     def count(text: str) -> int:
         return len(text.split())
+
+    @staticmethod
+    def continuation(text: str) -> tuple[int, ...]:
+        return tuple(10 + sum(map(ord, word)) % 1000 for word in text.split())

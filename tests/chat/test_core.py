@@ -244,6 +244,7 @@ async def retry_takes_over_a_turn_whose_holder_died() -> World:
     w, conv = await fresh()
     key = w.key(conv)
     await _held_elsewhere(w, conv, key, "Hello?", ttl_ms=60_000)
+    w.engine.scripts.append(reply_script(" and", " whole."))
     retry = asyncio.create_task(collect(w.core.send_turn(OWNER, conv, key.turn, "Hello?")))
     while w.store.calls.count("read_turn") < 3:  # following the holder's progress
         await asyncio.sleep(0.001)
@@ -251,9 +252,41 @@ async def retry_takes_over_a_turn_whose_holder_died() -> World:
     events = await retry
     await w.settled()
     assert isinstance(final_of(events), Completed) and len(w.engine.generations) == 1
-    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Hello there.", MessageStatus.COMPLETE)
+    # The takeover continues the reply the client already has ("Part", sent once): what it received is what is
+    # stored, and the engine was asked to continue that text.
+    assert text_of(events) == "Part and whole." and [e.kind for e in events[:2]] == [Started(True), Delta("Part")]
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part and whole.", MessageStatus.COMPLETE)
+    assert w.engine.generations[0].prompt_token_ids[-1:] == WordRenderer.continuation("Part")
+    assert [e.sequence for e in events] == sorted({e.sequence for e in events})
     assert path(w)[:2] == [(S.RECEIVED, S.ATTACHED), (S.RECEIVED, S.QUEUED)]  # the follow, then a new attempt
     assert w.idle()
+    return w
+
+
+@scenario
+async def follower_ends_retryably_rather_than_splice_a_reply_generated_afresh() -> World:
+    w, conv = await fresh()
+    key = w.key(conv)
+    await _held_elsewhere(w, conv, key, "Hello?", ttl_ms=60_000)
+    follow = asyncio.create_task(collect(w.core.send_turn(OWNER, conv, key.turn, "Hello?")))
+    while w.store.calls.count("read_turn") < 3:  # the client has "Part"
+        await asyncio.sleep(0.001)
+    # The holder died and a third process, whose client had nothing, re-claimed the turn and stored another reply.
+    w.clock.ms += 60_001
+    from chatmesh.chat.ports import ClaimRequest
+    from chatmesh.chat.turns import fingerprint
+    from chatmesh.store.values import Claimed, Reply
+    claim = await w.store.begin_turn(ClaimRequest(key, fingerprint("send", "Hello?"), "Hello?", "chat-c@10.0.0.3:1",
+                                                  60_000, None, 0))
+    assert isinstance(claim, Claimed)
+    await w.store.finish_turn(key, claim.lease_id, Reply(1, "Other words", 2, MessageStatus.COMPLETE, Usage(5, 0, 2)))
+    events = await follow
+    final = final_of(events)
+    assert isinstance(final, Failed) and final.retryable and text_of(events) == "Part"  # never "PartOther words"
+    assert len(w.engine.generations) == 0
+    again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hello?"))  # the retry: the one stored reply
+    assert text_of(again) == "Other words" and isinstance(final_of(again), Completed)
+    assert path(w) == [(S.RECEIVED, S.ATTACHED), (S.RECEIVED, S.REPLAYED)] and w.idle()
     return w
 
 
@@ -317,6 +350,37 @@ async def blocked_input_is_stored_as_blocked_and_never_reaches_an_engine() -> Wo
     assert stored(w, conv) == [(Role.USER, "please BLOCKME now", MessageStatus.COMPLETE),
                                (Role.ASSISTANT, "", MessageStatus.BLOCKED)]
     assert path(w) == [(S.RECEIVED, S.BLOCKED)]
+    return w
+
+
+@scenario
+async def moderation_down_fails_the_turn_retryably_and_stores_nothing() -> World:
+    w, conv = await fresh()
+    key = w.key(conv)
+    w.moderation.input_down = True
+    events = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hi"))
+    await w.settled()
+    final = final_of(events)
+    assert isinstance(final, Failed) and final.retryable, final  # an outage is not a verdict
+    assert stored(w, conv) == [] and w.store.records[key].state is TurnRecordState.FAILED
+    assert len(w.engine.generations) == 0 and w.store.records[key].usage == Usage() and w.idle()
+    w.moderation.input_down = False  # back: the retry of the same turn id is checked and answered
+    again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hi"))
+    await w.settled()
+    assert isinstance(final_of(again), Completed) and stored(w, conv)[-1][2] is MessageStatus.COMPLETE
+    assert path(w) == [(S.RECEIVED, S.FAILED), (S.RECEIVED, S.QUEUED), (S.QUEUED, S.PREFILL), (S.PREFILL, S.DECODE),
+                       (S.DECODE, S.STORED)]
+    return w
+
+
+@scenario
+async def moderation_down_mid_reply_fails_the_turn_instead_of_blocking_it() -> World:
+    w, conv = await fresh()
+    w.moderation.output_down = True  # the output direction configured to fail closed, and the service down
+    events = await w.turn(conv, "Say it")
+    final = final_of(events)
+    assert isinstance(final, Failed) and final.retryable and stored(w, conv) == []
+    assert path(w)[-1] == (S.DECODE, S.FAILED) and w.idle() and w.engine.closed_early == 1
     return w
 
 

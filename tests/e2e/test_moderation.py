@@ -61,6 +61,8 @@ def test_blocked_input_never_reaches_the_engine_and_is_recorded(own_mesh: Mesh) 
 
 
 def test_moderation_down_input_fails_closed_and_says_why(own_mesh: Mesh) -> None:
+    """Failing closed while moderation is down fails the turn as retryable: an outage is not a verdict, so nothing
+    is stored as blocked (a retry of the same turn id once it is back gets an answer)."""
     own_mesh.procs["moderation"].terminate()
     own_mesh.procs["moderation"].wait(15)
     with httpx.Client(base_url=own_mesh.gateway_url, timeout=60) as client:
@@ -68,7 +70,9 @@ def test_moderation_down_input_fails_closed_and_says_why(own_mesh: Mesh) -> None
         before = generations(own_mesh)
         events = turn(client, conv, "Hello, is anyone there?")
         final = events[-1]
-        assert final.event == "turn.blocked", [e.event for e in events]
-        assert final.data.get("category") == "moderation_unavailable"
-        assert "closed" in final.data.get("reason", ""), final.data
+        assert final.event == "turn.failed", [e.event for e in events]
+        assert final.data.get("retryable") is True, final.data
+        assert "moderation unavailable" in final.data.get("message", ""), final.data
+        assert "closed" in final.data.get("message", ""), final.data
         assert generations(own_mesh) == before
+        assert client.get(f"/v1/conversations/{conv}").json()["messages"] == []

@@ -6,6 +6,10 @@ put a whole hop in front of every first token. When the claim says the turn is s
 conflict), `discard` drops the check and releases the router lease as soon as the pick answers: the router's load
 is back where it was before the caller goes on. Blocked input still never reaches an engine: generation waits for
 the check (`ready`).
+
+A check moderation could not make (down, failing, late: its failure policy decided) is not a verdict: a
+fail-closed block from it fails the turn as retryable (`judged`, for input here and output in `stream.py`) rather
+than storing it as blocked, which would answer every retry of that turn id with the outage for good.
 """
 
 from __future__ import annotations
@@ -55,3 +59,15 @@ class Admission:
             return
         with contextlib.suppress(errors.CoreError):
             await self.router.release(lease)
+
+
+class ModerationDown(errors.Unavailable):
+    """Moderation could not judge the text (its failure policy blocked it): an outage, not a verdict."""
+
+
+def judged(screening: Screening) -> Screening:
+    """A screening that is a verdict; an outage's fail-closed block raises instead (nothing stored, nothing billed:
+    the retry of the same turn id is checked again)."""
+    if screening.blocked and screening.unavailable:
+        raise ModerationDown(f"moderation unavailable ({screening.reason}); retry with the same turn id")
+    return screening

@@ -5,10 +5,16 @@ writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.
 
     RECEIVED   wait for the replica pick and the input check begun with the claim (`admission.py`)
                blocked input            -> BLOCKED (stored as blocked, never reaches an engine)
+               moderation unavailable   -> FAILED (an outage is not a verdict: nothing stored as blocked,
+                                           nothing billed; the retry is checked again), also for output
     -> QUEUED  the prompt built (a summary made first at a boundary, `prompt.py`), sent to the picked replica
     -> PREFILL / DECODE  as the engine admits the prompt and streams (`stream.py`)
     -> STORED | STOPPED | BLOCKED  one FinishTurn: user message, reply as the user saw it, usage; one transaction
     -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry)
+
+A takeover (`Job.resume`: the turn was taken over from a dead holder and its client already has part of the
+reply) continues that text: it is published first and its tokens follow the generation prompt, so the engine
+generates the rest, and the stored reply starts with what the client was sent.
 
 A heartbeat writes the reply so far to the turn record and renews the lease every `progress_interval_s`, so
 other chat processes can follow the turn and take it over if this one dies; when a renewal says the lease is no
@@ -28,9 +34,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import assert_never
 
-from chatmesh.chat.admission import Admission
+from chatmesh.chat.admission import Admission, judged
 from chatmesh.chat.context import Rendered
-from chatmesh.chat.events import Blocked, Completed, Failed, LiveTurn, Started, Stopped, TurnEventKind
+from chatmesh.chat.events import Blocked, Completed, Delta, Failed, LiveTurn, Started, Stopped, TurnEventKind
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import EngineFinished, FinishReason, Generation, Pick, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
@@ -58,6 +64,7 @@ class Job:
     admission: Admission
     view: History | None  # the prompt's context read with the claim; None: read it
     options: TurnOptions = DEFAULT_TURN  # how to generate this reply
+    resume: str = ""  # reply text a client of a taken-over turn already has: the reply continues it
 
 
 class ClaimedTurn:
@@ -109,7 +116,7 @@ class ClaimedTurn:
             user_tokens = 0
             if screening is not None:
                 user_tokens = self.prompts.count_tokens(self.job.content)
-                if screening.blocked:
+                if judged(screening).blocked:
                     await self._end(TurnState.BLOCKED, lambda: self._finish(user_tokens, "", 0, MessageStatus.BLOCKED,
                                                                             Usage()))
                     log.info("input_blocked", conversation_id=conv, turn_id=self.job.key.turn,
@@ -122,6 +129,10 @@ class ClaimedTurn:
             rendered = self.prompts.render(view, summary, self.job.content if self.job.regenerates is None else None,
                                            self.job.regenerates, options.instructions,
                                            options.max_reply_tokens(self.opt.limits.reply_tokens))
+            if self.job.resume:  # a takeover: the reply continues the text its client already has
+                rendered = Rendered(rendered.token_ids + self.prompts.renderer.continuation(self.job.resume),
+                                    rendered.platform_prefix_tokens)
+                await self.live.publish(Delta(self.job.resume))
             self.machine.advance(TurnState.QUEUED)
             return await self._stream(rendered, pick, user_tokens)
         finally:
@@ -130,10 +141,12 @@ class ClaimedTurn:
 
     async def _stream(self, rendered: Rendered, pick: Pick, user_tokens: int) -> TurnEventKind:
         owner, conv, turn = self.job.key
+        resumed = self.prompts.count_tokens(self.job.resume) if self.job.resume else 0
+        cap = self.job.options.max_reply_tokens(self.opt.limits.reply_tokens)
         generation = Generation(
             request_id=turn, conversation=conv, turn=turn, owner=owner, prompt_token_ids=rendered.token_ids,
             platform_prefix_tokens=rendered.platform_prefix_tokens,
-            max_tokens=self.job.options.max_reply_tokens(self.opt.limits.reply_tokens),
+            max_tokens=max(1, cap - resumed),
             temperature=self.opt.temperature if self.job.options.temperature is None else self.job.options.temperature,
             top_p=self.opt.top_p if self.job.options.top_p is None else self.job.options.top_p,
             seed=self.job.options.seed or 0)
@@ -141,7 +154,7 @@ class ClaimedTurn:
                                     generation, self.opt.engine_deadline_s, self.job.options.stop)
         if self.live.lease_lost:
             raise LeaseLost(f"turn {turn} was taken over by another chat process")
-        usage, text, output = tally.usage, self.live.text, tally.output_tokens
+        usage, text, output = tally.usage, self.live.text, tally.output_tokens + resumed
 
         async def store(to: TurnState, status: MessageStatus) -> None:
             await self._end(to, lambda: self._finish(user_tokens, text, output, status, usage))

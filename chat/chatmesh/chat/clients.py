@@ -309,7 +309,7 @@ def _screening(outcome: Outcome) -> Screening:
         category = "moderation_unavailable"
     else:
         category = next(iter(categories_of(outcome)), "")
-    return Screening(blocked=outcome.blocked, category=category, reason=outcome.reason)
+    return Screening(blocked=outcome.blocked, category=category, reason=outcome.reason, unavailable=outcome.fallback)
 
 
 class ModerationOutput:

@@ -54,6 +54,11 @@ class Renderer(Protocol):
 
     def render(self, messages: Sequence[tuple[Speaker, str]]) -> Rendered: ...
 
+    def continuation(self, text: str) -> tuple[int, ...]:
+        """The tokens of reply text already delivered, appended after the generation prompt so the engine
+        continues that reply (a turn taken over mid-reply, `claimed.py`)."""
+        ...
+
 
 class PromptTooLong(InvalidArgument):
     """The prompt would not fit the model's context or the configured cap."""

@@ -177,6 +177,8 @@ class Screening:
     blocked: bool
     category: str  # the deciding category when blocked or flagged, else ""
     reason: str  # why, for the turn's outcome and logs (never the text)
+    unavailable: bool = False  # moderation could not judge (down, failing, late): the failure policy decided.
+    # A block then is an outage, not a verdict: the turn fails retryably, nothing is stored as blocked.
 
 
 class OutputScreen(Protocol):

@@ -42,6 +42,9 @@ class ChatMLRenderer:
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    def continuation(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text))
+
     def _message_ids(self, role: Speaker, text: str) -> tuple[int, ...]:
         key = (role, text)
         ids = self._messages.get(key)

@@ -23,11 +23,14 @@ SUMMARY_THRESHOLD_TOKENS = Setting(
     "history tokens past which older turns are summarised at a turn boundary", int)
 KEEP_RECENT_MESSAGES = Setting(
     "CHATMESH_KEEP_RECENT_MESSAGES", 6, "messages kept verbatim after a summary", int)
+# A dead chat process's turns are taken over by a retry once their lease lapses: at most the TTL after its last
+# renewal. 1.5 s with a renewal every 250 ms survives five missed renewals (a store stall of ~1.25 s) and costs
+# one single-row UPDATE per generating turn per 250 ms (BENCHMARKS.md, bench/faults.py heartbeat).
 LEASE_TTL_MS = Setting(
-    "CHATMESH_TURN_LEASE_TTL_MS", 10000,
+    "CHATMESH_TURN_LEASE_TTL_MS", 1500,
     "turn lease length; a chat process that dies mid-turn frees the turn id after this", int)
 PROGRESS_INTERVAL_MS = Setting(
-    "CHATMESH_TURN_PROGRESS_INTERVAL_MS", 500,
+    "CHATMESH_TURN_PROGRESS_INTERVAL_MS", 250,
     "how often a generating turn writes its reply so far and renews its lease (for attach from other processes)",
     int)
 INSTANCE_ID = Setting(

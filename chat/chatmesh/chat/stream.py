@@ -23,6 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import assert_never
 
+from chatmesh.chat.admission import judged
 from chatmesh.chat.events import Delta, LiveTurn
 from chatmesh.chat.ports import (
     EngineDelta, EngineFinished, EnginePort, EngineStarted, Generation, ModerationPort, OutputScreen, Screening,
@@ -119,7 +120,7 @@ async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, ad
         """Screens and publishes `text`; the verdict when it was blocked."""
         if not text:
             return None
-        verdict = await screen.check(text)
+        verdict = judged(await screen.check(text))
         if verdict.blocked:
             return verdict
         await live.publish(Delta(text))

@@ -9,7 +9,8 @@ of the state machine (`chatmesh.mesh.turn`), driven here for every attempt:
                     stream, and any retry reaching this process, follow it (ATTACHED for the retries)
     done         -> REPLAYED: the stored reply streamed again
     in progress  -> ATTACHED: follow the holder's stored progress (follow.py); if the holder dies, its lease
-                    lapses and this retry takes the turn over as a new attempt
+                    lapses and this retry takes the turn over as a new attempt, which continues the reply from
+                    the text already sent (the client never gets it twice, and nothing contradicts it)
     conflict     -> REJECTED, as is bad input and a regenerate with nothing to regenerate
 
 Two guards the OpenAI-compatible surface asks for (it continues conversations its clients do not name): a send
@@ -29,14 +30,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import assert_never
 
 from chatmesh.chat.admission import Admission
 from chatmesh.chat.claimed import ClaimedTurn, Job
 from chatmesh.chat.events import LiveTurn, TurnEvent, replay
-from chatmesh.chat.follow import StoredFollower
+from chatmesh.chat.follow import NOTHING, Delivered, StoredFollower, continuing
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import ClaimRequest, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
@@ -181,8 +182,21 @@ class Turns:
         return replies[-1].turn_id
 
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
-                       fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None
-                       ) -> AsyncIterator[TurnEvent]:
+                       fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None,
+                       delivered: Delivered = NOTHING) -> AsyncIterator[TurnEvent]:
+        """One attempt; with `delivered` (a retry whose client already has part of the reply, `follow.py`), its
+        stream continues that part, and a claim won here generates the rest of it."""
+        events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text)
+        stream = continuing(events, delivered) if delivered.sequence > 0 else events
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def _from_start(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
+                          fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str
+                          ) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
             async for event in live.follow(0, replayed=True):
@@ -205,7 +219,7 @@ class Turns:
                 if expect_last is not None:
                     await self._expect(machine, key, lease, admission, view, expect_last)
                 async for event in self._own(machine, Job(key, content, regenerates, lease, admission, view,
-                                                          options)):
+                                                          options, resume)):
                     yield event
             case Done(reply=reply, usage=usage):
                 machine.advance(TurnState.REPLAYED)
@@ -268,6 +282,6 @@ class Turns:
             return
         assert retry is not None
         content, regenerates, fp = retry
-        async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp):
-            if event.sequence > follower.seen:
-                yield event
+        async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp,
+                                         delivered=follower.delivered):
+            yield event
