@@ -150,15 +150,20 @@ async def test_regenerate_supersedes_earlier_reply(store: ConversationStore) -> 
     assert day.turns == 3
 
 
+async def stored_turn(store: ConversationStore, conv: ConversationId, answer: str) -> TurnId:
+    turn = new_turn()
+    c = await claim(store, conv, turn)
+    assert isinstance(c, Claimed)
+    await store.finish_turn(OWNER, conv, turn, c.lease_id, reply(answer))
+    return turn
+
+
 async def test_concurrent_regenerates_of_one_reply_leave_one_current(store: ConversationStore) -> None:
     """Regenerates of the same reply finishing at once: each is stored once, at its own index, and every
     earlier reply is superseded, whichever order they commit in (each finish must see the others' replies)."""
     conv = await conversation(store)
-    first = new_turn()
-    c = await claim(store, conv, first)
-    assert isinstance(c, Claimed)
-    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("original"))
-    regens = [new_turn() for _ in range(6)]
+    first = await stored_turn(store, conv, "original")
+    regens = [new_turn() for _ in range(8)]  # more than a finish's attempts
     claims = [await store.begin_turn(OWNER, conv, t, content="", lease_holder="c", regenerates=first)
               for t in regens]
     leases = [r.lease_id for r in claims if isinstance(r, Claimed)]
@@ -167,15 +172,15 @@ async def test_concurrent_regenerates_of_one_reply_leave_one_current(store: Conv
                                       for i, (t, lease) in enumerate(zip(regens, leases))])
     assert not any(f.already_finished for f in finished)
     messages = (await store.read_conversation(OWNER, conv)).messages
-    assert [m.index for m in messages] == list(range(8))
-    assert sorted(f.reply.index for f in finished) == list(range(2, 8))
-    assert [m.superseded for m in messages[1:]] == [True] * 6 + [False]
+    assert [m.index for m in messages] == list(range(10))
+    assert sorted(f.reply.index for f in finished) == list(range(2, 10))
+    assert [m.superseded for m in messages[1:]] == [True] * 8 + [False]
     for t, f in zip(regens, finished):
         record = await store.read_turn(OWNER, conv, t)
         assert record.state is TurnRecordState.STORED and record.reply is not None
         assert (record.reply.index, record.reply.content) == (f.reply.index, f.reply.content)
     [day] = await store.usage(OWNER)
-    assert day.turns == 7
+    assert day.turns == 9
 
 
 async def test_regenerate_needs_a_stored_turn(store: ConversationStore) -> None:
@@ -354,3 +359,49 @@ async def test_a_call_cancelled_mid_statement_leaves_the_store_usable(
         assert isinstance(again, Claimed) and again.context is not None
         await store.finish_turn(OWNER, conv, t, again.lease_id, reply())
     assert (await store.read_conversation(OWNER, conv)).conversation.message_count == 8
+
+
+# PostgreSQL only: a SQLite finish takes the write lock (BEGIN IMMEDIATE) before it reads, so nothing commits
+# between its reads and its writes.
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
+async def test_a_regenerate_refused_for_a_racing_finish_is_stored_after_the_lock(
+        store: ConversationStore, engine: AsyncEngine, backend: Backend) -> None:
+    assert backend.name == "postgres"
+    conv = await conversation(store)
+    first = await stored_turn(store, conv, "original")
+    regen = new_turn()
+    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    assert isinstance(r, Claimed)
+    sent: list[str] = []
+    store.hot.listeners.append(sent.append)
+    key = {"o": OWNER, "c": conv}
+    async with engine.begin() as racer:  # holds the conversation while the finish's statement waits on it
+        racer_pid = (await racer.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+        await racer.execute(text("SELECT 1 FROM conversations WHERE owner_id = :o AND conversation_id = :c "
+                                 "FOR UPDATE"), key)
+        finishing = asyncio.create_task(store.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated")))
+        async with engine.connect() as watch:
+            for _ in range(200):
+                waiting = (await watch.execute(text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE :p = ANY(pg_blocking_pids(pid))"),
+                    {"p": racer_pid})).scalar_one()
+                if waiting:
+                    break
+                await asyncio.sleep(0.025)
+            assert waiting == 1
+        # what a racing regenerate's finish writes, committed after the waiting statement's snapshot
+        await racer.execute(text(
+            "INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, status, "
+            "turn_id, created_at_ms, superseded) VALUES (:o, :c, 2, 'assistant', 'racing', 1, 'complete', :t, 0, "
+            "false)"), key | {"t": new_turn()})
+        await racer.execute(text("UPDATE conversations SET message_count = 3 WHERE owner_id = :o "
+                                 "AND conversation_id = :c"), key)
+    finished = await finishing
+    store.hot.listeners.remove(sent.append)
+    assert not finished.already_finished and finished.reply.index == 3
+    kinds = ["lock" if s.startswith("SELECT FROM conversations") and s.endswith("FOR NO KEY UPDATE")
+             else "finish" if s.startswith("WITH conv AS") else "other" for s in sent]
+    assert kinds == ["finish", "lock", "finish"]  # refused (a finish committed after its snapshot), then stored
+    messages = (await store.read_conversation(OWNER, conv)).messages
+    assert [(m.content, m.superseded) for m in messages] == [
+        ("hi", False), ("original", True), ("racing", True), ("regenerated", False)]

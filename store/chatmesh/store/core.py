@@ -20,7 +20,8 @@ one SQLAlchemy statement here that both backends run as it is:
   statement on PostgreSQL, one transaction on SQLite; the conversation row hands out message indexes). When
   its guard does not match nothing is written and the record is read here to say why: a second finish
   finds the final state and says `already_finished`; another lease, a stale regenerate or a missing row
-  is an error; a record that no longer stands in the way (a racing write moved on) is tried again.
+  is an error; a record that no longer stands in the way (a racing write moved on) is tried again, that
+  time after the conversation's lock (so a PostgreSQL regenerate is not refused for a racing finish twice).
 
 Partitioning: every statement on an owner table filters on `owner_id` (tests record the SQL to prove it),
 except the retention purge's candidate scan, which by nature looks across owners and then deletes owner by
@@ -382,8 +383,8 @@ class ConversationStore:
         values = FinishValues(target.value, reply.user_token_count, reply.user_status.value, reply.text,
                               reply.token_count, reply.status.value, usage.prompt_tokens, usage.cached_prompt_tokens,
                               usage.output_tokens, now, utc_day(now))
-        for _ in range(CLAIM_ATTEMPTS):
-            reply_index = await self.hot.finish(owner, conversation, turn, lease, values)
+        for attempt in range(CLAIM_ATTEMPTS):
+            reply_index = await self.hot.finish(owner, conversation, turn, lease, values, serialized=attempt > 0)
             if reply_index is not None:
                 log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn,
                          state=target.value, output_tokens=usage.output_tokens)

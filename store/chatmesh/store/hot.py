@@ -16,7 +16,8 @@ when a call here writes nothing it reads why.)
       turn       UPDATE turns SET state = stored, indexes from conv .. WHERE lease_id = $lease AND state IN
                  (received, running)  -- the guard, re-checked on the locked row; a regenerate also needs that
                  no user message follows the one it answers, and that no finish committed since the
-                 statement's snapshot (its reads below must see every message: else nothing is written)
+                 statement's snapshot (its reads below must see every message: else nothing is written, and
+                 the retry runs the statement after taking the conversation's lock, so its snapshot follows)
       advanced   UPDATE conversations SET message_count = message_count + 2 (a regenerate: + 1) .. WHERE
                  EXISTS (turn)
       superseded UPDATE messages SET superseded = true: a regenerate's earlier replies to that user message
@@ -137,11 +138,13 @@ class HotPath(abc.ABC):
 
     @abc.abstractmethod
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                     values: FinishValues) -> int | None:
+                     values: FinishValues, serialized: bool = False) -> int | None:
         """Stores a turn whose lease is held and which is received/running, atomically: the user message (a
         regenerate: none, and its earlier replies marked superseded, provided no user message followed the one
         it answers), the reply, the turn's final state, the usage. Returns the reply's index, or None when the
-        guard did not match (nothing written)."""
+        guard did not match (nothing written). `serialized` (a retry): the conversation's row lock is taken
+        before the finish reads anything, so no finish committed before it can be missed (SQLite's finish
+        always is: BEGIN IMMEDIATE)."""
 
     @abc.abstractmethod
     async def close(self) -> None: ...
@@ -186,6 +189,7 @@ PG_CLAIM_WITH_CONTEXT = (
 PG_READ = _pg_read("$4::integer")
 PG_CONTEXT = _pg_read("conversations.summary_covers_through + 1")
 _PG_OWN = "{t}.owner_id = $1 AND {t}.conversation_id = $2"
+PG_LOCK_CONVERSATION = f"SELECT FROM conversations WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE"
 PG_FINISH = (
     "WITH conv AS (SELECT conversations.message_count FROM conversations "
     f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), "
@@ -243,8 +247,9 @@ class PostgresHotPath(HotPath):
         self._idle: list[PoolProxiedConnection] = []
         self._closed = False
 
-    async def _fetch(self, sql: str, *args: Any) -> list[Any]:
-        self._observe(sql)
+    async def _fetch(self, sql: str, *args: Any, serialized: bool = False) -> list[Any]:
+        """`sql`'s rows; `serialized`: in one transaction, after the conversation's row lock ($1, $2), so the
+        statement's snapshot is taken once every finish holding that lock has committed."""
         if self._idle:
             fairy = self._idle.pop()
         else:
@@ -252,16 +257,26 @@ class PostgresHotPath(HotPath):
                 fairy = await self.engine.raw_connection()
             except Exception as err:  # SQLAlchemy wraps the driver's connect errors
                 raise Unavailable("the conversation store's database is unavailable; retry") from err
+        conn: asyncpg.Connection = fairy.driver_connection
         try:
-            rows: list[Any] = await fairy.driver_connection.fetch(sql, *args)  # type: ignore[union-attr]
+            if serialized:
+                async with conn.transaction():
+                    self._observe(PG_LOCK_CONVERSATION)
+                    await conn.execute(PG_LOCK_CONVERSATION, args[0], args[1])
+                    self._observe(sql)
+                    rows: list[Any] = await conn.fetch(sql, *args)
+            else:
+                self._observe(sql)
+                rows = await conn.fetch(sql, *args)
         except PG_UNREACHABLE as err:  # the connection is gone: not reused
             fairy.invalidate(err)
             await greenlet_spawn(fairy.close)
             raise Unavailable("the conversation store's database is unavailable; retry") from err
         except BaseException as err:
-            # A server error leaves the connection usable (autocommit: no transaction is left open). A
+            # A server error leaves the connection usable (autocommit, or the transaction rolled back). A
             # cancelled call (the caller went away) too: asyncpg has asked the server to cancel the statement,
             # and the connection's next call waits for that; closing it instead would leave the statement running.
+            # One still inside a transaction (a rollback that did not finish) is closed by _put_back.
             await self._put_back(fairy)
             if isinstance(err, PG_RETRYABLE):
                 raise Unavailable("the conversation store's database is busy; retry") from err
@@ -272,7 +287,8 @@ class PostgresHotPath(HotPath):
         return rows
 
     async def _put_back(self, fairy: PoolProxiedConnection) -> None:
-        if self._closed or len(self._idle) >= self._keep or fairy.driver_connection.is_closed():  # type: ignore[union-attr]
+        conn: asyncpg.Connection = fairy.driver_connection
+        if self._closed or len(self._idle) >= self._keep or conn.is_closed() or conn.is_in_transaction():
             await greenlet_spawn(fairy.close)
         else:
             self._idle.append(fairy)
@@ -300,10 +316,10 @@ class PostgresHotPath(HotPath):
         return history_from(rows) if rows else None
 
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                     v: FinishValues) -> int | None:
+                     v: FinishValues, serialized: bool = False) -> int | None:
         rows = await self._fetch(PG_FINISH, owner, conversation, turn, lease, v.to_state, v.user_token_count,
                                  v.user_status, v.reply_text, v.reply_token_count, v.reply_status, v.prompt_tokens,
-                                 v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day)
+                                 v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day, serialized=serialized)
         return int(rows[0][0]) if rows else None
 
     async def close(self) -> None:
@@ -449,7 +465,7 @@ class SqliteHotPath(HotPath):
         return result
 
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                     v: FinishValues) -> int | None:
+                     v: FinishValues, serialized: bool = False) -> int | None:
         def work(conn: sqlite3.Connection) -> int | None:
             self._exec(conn, "BEGIN IMMEDIATE")
             row = self._exec(conn, SQ_TURN_FOR_FINISH, (owner, conversation, turn, lease)).fetchone()
