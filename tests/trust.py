@@ -20,6 +20,7 @@ from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.server import status_for
 from chatmesh.mesh.tls import TlsFiles
 from chatmesh.mesh.trust import Trust
+from chatmesh.v1 import chat_pb2
 
 
 def make_certs(folder: Path) -> Path:
@@ -102,8 +103,11 @@ class OwnerChecked:
 
     def _check(self, request: Any, context: Any) -> None:
         conversation = getattr(request, "conversation_id", "")
+        # a SendTurn that creates its conversation is owner-wide, as CreateConversation is: chat forwards its
+        # token to the store's InsertConversation, which needs an owner-wide one
+        creates = isinstance(request, chat_pb2.SendTurnRequest) and request.HasField("create")
         self._guard.owner(context, request.owner_id, ConversationId(conversation) if conversation else None,
-                          owner_wide=not conversation)
+                          owner_wide=not conversation or creates)
         self.claims.append(self._guard.claims(context))
 
     def __getattr__(self, name: str) -> Any:

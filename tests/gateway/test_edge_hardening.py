@@ -36,6 +36,25 @@ async def test_deeply_nested_json_is_400_naming_the_limit(gateway: Gateway, fake
     assert len(fake.convs[conv].turns) == 1  # the nested ones reached nothing
 
 
+@pytest.mark.parametrize("text", ['"pw\\udcff"', '"\\ud800x"', '"x\\udfff\\ud800"'])
+async def test_a_lone_surrogate_is_400_not_500(gateway: Gateway, fake: FakeChat, text: str) -> None:
+    """JSON's \\uXXXX escapes (and json.loads, which decodes bytes with surrogatepass) let a lone surrogate into a
+    string; it failed later wherever the text was encoded: password hashing, protobuf (500, and a traceback)."""
+    raw_surrogate = '{"username": "a", "password": "pw'.encode() + b"\xed\xb3\xbf" + b'"}'
+    async with gateway.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        login = await client.post("/v1/session", content='{"username": "a", "password": %s}' % text)
+        raw_login = await client.post("/v1/session", content=raw_surrogate)
+        turn = await client.post(f"/v1/conversations/{conv}/turns",
+                                 content='{"turn_id": "%s", "content": %s}' % (uuid.uuid4(), text))
+        key = await client.post(f"/v1/conversations/{conv}/turns",
+                                content='{"turn_id": "%s", "content": "hi", %s: 1}' % (uuid.uuid4(), text))
+    for r in (login, raw_login, turn, key):
+        assert r.status_code == 400, r.text
+        assert "lone surrogate" in r.json()["error"]["message"]
+    assert fake.convs[conv].turns == {}
+
+
 async def raw_request(gw: Gateway, request: bytes) -> bytes:
     """The response head to a request sent byte for byte (httpx normalises `//host/` paths away)."""
     url = urlsplit(gw.url)

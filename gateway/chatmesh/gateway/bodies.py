@@ -46,6 +46,8 @@ async def json_object(request: Request, max_bytes: int, *, optional: bool = Fals
         raise bad_request("body: expected a JSON object")
     if depth_over(value, MAX_JSON_DEPTH):
         raise too_deep()
+    if not_unicode(value):
+        raise bad_request("body: a string holds a lone surrogate (\\udc80-style escapes are not text)")
     return value
 
 
@@ -64,6 +66,27 @@ def depth_over(value: object, limit: int) -> bool:
         if depth > limit:
             return True
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False
+
+
+def not_unicode(value: object) -> bool:
+    """True when a string (key or value) holds a lone surrogate: JSON's `\\ud800` escapes (and json.loads, which
+    decodes bytes with surrogatepass) let one in, and it fails later, as a 500, wherever the text is encoded
+    (password hashing, protobuf). Called after `depth_over`, so the walk is shallow."""
+    stack: list[object] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 

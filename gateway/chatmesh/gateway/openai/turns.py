@@ -183,7 +183,9 @@ class Turns:
                                        prompt_token_allowance=ask.allowance)
         if create is not None:
             req.create.CopyFrom(create)
-        call = self.edge.chat.SendTurn(req, metadata=owner_token(self.edge, ask.owner, conversation))
+        # creating the conversation is owner-wide (the store's InsertConversation refuses a conversation's token)
+        token = owner_token(self.edge, ask.owner, None if create is not None else conversation)
+        call = self.edge.chat.SendTurn(req, metadata=token)
         return Opened(call, await self._first(call), Point(conversation, turn), created=create is not None)
 
     @staticmethod
