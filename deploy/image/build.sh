@@ -4,7 +4,8 @@
 #
 #   podman build -f deploy/image/Containerfile -t registry.example.internal/chatmesh:0.1.0 .
 #
-# Here:  deploy/image/build.sh            (prints the image's size and the build's time)
+# Here:  deploy/image/build.sh            (prints the image's size and the build's time;
+#                                         CHATMESH_IMAGE_NO_CACHE=1: no layer cache, a cold build)
 #
 # 1. base: `debootstrap --variant=minbase bookworm` into a folder, imported as chatmesh-base:bookworm (Debian
 #    bookworm's minimal set, what debian:bookworm-slim is made from); kept once made (CHATMESH_IMAGE_REBASE=1
@@ -52,6 +53,8 @@ if [ -f "$HOST_CA" ]; then
   args+=(--build-arg BUILD_CA_FILE=/run/build-ca.crt)
   mounts+=(-v "$HOST_CA:/run/build-ca.crt:ro")
 fi
+
+[ "${CHATMESH_IMAGE_NO_CACHE:-0}" = 1 ] && args+=(--no-cache)  # a cold build, to time it
 
 start=$(date +%s)
 podman build --isolation=chroot --pull=never "${args[@]}" "${mounts[@]}" \

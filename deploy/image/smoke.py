@@ -1,5 +1,5 @@
 """The image's smoke turn, run by the image's own Python inside the image's files (deploy/image/smoke.sh feeds it on
-stdin): `chatmesh up` with the `local` engine (the baked SmolLM2 model on the CPU) and mTLS on, then two turns of
+stdin): `chatmesh store migrate` (the migrations Job's command), then `chatmesh up` with the `local` engine (the baked SmolLM2 model on the CPU) and mTLS on, then two turns of
 one conversation through the gateway's HTTP/SSE edge. Prints one JSON line (what was checked and measured) and
 exits 0 when every check holds. Standard library and the image's packages only (this file is not in the image)."""
 
@@ -56,12 +56,16 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="chatmesh-smoke-"))
     env = {**os.environ, "CHATMESH_DATA_DIR": str(work / "data"), "CHATMESH_ENGINE": "local",
            "CHATMESH_MESH_PLAINTEXT": "false", "CHATMESH_MAX_REPLY_TOKENS": "24", "CHATMESH_LOG_LEVEL": "info"}
+    # the migrations Job's command, against the embedded SQLite store here (the Job's is PostgreSQL)
+    (work / "data").mkdir()
+    migrate = subprocess.run(["chatmesh", "store", "migrate"], env=env, capture_output=True, text=True, timeout=120)
     out = (work / "up.out").open("wb")
     started = time.monotonic()
     up = subprocess.Popen(["chatmesh", "up"], env=env, stdout=out, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL)
     result: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid(), "python": sys.version.split()[0],
-                              "compilers": [c for c in ("gcc", "cc", "g++", "c++", "clang") if shutil.which(c)]}
+                              "compilers": [c for c in ("gcc", "cc", "g++", "c++", "clang") if shutil.which(c)],
+                              "migrate": [migrate.returncode, migrate.stdout.strip()[-80:]]}
     try:
         while b"chatmesh is up" not in (work / "up.out").read_bytes():
             if up.poll() is not None or time.monotonic() - started > UP_TIMEOUT_S:
@@ -79,7 +83,7 @@ def main() -> int:
         result.update(reply=reply, first_turn_s=round(first_s, 2), second_turn_s=round(second_s, 2),
                       first_usage=first.get("usage"), second_usage=second.get("usage"),
                       replica=second.get("replica_id", second.get("replica")))
-        checks = {"non_root": os.getuid() != 0, "no_compiler": not result["compilers"],
+        checks = {"non_root": os.getuid() != 0, "migrate": migrate.returncode == 0, "no_compiler": not result["compilers"],
                   "paris": "Paris" in reply,
                   "second_turn_cached": second["usage"]["cached_prompt_tokens"] > second["usage"]["prompt_tokens"] // 2}
         result["checks"] = checks
