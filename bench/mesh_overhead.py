@@ -20,6 +20,14 @@ through the edge and server CPU per turn, side by side. In-process counters are 
 turned off; they are what the endpoint serves).
 
     .venv/bin/python -m bench.mesh_overhead --observability --conversations 50 --turns 4 --think-ms 300
+
+`--security` compares, in one run, two meshes up side by side: one in plaintext (CHATMESH_MESH_PLAINTEXT: no TLS,
+no identities, no owner tokens) and one as `chatmesh up` runs it (mutual TLS on every hop, per-RPC
+authorization, owner tokens minted by the gateway and verified by chat, the store and the engine), the same
+paced load sent to each in turn, `--rounds` times with the order swapped each round: TTFT through the edge and
+server CPU per turn, side by side.
+
+    .venv/bin/python -m bench.mesh_overhead --security --conversations 50 --turns 4 --think-ms 300 --rounds 6
 """
 
 from __future__ import annotations
@@ -42,13 +50,14 @@ import grpc
 import httpx
 
 from bench.mesh_floor import FloorMesh
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from chatmesh.model import template
 from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.tokenizer import load as load_tokenizer
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.e2e.conftest import mesh_env
+from tests.e2e.conftest import channel, mesh_env
 
 
 def pct(values: list[float], q: float) -> float:
@@ -91,11 +100,12 @@ async def through_edge(url: str, conversations: int, turns: int, think_s: float 
     return ttfts
 
 
-async def direct(address: str, prompt_ids: list[int], conversations: int, turns: int, think_s: float = 0.0
+async def direct(mesh: Mesh, prompt_ids: list[int], conversations: int, turns: int, think_s: float = 0.0
                  ) -> list[float]:
+    """TTFT of GenerateService called as chat calls it (its certificate, an owner token per owner)."""
     ttfts: list[float] = []
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+    async with channel(mesh, "engine", ident.CHAT, owner_tokens=True) as channel_:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel_)
 
         async def conversation(i: int) -> None:
             rng = random.Random(i)
@@ -104,6 +114,7 @@ async def direct(address: str, prompt_ids: list[int], conversations: int, turns:
                 if think_s > 0:
                     await asyncio.sleep(rng.expovariate(1 / think_s))
                 req = generate_pb2.GenerateRequest(request_id=str(uuid.uuid4()), conversation_id=conv,
+                                                   owner_id=f"owner-{i}",
                                                    turn_id=str(uuid.uuid4()), prompt_token_ids=prompt_ids,
                                                    cache_salt=f"owner-{i}".encode(), max_tokens=48)
                 start = time.perf_counter()
@@ -235,6 +246,62 @@ def observability(args: argparse.Namespace) -> int:
     return 0
 
 
+LIFTED = {"CHATMESH_SIM_SPEED": "100000", "CHATMESH_MAX_REPLY_TOKENS": "48", "CHATMESH_LOG_LEVEL": "warning",
+          "CHATMESH_LIMIT_TURNS_PER_MINUTE": "1000000", "CHATMESH_LIMIT_OPEN_STREAMS": "100000",
+          "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000"}  # one local user drives every conversation
+
+
+def security(args: argparse.Namespace) -> int:
+    """Plaintext vs mutual TLS + authorization + owner tokens: two meshes up at once, rounds interleaved."""
+    results: dict[str, list[tuple[list[float], float]]] = {"plaintext": [], "mTLS + owner tokens": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        meshes = {}
+        try:
+            for mode in results:
+                env = mesh_env(Path(tmp) / mode / "data", **LIFTED,
+                               CHATMESH_MESH_PLAINTEXT="true" if mode == "plaintext" else "false")
+                meshes[mode] = Mesh(env=env, log_dir=Path(tmp) / mode / "logs", start_timeout_s=180)
+                meshes[mode].start()
+            for mesh in meshes.values():
+                asyncio.run(through_edge(mesh.gateway_url, 4, 1))
+            for r in range(args.rounds):
+                for mode in (list(meshes) if r % 2 == 0 else list(reversed(meshes))):
+                    mesh = meshes[mode]
+                    before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
+                    edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
+                                                    args.think_ms / 1000))
+                    cpu = sum(cpu_seconds(p.pid) - before[name] for name, p in mesh.procs.items()) / len(edge)
+                    results[mode].append((edge, cpu))
+        finally:
+            for mesh in meshes.values():
+                mesh.stop()
+    rows = []
+    for mode, runs in results.items():
+        ttfts = [t for edge, _ in runs for t in edge]
+        p50s = [statistics.median(edge) * 1e3 for edge, _ in runs]
+        rows.append((mode, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3,
+                     statistics.mean(c for _, c in runs) * 1e3, p50s))
+    (_, _, off_p50, off_p95, off_cpu, off_rounds), (_, _, on_p50, on_p95, on_cpu, on_rounds) = rows
+    paired = statistics.median(b - a for a, b in zip(off_rounds, on_rounds))
+    lines = [
+        f"### mTLS + owner tokens on vs off ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} cores, {platform.machine()}, {args.conversations} concurrent conversations x "
+        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds interleaved (order swapped "
+        f"each round), sim at ~0 step time, load average {os.getloadavg()[0]:.1f})",
+        "",
+        "| mesh | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 per round (ms) |",
+        "|---|---|---|---|---|---|",
+        *[f"| {mode} | {n} | {p50:.2f} | {p95:.2f} | {cpu:.2f} | {', '.join(f'{x:.2f}' for x in rounds)} |"
+          for mode, n, p50, p95, cpu, rounds in rows],
+        f"| **on minus off** | | **{on_p50 - off_p50:+.2f}** ({on_p50 / off_p50:.3f}x; median of the rounds' "
+        f"differences {paired:+.2f}) | {on_p95 - off_p95:+.2f} | **{on_cpu - off_cpu:+.2f} "
+        f"({(on_cpu / off_cpu - 1) * 100:+.1f}%)** | |",
+        "",
+    ]
+    report(lines, args.append)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--conversations", type=int, default=50)
@@ -244,10 +311,15 @@ def main() -> int:
     parser.add_argument("--append", help="append the results to this Markdown file")
     parser.add_argument("--observability", action="store_true",
                         help="compare metrics + tracing on vs off instead (see the module docstring)")
-    parser.add_argument("--rounds", type=int, default=2, help="with --observability: alternating off/on rounds")
+    parser.add_argument("--security", action="store_true",
+                        help="compare plaintext vs mutual TLS + owner tokens instead (see the module docstring)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="with --observability or --security: alternating off/on rounds")
     args = parser.parse_args()
     if args.observability:
         return observability(args)
+    if args.security:
+        return security(args)
     with tempfile.TemporaryDirectory() as tmp:
         # One local user drives every conversation: lift the per-user limits so the edge measures, not refuses.
         env = mesh_env(Path(tmp) / "data", CHATMESH_SIM_SPEED="100000", CHATMESH_MAX_REPLY_TOKENS="48",
@@ -261,9 +333,8 @@ def main() -> int:
                           .token_ids)
             # Warm both paths (connections, caches), then measure.
             asyncio.run(through_edge(mesh.gateway_url, 4, 1))
-            asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, 4, 1))
-            engine = asyncio.run(direct(mesh.cfg[settings.ENGINE_ADDRESS], prompt, args.conversations, args.turns,
-                                        args.think_ms / 1000))
+            asyncio.run(direct(mesh, prompt, 4, 1))
+            engine = asyncio.run(direct(mesh, prompt, args.conversations, args.turns, args.think_ms / 1000))
             before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
             started = time.perf_counter()
             edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns, args.think_ms / 1000))

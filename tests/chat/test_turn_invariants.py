@@ -25,7 +25,7 @@ from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, 
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.prompting import ChatMLRenderer
 from chatmesh.mesh import identity as ident
-from chatmesh.mesh import settings
+from chatmesh.mesh import settings, tokens
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.up import Extra, Mesh
 from chatmesh.model import tokenizer as model_tokenizer
@@ -37,7 +37,8 @@ from chatmesh.v1 import (
     chat_pb2, chat_pb2_grpc, common_pb2, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc,
 )
 from tests.conftest import free_port
-from tests.e2e.conftest import mesh_env
+from tests.e2e.conftest import channel, mesh_env
+from tests.trust import issuer_of
 
 OWNER = "alice"
 
@@ -47,6 +48,11 @@ class Cluster:
     mesh: Mesh
     chats: list[str]  # chat process addresses
     engines: dict[str, str]  # replica id -> address
+
+
+def as_gateway(mesh: Mesh, address: str) -> grpc.aio.Channel:
+    """ChatService at `address` as the gateway calls it: its certificate, an owner token for the request's owner."""
+    return channel(mesh, "chat", ident.GATEWAY, owner_tokens=True, address=address)
 
 
 def start_cluster(tmp: Path, **extra: str) -> Cluster:
@@ -72,13 +78,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.mesh.stop()
 
 
-async def engine_stats(address: str) -> generate_pb2.EngineStats:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def engine_stats(mesh: Mesh, address: str) -> generate_pb2.EngineStats:
+    async with channel(mesh, "engine", address=address) as ch:
         return (await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest())).stats
 
 
 async def open_leases(cluster: Cluster) -> int:
-    async with grpc.aio.insecure_channel(cluster.mesh.cfg[settings.ROUTER_ADDRESS]) as ch:
+    async with channel(cluster.mesh, "router") as ch:
         resp = await route_pb2_grpc.RouteServiceStub(ch).ListReplicas(route_pb2.ListReplicasRequest())
         return sum(r.open_leases for r in resp.replicas)
 
@@ -89,7 +95,7 @@ async def nothing_left_running(cluster: Cluster) -> AsyncIterator[None]:
     yield
     deadline = time.monotonic() + 10
     while True:
-        running = [(await engine_stats(address)).running_sequences for replica, address in cluster.engines.items()
+        running = [(await engine_stats(cluster.mesh, address)).running_sequences for replica, address in cluster.engines.items()
                    if cluster.mesh.procs[_proc_name(replica)].poll() is None]
         leases = await open_leases(cluster)
         if not any(running) and leases == 0:
@@ -102,8 +108,8 @@ def _proc_name(replica: str) -> str:
     return "engine" if replica == "engine-0" else replica
 
 
-async def new_conversation(address: str, owner: str = OWNER) -> str:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def new_conversation(mesh: Mesh, address: str, owner: str = OWNER) -> str:
+    async with as_gateway(mesh, address) as ch:
         resp = await chat_pb2_grpc.ChatServiceStub(ch).CreateConversation(
             chat_pb2.CreateConversationRequest(owner_id=owner))
         return resp.conversation.conversation_id
@@ -117,9 +123,9 @@ class TurnResult:
     sequences: list[int]
 
 
-async def send(address: str, conv: str, turn: str, content: str, stop_after_deltas: int = 0,
+async def send(mesh: Mesh, address: str, conv: str, turn: str, content: str, stop_after_deltas: int = 0,
                owner: str = OWNER, stop_via: str | None = None) -> TurnResult:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with as_gateway(mesh, address) as ch:
         stub = chat_pb2_grpc.ChatServiceStub(ch)
         text, seqs, deltas = "", [], 0
         async for resp in stub.SendTurn(chat_pb2.SendTurnRequest(owner_id=owner, conversation_id=conv,
@@ -131,7 +137,7 @@ async def send(address: str, conv: str, turn: str, content: str, stop_after_delt
                 text += event.delta.text
                 deltas += 1
                 if deltas == stop_after_deltas:
-                    async with grpc.aio.insecure_channel(stop_via or address) as stop_ch:
+                    async with as_gateway(mesh, stop_via or address) as stop_ch:
                         stopped = await chat_pb2_grpc.ChatServiceStub(stop_ch).StopTurn(chat_pb2.StopTurnRequest(
                             owner_id=owner, conversation_id=conv, turn_id=turn))
                     assert stopped.stopped
@@ -140,8 +146,8 @@ async def send(address: str, conv: str, turn: str, content: str, stop_after_delt
         raise AssertionError("stream ended without a final event")
 
 
-async def messages(address: str, conv: str, owner: str = OWNER) -> list[common_pb2.Message]:
-    async with grpc.aio.insecure_channel(address) as ch:
+async def messages(mesh: Mesh, address: str, conv: str, owner: str = OWNER) -> list[common_pb2.Message]:
+    async with as_gateway(mesh, address) as ch:
         resp = await chat_pb2_grpc.ChatServiceStub(ch).GetConversation(
             chat_pb2.GetConversationRequest(owner_id=owner, conversation_id=conv))
         return list(resp.messages)
@@ -150,22 +156,22 @@ async def messages(address: str, conv: str, owner: str = OWNER) -> list[common_p
 async def test_twenty_concurrent_sends_of_one_turn_id_over_two_chat_processes_generate_once(
         cluster: Cluster) -> None:
     owner = f"bob-{uuid.uuid4()}"
-    conv = await new_conversation(cluster.chats[0], owner)
-    before = sum([(await engine_stats(a)).generations for a in cluster.engines.values()])
+    conv = await new_conversation(cluster.mesh, cluster.chats[0], owner)
+    before = sum([(await engine_stats(cluster.mesh, a)).generations for a in cluster.engines.values()])
     turn = str(uuid.uuid4())
     results = await asyncio.gather(*[
-        send(cluster.chats[i % 2], conv, turn, "Please tell me a story about routers.", owner=owner)
+        send(cluster.mesh, cluster.chats[i % 2], conv, turn, "Please tell me a story about routers.", owner=owner)
         for i in range(20)])
-    after = sum([(await engine_stats(a)).generations for a in cluster.engines.values()])
+    after = sum([(await engine_stats(cluster.mesh, a)).generations for a in cluster.engines.values()])
     assert after - before == 1, "one turn id must mean one engine generation"
     texts = {r.text for r in results}
     assert len(texts) == 1 and results[0].text, texts
     assert all(r.final == "completed" for r in results)
     assert all(r.sequences == sorted(r.sequences) for r in results)
-    stored = await messages(cluster.chats[1], conv, owner)
+    stored = await messages(cluster.mesh, cluster.chats[1], conv, owner)
     assert [m.role for m in stored] == [common_pb2.ROLE_USER, common_pb2.ROLE_ASSISTANT]
     assert stored[1].content == results[0].text
-    async with grpc.aio.insecure_channel(cluster.chats[0]) as ch:
+    async with as_gateway(cluster.mesh, cluster.chats[0]) as ch:
         usage = await chat_pb2_grpc.ChatServiceStub(ch).GetUsage(chat_pb2.GetUsageRequest(owner_id=owner))
     # Billed once: the owner's totals hold exactly this one turn's usage.
     billed = results[0].final_event.completed.usage
@@ -193,17 +199,19 @@ def _core_for(cluster: Cluster, channels: Channels) -> ChatCore:
 async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Cluster) -> None:
     channels = Channels(cluster.mesh.trust(ident.CHAT))
     core = _core_for(cluster, channels)
+    if not cluster.mesh.cfg[settings.MESH_PLAINTEXT]:  # the core acts for alice as chat does: with her token
+        tokens.current.set(issuer_of(cluster.mesh.certs).mint(OwnerId(OWNER)).token)
     assert isinstance(core.renderer, ChatMLRenderer)
     tok = core.renderer.tokenizer
     try:
-        conv = await new_conversation(cluster.chats[0])
+        conv = await new_conversation(cluster.mesh, cluster.chats[0])
         owner, cid = OwnerId(OWNER), ConversationId(conv)
         previous: tuple[tuple[int, ...], str] | None = None
         boundaries = 0
         for n in range(10):
             message = f"Question number {n}: what happens next in the story?"
             planned = await core.next_prompt(owner, cid, message)
-            result = await send(cluster.chats[n % 2], conv, str(uuid.uuid4()), message)
+            result = await send(cluster.mesh, cluster.chats[n % 2], conv, str(uuid.uuid4()), message)
             assert result.final == "completed"
             sent_tokens = result.final_event.completed.usage.prompt_tokens
             rebuilt = await core.next_prompt(owner, cid, message)
@@ -227,16 +235,16 @@ async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Clus
 
 
 async def test_stop_mid_stream_frees_the_sequence_and_stores_what_was_seen(cluster: Cluster) -> None:
-    conv = await new_conversation(cluster.chats[0])
-    before = {r: await engine_stats(a) for r, a in cluster.engines.items()}
-    result = await send(cluster.chats[0], conv, str(uuid.uuid4()), "Write a very long essay.", stop_after_deltas=3)
+    conv = await new_conversation(cluster.mesh, cluster.chats[0])
+    before = {r: await engine_stats(cluster.mesh, a) for r, a in cluster.engines.items()}
+    result = await send(cluster.mesh, cluster.chats[0], conv, str(uuid.uuid4()), "Write a very long essay.", stop_after_deltas=3)
     assert result.final == "stopped"
-    stored = await messages(cluster.chats[0], conv)
+    stored = await messages(cluster.mesh, cluster.chats[0], conv)
     assert stored[-1].status == common_pb2.MESSAGE_STATUS_STOPPED
     assert stored[-1].content == result.text and result.text
     deadline = time.monotonic() + 5
     while True:
-        after = {r: await engine_stats(a) for r, a in cluster.engines.items()}
+        after = {r: await engine_stats(cluster.mesh, a) for r, a in cluster.engines.items()}
         held = {r: s.device.blocks_used - s.device.blocks_cached for r, s in after.items()}
         held_before = {r: s.device.blocks_used - s.device.blocks_cached for r, s in before.items()}
         if held == held_before and all(s.running_sequences == 0 for s in after.values()):
@@ -246,11 +254,11 @@ async def test_stop_mid_stream_frees_the_sequence_and_stores_what_was_seen(clust
 
 
 async def test_stop_reaching_another_chat_process_is_forwarded_to_the_one_generating(cluster: Cluster) -> None:
-    conv = await new_conversation(cluster.chats[0])
-    result = await send(cluster.chats[0], conv, str(uuid.uuid4()), "Write a very long essay.", stop_after_deltas=3,
+    conv = await new_conversation(cluster.mesh, cluster.chats[0])
+    result = await send(cluster.mesh, cluster.chats[0], conv, str(uuid.uuid4()), "Write a very long essay.", stop_after_deltas=3,
                         stop_via=cluster.chats[1])
     assert result.final == "stopped"
-    stored = await messages(cluster.chats[1], conv)
+    stored = await messages(cluster.mesh, cluster.chats[1], conv)
     assert stored[-1].status == common_pb2.MESSAGE_STATUS_STOPPED and stored[-1].content == result.text
 
 
@@ -258,12 +266,12 @@ async def test_engine_killed_mid_stream_stores_nothing_and_the_retry_generates_o
         tmp_path: Path) -> None:
     c = start_cluster(tmp_path)
     try:
-        conv = await new_conversation(c.chats[0])
+        conv = await new_conversation(c.mesh, c.chats[0])
         turn = str(uuid.uuid4())
-        first = asyncio.create_task(send(c.chats[0], conv, turn, "Tell me about consistent hashing."))
+        first = asyncio.create_task(send(c.mesh, c.chats[0], conv, turn, "Tell me about consistent hashing."))
         victim = ""
         for _ in range(200):
-            running = {r: (await engine_stats(a)).running_sequences for r, a in c.engines.items()}
+            running = {r: (await engine_stats(c.mesh, a)).running_sequences for r, a in c.engines.items()}
             victim = next((r for r, n in running.items() if n), "")
             if victim:
                 break
@@ -272,11 +280,11 @@ async def test_engine_killed_mid_stream_stores_nothing_and_the_retry_generates_o
         c.mesh.procs[_proc_name(victim)].kill()
         failed = await asyncio.wait_for(first, 30)
         assert failed.final == "failed" and failed.final_event.failed.retryable
-        assert await messages(c.chats[0], conv) == []
-        retry = await send(c.chats[1], conv, turn, "Tell me about consistent hashing.")
+        assert await messages(c.mesh, c.chats[0], conv) == []
+        retry = await send(c.mesh, c.chats[1], conv, turn, "Tell me about consistent hashing.")
         assert retry.final == "completed", retry.final_event
         assert retry.final_event.completed.replica_id != victim
-        stored = await messages(c.chats[0], conv)
+        stored = await messages(c.mesh, c.chats[0], conv)
         assert len(stored) == 2 and stored[1].content == retry.text
     finally:
         c.mesh.stop()

@@ -1,6 +1,11 @@
 """The real mesh for end-to-end tests: every service as its own process on free loopback ports, the embedded
 SQLite store in a temporary folder, and the `sim` engine slowed to a fixed step time so a reply streams for a
-while (deltas arrive before completion; a stop or SIGTERM lands mid-stream)."""
+while (deltas arrive before completion; a stop or SIGTERM lands mid-stream).
+
+The mesh runs as `chatmesh up` runs it: mutual TLS on every hop with the development certificates `Mesh` makes
+under its data folder, owner tokens minted by the gateway. A test calling a service directly does so through
+`channel`, as a mesh identity with those certificates (and, acting for a user, with owner tokens), never in
+plaintext."""
 
 from __future__ import annotations
 
@@ -12,12 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh import settings
+from chatmesh.mesh.config import Setting
+from chatmesh.mesh.identity import Identity
 from chatmesh.mesh.up import Mesh
 from tests.conftest import free_port
+from tests.trust import channel_as
+
+ADDRESS_OF: dict[str, Setting[str]] = {
+    "chat": settings.CHAT_ADDRESS, "store": settings.STORE_ADDRESS, "router": settings.ROUTER_ADDRESS,
+    "engine": settings.ENGINE_ADDRESS, "moderation": settings.MODERATION_ADDRESS,
+}
 
 
 def mesh_env(data_dir: Path, **extra: str) -> dict[str, str]:
@@ -31,6 +46,7 @@ def mesh_env(data_dir: Path, **extra: str) -> dict[str, str]:
         "CHATMESH_ROUTER_ADDRESS": f"127.0.0.1:{ports['router']}",
         "CHATMESH_ENGINE_ADDRESS": f"127.0.0.1:{ports['engine']}",
         "CHATMESH_MODERATION_ADDRESS": f"127.0.0.1:{ports['moderation']}",
+        "CHATMESH_OWNER_TOKEN_ADDRESS": f"127.0.0.1:{free_port()}",  # the gateway's OwnerTokenService
         "CHATMESH_ENGINE": "sim",
         "CHATMESH_SIM_STEP_MS": "20",
         "CHATMESH_MAX_REPLY_TOKENS": "48",
@@ -54,6 +70,17 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield m
     finally:
         m.stop()
+
+
+def channel(mesh: Mesh, service: str, who: Identity = ident.OPERATOR, *, owner_tokens: bool = False,
+            address: str | None = None) -> grpc.aio.Channel:
+    """A channel to `service` of `mesh` (at `address`: another replica or chat process) presenting `who`'s
+    certificate; with `owner_tokens`, each call carries a valid token for the owner its request names, as the
+    gateway's and chat's calls do. In plaintext only if the mesh was started so."""
+    target = address or mesh.cfg[ADDRESS_OF[service]]
+    if mesh.cfg[settings.MESH_PLAINTEXT]:
+        return grpc.aio.insecure_channel(target)
+    return channel_as(mesh.certs, who, target, service, owner_tokens)
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,12 @@ import asyncio
 import uuid
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import pytest
 
-from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.e2e.conftest import SseEvent, read_sse, start_mesh
+from tests.e2e.conftest import SseEvent, channel, read_sse, start_mesh
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +26,7 @@ def own_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 def generations(mesh: Mesh) -> int:
     async def stats() -> int:
-        async with grpc.aio.insecure_channel(mesh.cfg[settings.ENGINE_ADDRESS]) as ch:
+        async with channel(mesh, "engine") as ch:
             resp = await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest())
             return resp.stats.generations
 

@@ -26,11 +26,12 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh import metrics, status
 from chatmesh.mesh.up import Mesh
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
 from tests.conftest import free_port, need
-from tests.e2e.conftest import read_sse, start_mesh
+from tests.e2e.conftest import channel, read_sse, start_mesh
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 
@@ -276,19 +277,18 @@ def test_one_turn_is_one_trace_from_the_edge(observed: Observed) -> None:
 
 
 async def test_store_router_and_engine_continue_a_callers_trace(observed: Observed) -> None:
-    cfg = observed.mesh.cfg
     trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
     metadata = (("traceparent", f"00-{trace_id}-{parent}-01"),)
-    from chatmesh.mesh import settings
-
-    async with grpc.aio.insecure_channel(cfg[settings.ROUTER_ADDRESS]) as channel:
-        pick = await route_pb2_grpc.RouteServiceStub(channel).PickReplica(
+    # as chat calls them: chat's certificate, and for Generate an owner token for the owner it names
+    async with channel(observed.mesh, "router", ident.CHAT) as ch:
+        pick = await route_pb2_grpc.RouteServiceStub(ch).PickReplica(
             route_pb2.PickReplicaRequest(conversation_id=observed.conversations[0]), metadata=metadata)
-        await route_pb2_grpc.RouteServiceStub(channel).ReleaseLease(
+        await route_pb2_grpc.RouteServiceStub(ch).ReleaseLease(
             route_pb2.ReleaseLeaseRequest(lease_id=pick.lease_id), metadata=metadata)
-    async with grpc.aio.insecure_channel(cfg[settings.ENGINE_ADDRESS]) as channel:
-        async for _ in generate_pb2_grpc.GenerateServiceStub(channel).Generate(generate_pb2.GenerateRequest(
-                prompt_token_ids=list(range(1, 90)), max_tokens=4, request_id="trace-test"), metadata=metadata):
+    async with channel(observed.mesh, "engine", ident.CHAT, owner_tokens=True) as ch:
+        async for _ in generate_pb2_grpc.GenerateServiceStub(ch).Generate(generate_pb2.GenerateRequest(
+                prompt_token_ids=list(range(1, 90)), max_tokens=4, request_id="trace-test", owner_id="trace-test"),
+                metadata=metadata):
             pass
     spans = _wait_spans(observed.receiver, trace_id, {
         "chatmesh.v1.RouteService/PickReplica", "chatmesh.v1.GenerateService/Generate", "queue", "prefill"})

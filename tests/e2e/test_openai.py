@@ -8,7 +8,6 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import httpx
 import openai
 import pytest
@@ -17,7 +16,7 @@ from openai.types.responses import ResponseIncompleteEvent
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Mesh
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.e2e.conftest import start_mesh
+from tests.e2e.conftest import channel, start_mesh
 from tests.gateway.openai_client import dropping_proxy, make_key, sdk
 
 MODEL = "smollm2-135m-instruct"
@@ -38,7 +37,7 @@ def data_dir(mesh: Mesh) -> Path:
 
 
 async def generations(mesh: Mesh) -> int:
-    async with grpc.aio.insecure_channel(mesh.cfg[settings.ENGINE_ADDRESS]) as ch:
+    async with channel(mesh, "engine") as ch:
         resp = await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest())
         return resp.stats.generations
 

@@ -10,10 +10,10 @@ import grpc
 import httpx
 import pytest
 
-from chatmesh.mesh import settings
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh.up import Mesh
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, store_pb2, store_pb2_grpc
-from tests.e2e.conftest import SseEvent, read_sse
+from tests.e2e.conftest import SseEvent, channel, read_sse
 
 
 def send_turn(client: httpx.Client, conv: str, content: str, turn_id: str | None = None
@@ -102,9 +102,8 @@ def test_malformed_json_and_unknown_conversation(mesh: Mesh) -> None:
 
 
 async def test_grpc_callers_get_invalid_argument_or_not_found_never_unknown(mesh: Mesh) -> None:
-    cfg = mesh.cfg
-    async with grpc.aio.insecure_channel(cfg[settings.CHAT_ADDRESS]) as chat_ch, \
-            grpc.aio.insecure_channel(cfg[settings.STORE_ADDRESS]) as store_ch:
+    async with channel(mesh, "chat", ident.GATEWAY, owner_tokens=True) as chat_ch, \
+            channel(mesh, "store", ident.CHAT, owner_tokens=True) as store_ch:
         chat = chat_pb2_grpc.ChatServiceStub(chat_ch)
         store = store_pb2_grpc.StoreServiceStub(store_ch)
         cases: list[tuple[Awaitable[object], grpc.StatusCode, str]] = [

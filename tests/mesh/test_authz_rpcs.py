@@ -130,3 +130,26 @@ async def _walk(certs: Path, servers: dict[str, int], service: str) -> None:
             rows.append((who, rpc, allowed, code.name))
             assert denied != allowed, (who, rpc, code, details)
     assert any(allowed for *_, allowed, _ in rows) and not all(allowed for *_, allowed, _ in rows)
+
+
+async def test_every_service_port_refuses_a_peer_without_a_certificate_or_with_one_from_another_ca(
+        certs: Path, servers: dict[str, int], tmp_path: Path) -> None:
+    """Each real service's port (the gateway's OwnerTokenService too): no client certificate, a client certificate
+    of another CA (the client itself trusting the mesh's CA, so the server is what refuses) and plaintext get no
+    answer; the operator's certificate gets health."""
+    other = make_certs(tmp_path / "other-ca")
+    ca = (certs / pki.CA_FILE).read_bytes()
+    stem = ident.file_stem(OPERATOR)
+    foreign = grpc.ssl_channel_credentials(ca, (other / f"{stem}-key.pem").read_bytes(),
+                                           (other / f"{stem}.pem").read_bytes())
+    health = "/grpc.health.v1.Health/Check"
+    for service, port in servers.items():
+        address = f"127.0.0.1:{port}"
+        name = [("grpc.ssl_target_name_override", ident.server_name(SERVER_NAME[service]))]
+        for credentials in (grpc.ssl_channel_credentials(ca), foreign):
+            async with grpc.aio.secure_channel(address, credentials, name) as refused:
+                assert (await outcome(refused, health, "unary_unary"))[0] == grpc.StatusCode.UNAVAILABLE, service
+        async with grpc.aio.insecure_channel(address) as plain:
+            assert (await outcome(plain, health, "unary_unary"))[0] == grpc.StatusCode.UNAVAILABLE, service
+        async with channel_as(certs, OPERATOR, address, SERVER_NAME[service]) as operator:
+            assert (await outcome(operator, health, "unary_unary")) == (grpc.StatusCode.OK, ""), service

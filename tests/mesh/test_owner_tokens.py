@@ -5,9 +5,10 @@ charged or deleted; with bob's token it is."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.server import start_server
 from chatmesh.store import service as store_service
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, store_pb2, store_pb2_grpc
+from tests.mesh.conftest import events
 from tests.trust import channel_as, issuer_of, make_certs, trust_as
 
 if TYPE_CHECKING:
@@ -146,3 +148,42 @@ async def test_expired_foreign_and_tampered_tokens_are_refused(
         code, details = await refused(store.ReadConversation(store_pb2.ReadConversationRequest(
             owner_id=BOB, conversation_id=conv), metadata=md(bad)))
         assert code == grpc.StatusCode.UNAUTHENTICATED and why in details, (code, details)
+
+
+async def test_a_conversation_bound_token_creates_that_conversation_only(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel]) -> None:
+    """Chat's SendTurn with `create` (the OpenAI surface's first turn) inserts the conversation it names with the
+    token the edge bound to it; that token makes no other conversation, and no unnamed one."""
+    store = StoreStub(mesh[0])
+    conv, other = str(uuid.uuid4()), str(uuid.uuid4())
+    bound = md(token(certs, BOB, conv))
+    made = await store.InsertConversation(store_pb2.InsertConversationRequest(
+        owner_id=BOB, conversation_id=conv, system_prompt_version="v1"), metadata=bound)
+    assert made.created and made.conversation.conversation_id == conv
+    for request in (store_pb2.InsertConversationRequest(owner_id=BOB, conversation_id=other,
+                                                        system_prompt_version="v1"),
+                    store_pb2.InsertConversationRequest(owner_id=BOB, system_prompt_version="v1")):
+        assert (await refused(store.InsertConversation(request, metadata=bound)))[0] == \
+            grpc.StatusCode.PERMISSION_DENIED
+    alice_bound = md(token(certs, ALICE, other))
+    assert (await refused(store.InsertConversation(store_pb2.InsertConversationRequest(
+        owner_id=BOB, conversation_id=other, system_prompt_version="v1"), metadata=alice_bound)))[0] == \
+        grpc.StatusCode.PERMISSION_DENIED
+    listed = await store.ListOwnerConversations(store_pb2.ListOwnerConversationsRequest(owner_id=BOB),
+                                                metadata=md(token(certs, BOB)))
+    assert [c.conversation_id for c in listed.conversations] == [conv]
+
+
+async def test_an_owner_refusal_is_logged_once_with_ids_and_never_the_token(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel], captured: io.StringIO) -> None:
+    store = StoreStub(mesh[0])
+    conv = await bobs_conversation(store, certs)
+    alices = token(certs, ALICE)
+    await refused(store.ReadConversation(store_pb2.ReadConversationRequest(owner_id=BOB, conversation_id=conv),
+                                         metadata=md(alices)))
+    denied = events(captured, "owner_denied")
+    assert len(denied) == 1, captured.getvalue()
+    assert {k: denied[0][k] for k in ("reason", "caller", "rpc", "owner_id", "conversation_id")} == {
+        "reason": "owner_mismatch", "caller": ident.CHAT, "rpc": "/chatmesh.v1.StoreService/ReadConversation",
+        "owner_id": BOB, "conversation_id": conv}
+    assert alices not in captured.getvalue() and alices.split(".")[2] not in captured.getvalue()

@@ -4,6 +4,7 @@ certificate rotation under an open stream (server and client side), plaintext re
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +24,7 @@ from chatmesh.mesh.tls import TlsFiles
 from chatmesh.mesh.trust import Trust, TrustRefused
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
 from tests.conftest import free_port
+from tests.mesh.conftest import events
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +212,14 @@ async def test_rotating_certificates_under_an_open_stream(rotation_certs: Path) 
         await channel.close(None)
     finally:
         await running.stop(service, 0)
+
+
+async def test_a_denied_call_is_logged_once_with_ids_only(certs: Path, router: Running,
+                                                           captured: io.StringIO) -> None:
+    async with channels.open_channel(trust_of(certs, ident.ENGINE), f"127.0.0.1:{router.port}", "router") as ch:
+        assert await list_replicas(ch) == grpc.StatusCode.PERMISSION_DENIED
+    denied = events(captured, "permission_denied")
+    assert len(denied) == 1, captured.getvalue()
+    assert denied[0]["caller"] == "spiffe://chatmesh/engine"
+    assert denied[0]["rpc"] == "/chatmesh.v1.RouteService/ListReplicas"
+    assert set(denied[0]) <= {"event", "caller", "rpc", "peer", "level", "timestamp", "service", "logger"}, denied[0]

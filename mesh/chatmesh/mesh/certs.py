@@ -31,11 +31,15 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_certs)
 
 
+def grpcurl_tls(folder: Path) -> str:
+    """The flags that make grpcurl the operator: the mesh CA, the operator's certificate and key."""
+    stem = ident.file_stem(ident.OPERATOR)
+    return f"-cacert {folder / pki.CA_FILE} -cert {folder / f'{stem}.pem'} -key {folder / f'{stem}-key.pem'}"
+
+
 def grpcurl_flags(folder: Path, service: str = "chat") -> str:
     """The flags that make grpcurl the operator, expecting `service`'s certificate."""
-    stem = ident.file_stem(ident.OPERATOR)
-    return (f"-cacert {folder / pki.CA_FILE} -cert {folder / f'{stem}.pem'} -key {folder / f'{stem}-key.pem'} "
-            f"-authority {ident.server_name(service)}")
+    return f"{grpcurl_tls(folder)} -authority {ident.server_name(service)}"
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -48,8 +52,10 @@ def _certs(args: argparse.Namespace) -> int:
         kid = pki.rotate_token_key(folder, args.retire_token_key) if args.rotate_token_key else \
             pki.retire_token_keys(folder, args.retire_token_key)
         print(f"owner tokens are signed with key {kid} ({folder / pki.TOKEN_KEYS_FILE})")
-    chat = cfg[settings.CHAT_ADDRESS]
+    chat, engine = cfg[settings.CHAT_ADDRESS], cfg[settings.ENGINE_ADDRESS]
     print(f"""certificates in {folder} (CA {folder / pki.CA_FILE})
 grpcurl as the operator (-authority names the service whose certificate to expect):
-  grpcurl {grpcurl_flags(folder)} {chat} list""")
+  TLS="{grpcurl_tls(folder)}"
+  grpcurl $TLS -authority {ident.server_name("chat")} {chat} list
+  grpcurl $TLS -authority {ident.server_name("engine")} -d '{{}}' {engine} chatmesh.v1.GenerateService/GetStats""")
     return 0

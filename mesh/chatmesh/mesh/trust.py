@@ -93,12 +93,7 @@ class Trust:
     def from_config(cls, cfg: Config, who: Identity, issuer: bool = False) -> Trust:
         if cfg[settings.MESH_PLAINTEXT]:
             return cls.insecure()
-        folder = certs_folder(cfg)
-        default = TlsFiles.in_folder(folder, who)
-        files = TlsFiles(
-            ca=Path(cfg[settings.MESH_CA_FILE]).expanduser() if cfg[settings.MESH_CA_FILE] else default.ca,
-            cert=Path(cfg[settings.MESH_CERT_FILE]).expanduser() if cfg[settings.MESH_CERT_FILE] else default.cert,
-            key=Path(cfg[settings.MESH_KEY_FILE]).expanduser() if cfg[settings.MESH_KEY_FILE] else default.key)
+        files = tls_files(cfg, who)
         keys = tokens.keys_file(cfg[settings.OWNER_TOKEN_KEYS_FILE], cfg[settings.DATA_DIR], issuer)
         authz = cfg[settings.MESH_AUTHZ_FILE]
         return cls.from_files(files, who, keys, Path(authz).expanduser() if authz else None)
@@ -109,6 +104,15 @@ class Trust:
             raise TrustRefused(
                 f"{what} {address} in plaintext refused: CHATMESH_MESH_PLAINTEXT serves and dials loopback only; "
                 f"use mutual TLS (CHATMESH_MESH_CERT_FILE, ...) for any other address")
+
+
+def tls_files(cfg: Config, who: Identity) -> TlsFiles:
+    """The CA bundle, certificate and key the settings name for `who` (default: its development files)."""
+    default = TlsFiles.in_folder(certs_folder(cfg), who)
+    return TlsFiles(
+        ca=Path(cfg[settings.MESH_CA_FILE]).expanduser() if cfg[settings.MESH_CA_FILE] else default.ca,
+        cert=Path(cfg[settings.MESH_CERT_FILE]).expanduser() if cfg[settings.MESH_CERT_FILE] else default.cert,
+        key=Path(cfg[settings.MESH_KEY_FILE]).expanduser() if cfg[settings.MESH_KEY_FILE] else default.key)
 
 
 def certs_folder(cfg: Config) -> Path:

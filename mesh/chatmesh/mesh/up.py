@@ -111,11 +111,6 @@ class Mesh:
     start_timeout_s: float = 120.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        # Until chat's clients take the mesh's channels (issue 16, after the chat rebuild), the mesh runs in
-        # plaintext on loopback unless the caller asks for TLS (CHATMESH_MESH_PLAINTEXT=false).
-        self.env = {"CHATMESH_MESH_PLAINTEXT": "true", **self.env}
-
     @property
     def cfg(self) -> Config:
         return Config(env=self.env)
@@ -298,6 +293,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"chatmesh: {err}", file=sys.stderr)
         return 1
     url = mesh.gateway_url
+    trust_line = ("gRPC in plaintext (CHATMESH_MESH_PLAINTEXT, loopback only): no identities, no owner tokens."
+                  if mesh.cfg[settings.MESH_PLAINTEXT] else
+                  f"Every gRPC hop speaks mutual TLS with the certificates in {mesh.certs}; `chatmesh certs` prints\n"
+                  "the flags that make grpcurl the operator (README, \"Debugging with grpcurl\").")
     metrics_lines = "".join(f"\n  {name:<10} {where}" for name, where in mesh.metrics_urls.items()) or "off"
     print(f"""
 chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
@@ -306,6 +305,7 @@ chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
   curl -N {url}/v1/conversations/$conv/turns -H 'content-type: application/json' \\
     -d '{{"turn_id": "'$(python3 -c 'import uuid; print(uuid.uuid4())')'", "content": "What is the capital of France?"}}'
 
+{trust_line}
 Prometheus metrics (GET /metrics): {metrics_lines}
 At a glance: chatmesh status [--watch]; a Prometheus config scraping these: chatmesh status --scrape-config
 (Grafana dashboard: docs/observability/grafana-dashboard.json). Each reply on the web page shows its TTFT and

@@ -89,9 +89,13 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
                                  context: Context) -> store_pb2.InsertConversationResponse:
+        # Creating a named conversation (chat's SendTurn with `create`) needs a token for that conversation (or
+        # an owner-wide one): the call can only make, or return, that one conversation of the owner.
+        named = parse_conversation_id(request.conversation_id) if request.conversation_id else None
+        owner = self._owner_wide(request, context) if named is None else \
+            self.guard.owner(context, request.owner_id, named)
         conv, created = await self.store.create_conversation(
-            self._owner_wide(request, context), request.title, request.system_prompt_version,
-            conversation=parse_conversation_id(request.conversation_id) if request.conversation_id else None,
+            owner, request.title, request.system_prompt_version, conversation=named,
             seed=[seed_of(m, f"messages[{i}]") for i, m in enumerate(request.messages)])
         return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv), created=created)
 
