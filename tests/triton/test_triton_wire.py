@@ -176,7 +176,11 @@ def test_build_backend_connects_or_renders_a_local_server(tmp_path: Path) -> Non
     from chatmesh.engine_adapter.triton.backend import TritonBackend
     from chatmesh.mesh.config import Config
 
-    remote = build_backend(Config(env={"CHATMESH_TRITON_ADDRESS": "triton-7:8001", "CHATMESH_REPLICA_ID": "n7"}))
+    from chatmesh.mesh import pki
+
+    pki.ensure(tmp_path / "certs")  # a remote Triton is reached over mutual TLS with the engine's certificate
+    remote = build_backend(Config(env={"CHATMESH_TRITON_ADDRESS": "triton-7:8001", "CHATMESH_REPLICA_ID": "n7",
+                                       "CHATMESH_DATA_DIR": str(tmp_path)}))
     assert isinstance(remote, TritonBackend) and remote.server is None and remote.address == "triton-7:8001"
     env = {"CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_REPLICA_ID": "e1", "CHATMESH_TRITON_ENGINE": "sim",
            "CHATMESH_SIM_STEP_MS": "4", "CHATMESH_ENGINE": "triton"}

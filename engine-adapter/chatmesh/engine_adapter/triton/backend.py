@@ -2,7 +2,8 @@
 
 Transport: tritonclient's asyncio gRPC client, one `ModelStreamInfer` stream per generation (so cancelling one
 generation cancels one stream and nothing else), on one shared channel. The request half of the stream stays open
-until the generation finishes; responses are wire.py's started / delta / finished tensors.
+until the generation finishes; responses are wire.py's started / delta / finished tensors. The channel speaks
+mutual TLS with the engine's mesh certificate when tls.py says so (a Triton this backend starts serves it too).
 
 Failure rules (the servicer maps the typed errors to gRPC statuses):
 - Triton unreachable or answering UNAVAILABLE before the first token: retried `retries` times with a short
@@ -56,6 +57,8 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.engine_adapter import settings as engine_settings
 from chatmesh.engine_adapter.residency import FROM_START, ResidencyJournal
 from chatmesh.engine_adapter.triton import settings, wire
+from chatmesh.engine_adapter.triton import tls as triton_tls
+from chatmesh.engine_adapter.triton.tls import TritonTls
 from chatmesh.engine_adapter.triton.launcher import TritonServer
 from chatmesh.engine_adapter.triton.render import Deployment, render
 from chatmesh.mesh import logs, tracing
@@ -93,6 +96,7 @@ class TritonOptions:
     retries: int = 2
     stats_interval_s: float = 1.0
     ready_timeout_s: float = 10.0  # how long start() waits for ModelReady before serving not-ready
+    tls: TritonTls | None = None  # mutual TLS toward a remote Triton (tls.py); a started server brings its own
 
 
 class TritonBackend:
@@ -130,7 +134,8 @@ class TritonBackend:
     async def start(self) -> None:
         if self.server is not None and not self.server.running():
             await self.server.start_async()
-        self._client = grpcclient.InferenceServerClient(self.address)
+        tls = self.server.tls if self.server is not None else self.options.tls
+        self._client = grpcclient.InferenceServerClient(self.address, **(tls.client_kwargs() if tls else {}))
         deadline = asyncio.get_running_loop().time() + self.options.ready_timeout_s
         while not await self._model_ready() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.1)
@@ -375,7 +380,8 @@ def from_config(cfg: Config) -> TritonBackend:
     options = TritonOptions(
         address=cfg[settings.TRITON_ADDRESS], model=cfg[settings.TRITON_MODEL],
         replica_id=cfg[engine_settings.REPLICA_ID], timeout_s=cfg[settings.TRITON_TIMEOUT_S],
-        retries=cfg[settings.TRITON_RETRIES], stats_interval_s=cfg[settings.TRITON_STATS_INTERVAL_MS] / 1000)
+        retries=cfg[settings.TRITON_RETRIES], stats_interval_s=cfg[settings.TRITON_STATS_INTERVAL_MS] / 1000,
+        tls=triton_tls.from_config(cfg, cfg[settings.TRITON_ADDRESS]))
     if options.address:
         return TritonBackend(options)
     repository = repository_for(cfg[settings.TRITON_REPOSITORY], cfg[mesh_settings.DATA_DIR], options.replica_id)
@@ -385,7 +391,8 @@ def from_config(cfg: Config) -> TritonBackend:
         render(Deployment.for_profile(profile.load(cfg), name=options.model, engine=cfg[settings.TRITON_ENGINE],
                                       engine_env=engine_env, replica_id=options.replica_id), repository)
     # a local engine inside the stub loads torch and the GGUF: over a minute on a busy 2-core machine
-    return TritonBackend(options, TritonServer(repository, models=[options.model], ready_timeout_s=300))
+    return TritonBackend(options, TritonServer(repository, models=[options.model], ready_timeout_s=300,
+                                               tls=options.tls))
 
 
 def _engine_settings() -> list[Setting[Any]]:

@@ -35,7 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+from chatmesh.engine_adapter.triton.tls import TritonTls
 from chatmesh.mesh import logs
 
 log = logs.get("chatmesh.triton.launcher")
@@ -139,8 +141,10 @@ class TritonServer:
     """
 
     def __init__(self, repository: Path, *, models: Sequence[str] = (), work_dir: Path | None = None,
-                 ready_timeout_s: float = 60.0, log_verbose: int = 0, install: TritonInstall | None = None):
+                 ready_timeout_s: float = 60.0, log_verbose: int = 0, install: TritonInstall | None = None,
+                 tls: TritonTls | None = None):
         self.repository = repository
+        self.tls = tls  # mutual TLS on the gRPC endpoint (tls.py); None: plaintext on loopback
         self.models = tuple(models)
         self.ready_timeout_s = ready_timeout_s
         self.log_verbose = log_verbose
@@ -218,6 +222,8 @@ class TritonServer:
             # each server's shared-memory regions get their own prefix, so concurrent servers never collide
             f"--backend-config=python,shm-region-prefix-name=chatmesh{os.getpid()}p{self.ports.grpc}",
         ]
+        if self.tls is not None:
+            args.extend(self.tls.server_args())
         if self.models:
             args.append("--model-control-mode=explicit")
             args.extend(f"--load-model={name}" for name in self.models)
@@ -231,7 +237,7 @@ class TritonServer:
 
         assert self._proc is not None
         deadline = time.monotonic() + self.ready_timeout_s
-        client = grpcclient.InferenceServerClient(self.address)
+        client = grpcclient.InferenceServerClient(self.address, **self.client_kwargs())
         try:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
@@ -245,6 +251,10 @@ class TritonServer:
         finally:
             client.close()
         raise TritonStartFailed(f"tritonserver not ready after {self.ready_timeout_s} s:\n{self.log_tail()}")
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """What a tritonclient InferenceServerClient needs to reach this server (its TLS, when it has one)."""
+        return self.tls.client_kwargs() if self.tls is not None else {}
 
     def log_tail(self, lines: int = 30) -> str:
         try:

@@ -17,6 +17,10 @@ TRITON_STATS_INTERVAL_MS = Setting("CHATMESH_TRITON_STATS_INTERVAL_MS", 1000,
 TRITON_ENGINE = Setting("CHATMESH_TRITON_ENGINE", "auto",
                         "engine inside a locally started Triton: auto (TensorRT-LLM if it imports, else sim), "
                         "trtllm, sim, local", str, choices=("auto", "trtllm", "sim", "local"))
+TRITON_TLS = Setting("CHATMESH_TRITON_TLS", "auto",
+                     "mutual TLS to Triton with the engine's mesh certificate: auto (whenever the mesh runs mutual "
+                     "TLS, except to a CHATMESH_TRITON_ADDRESS on loopback, a sidecar), on, off (loopback only)",
+                     str, choices=("auto", "on", "off"))
 TRITON_REPOSITORY = Setting("CHATMESH_TRITON_REPOSITORY", "",
                             "model repository for a locally started Triton; empty: render one under the data folder",
                             str)
