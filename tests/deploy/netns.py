@@ -13,11 +13,13 @@ the command in place: the pid the test holds is the service's own, and taking a 
 pids. `unplug`/`plug` set the host's switch port down/up (its cable pulled: no carrier, nothing delivered).
 
 Every name carries the test process's pid (`cmnet<pid>`), so parallel runs never collide; `close` removes the
-namespaces, the root-side link and /etc/netns/<ns>, and `sweep` removes what a killed run (a dead pid) left.
+namespaces, the root-side link and /etc/netns/<ns>, and `sweep` removes what a killed run (a dead pid) left,
+its processes included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import random
@@ -72,11 +74,16 @@ def _alive(pid: int) -> bool:
 
 
 def sweep() -> list[str]:
-    """Removes namespaces, root links and /etc/netns folders of earlier runs whose process is gone."""
+    """Removes namespaces, root links and /etc/netns folders of earlier runs whose process is gone, ending the
+    processes still running in those namespaces first (a run killed outright leaves its services behind, and a
+    deleted namespace lives on while a process holds it)."""
     removed = []
     for line in run("ip", "netns", "list").stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         if (m := STALE.match(name)) and not _alive(int(m.group(1))):
+            for pid in run("ip", "netns", "pids", name, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
             run("ip", "netns", "del", name, check=False)
             removed.append(name)
     for line in run("ip", "-o", "link", "show").stdout.splitlines():

@@ -17,6 +17,11 @@ then the host comes back (port up, the same pod started again) and the router se
 the operator, and a new conversation's turn generated there). Through it all every pod read every setting its
 manifest gave it (no settings_unread warning) and logged no error.
 
+Not shown here: a host that vanishes silently. Taken away in the other order (switch port down first, then
+the process killed, so no FIN or RST ever leaves it), the turn in flight hung past 100 s and the router kept the
+engine SERVING for as long (tried by hand at landing time): no mesh channel sets gRPC keepalive, so a peer that
+stops answering is noticed only at the call's deadline (CHATMESH_ENGINE_DEADLINE_S, 300 s).
+
 Needs root, iproute2, PostgreSQL's server binaries, redis-server and kubectl; skips naming what is missing (fails
 with CHATMESH_REQUIRE_SERVICES=1). Every wait is bounded; the network, its hosts and /etc/netns/<ns> are removed
 even when the test fails.
