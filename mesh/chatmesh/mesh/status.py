@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,20 +29,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from chatmesh.mesh import config, identity, settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.trust import Trust
-from chatmesh.mesh.up import ORDER, grpc_serving, http_answers, metrics_urls
+from chatmesh.mesh.up import ORDER, Extra, MeshError, grpc_serving, http_answers, metrics_targets, scaled
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape_config(cfg: Config, interval_s: float = 15.0) -> str:
-    """A Prometheus configuration with one job per service of the mesh `cfg` describes."""
+def scrape_config(cfg: Config, interval_s: float = 15.0, extra: Sequence[Extra] = ()) -> str:
+    """A Prometheus configuration with one job per service of the mesh `cfg` describes; with `extra` processes
+    (`chatmesh up --engines N --chats N`: up.scaled) the engine and chat jobs list every replica, each target
+    labelled with its process (engine-0, engine-1, ...)."""
     lines = ["# Prometheus scrape config for a chatmesh mesh (chatmesh status --scrape-config)", "global:",
              f"  scrape_interval: {_duration(interval_s)}", f"  evaluation_interval: {_duration(interval_s)}",
              "scrape_configs:"]
-    for service, url in metrics_urls(cfg).items():
-        target = url.removeprefix("http://").removesuffix("/metrics")
-        lines += [f"  - job_name: chatmesh-{service}", "    metrics_path: /metrics", "    static_configs:",
-                  f"      - targets: ['{target}']", f"        labels: {{service: {service}}}"]
+    targets = metrics_targets(cfg, extra)
+    for service in dict.fromkeys(t.service for t in targets):
+        lines += [f"  - job_name: chatmesh-{service}", "    metrics_path: /metrics", "    static_configs:"]
+        for t in targets:
+            if t.service == service:
+                process = f", process: {t.process}" if t.process != service else ""
+                lines += [f"      - targets: ['{t.url.removeprefix('http://').removesuffix('/metrics')}']",
+                          f"        labels: {{service: {service}{process}}}"]
     return "\n".join(lines) + "\n"
 
 
@@ -141,19 +147,34 @@ def _ms(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 1000:.0f} ms"
 
 
-def report(cfg: Config, window_s: float = 60.0) -> Report:
+def _summed(parts: Sequence[Samples]) -> Samples:
+    """One service's samples over its processes (counters and histogram buckets add up across replicas)."""
+    out: Samples = {}
+    for samples in parts:
+        for key, value in samples.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def report(cfg: Config, window_s: float = 60.0, extra: Sequence[Extra] = ()) -> Report:
+    """The mesh `cfg` describes, plus `extra` processes (up.scaled: `chatmesh status --engines N --chats N`),
+    whose engines' and chats' figures add up with the standard ones'."""
     trust = Trust.from_config(cfg, identity.OPERATOR)
     health = {service: grpc_serving(trust, cfg[address], service) for service, address in ORDER}
+    health.update({x.name: grpc_serving(trust, x.address, x.service) for x in extra})
     health["gateway"] = http_answers(f"http://{cfg[settings.HOST]}:{cfg[settings.GATEWAY_PORT]}/healthz")
-    urls = metrics_urls(cfg)
-    now = {service: scrape(url) for service, url in urls.items()}
-    then = {service: scrape(url, window_s) for service, url in urls.items()}
+    targets = metrics_targets(cfg, extra)
+    now = {t.process: scrape(t.url) for t in targets}
+    then = {t.process: scrape(t.url, window_s) for t in targets}
 
     def pair(service: str) -> tuple[Samples, Samples, float]:
-        current, past = now.get(service), then.get(service)
-        if current is None:
+        current = [(c, then.get(t.process)) for t in targets if t.service == service
+                   and (c := now.get(t.process)) is not None]
+        if not current:
             return {}, {}, 0.0
-        return current[0], (past[0] if past else {}), (past[1] if past else 0.0)
+        past = [p for _, p in current if p is not None]
+        return (_summed([c[0] for c, _ in current]), _summed([p[0] for p in past]),
+                max((p[1] for p in past), default=0.0))
 
     router, _, _ = pair("router")
     replicas: dict[str, dict[str, float]] = {}
@@ -180,17 +201,26 @@ def register(sub: Any) -> None:
                    help="refresh every SECONDS (default 2) until Ctrl-C")
     p.add_argument("--scrape-config", action="store_true",
                    help="print a Prometheus scrape config for this mesh instead")
+    p.add_argument("--engines", type=int, default=1, metavar="N",
+                   help="the mesh runs N engine replicas (as started by `chatmesh up --engines N`)")
+    p.add_argument("--chats", type=int, default=1, metavar="N",
+                   help="the mesh runs N chat processes (as started by `chatmesh up --chats N`)")
     config.add_flags(p)
     p.set_defaults(handler=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
     cfg = Config(flags=config.flags_of(args))
+    try:
+        _, extra = scaled(cfg, args.engines, args.chats)
+    except MeshError as err:
+        print(f"chatmesh: {err}", file=sys.stderr)
+        return 2
     if args.scrape_config:
-        sys.stdout.write(scrape_config(cfg))
+        sys.stdout.write(scrape_config(cfg, extra=extra))
         return 0
     while True:
-        text = report(cfg).render()
+        text = report(cfg, extra=extra).render()
         if args.watch is None:
             print(text)
             return 0 if "DOWN" not in text.split("replicas:")[0] else 1

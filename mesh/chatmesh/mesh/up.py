@@ -47,12 +47,14 @@ ORDER: tuple[tuple[str, config.Setting[str]], ...] = (
 
 @dataclass(frozen=True)
 class Extra:
-    """One more gRPC process beside the standard ones, such as a second engine replica or chat process."""
+    """One more gRPC process beside the standard ones, such as a second engine replica or chat process, with the
+    port of its own Prometheus /metrics (0: none)."""
 
     name: str
     service: str
     address: str
     env: Mapping[str, str]
+    metrics_port: int = 0
 
 
 class MeshError(RuntimeError):
@@ -110,6 +112,7 @@ class Mesh:
     log_dir: Path
     start_timeout_s: float = 120.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    extra: tuple[Extra, ...] = ()  # the extra processes `start` was given
 
     @property
     def cfg(self) -> Config:
@@ -132,8 +135,10 @@ class Mesh:
 
     @property
     def metrics_urls(self) -> dict[str, str]:
-        """Where each standard service serves its Prometheus metrics (services whose port is 0 are left out)."""
-        return metrics_urls(self.cfg)
+        """Where each process serves its Prometheus metrics (processes whose port is 0 are left out): the
+        standard services by name, and with extra replicas every engine and chat process by its own name
+        (engine-0, engine-1, ...)."""
+        return {t.process: t.url for t in metrics_targets(self.cfg, self.extra)}
 
     def _spawn(self, service: str, name: str | None = None, env: Mapping[str, str] | None = None
                ) -> subprocess.Popen[bytes]:
@@ -165,6 +170,7 @@ class Mesh:
         each other lazily (channels connect on first use, the router keeps re-watching engines), so the start
         order does not matter and the mesh is up in the time of its slowest service, not the sum."""
         cfg = self.cfg
+        self.extra = tuple(extra)
         if not cfg[settings.MESH_PLAINTEXT]:
             pki.ensure(self.certs)
         trust = self.trust()
@@ -173,9 +179,10 @@ class Mesh:
             for service, address in ORDER:
                 self._spawn(service)
                 waits.append((service, lambda a=cfg[address], s=service: grpc_serving(trust, a, s), cfg[address]))
-            for x in extra:  # an extra process serves no metrics unless its env gives it a port of its own
+            for x in extra:  # each extra process serves its metrics on a port of its own (or none)
                 metrics_port = settings.METRIC_PORTS[x.service].env
-                self._spawn(x.service, x.name, {metrics_port: "0", **x.env, "CHATMESH_LISTEN": x.address})
+                self._spawn(x.service, x.name, {**x.env, metrics_port: str(x.metrics_port),
+                                                "CHATMESH_LISTEN": x.address})
                 waits.append((x.name, lambda a=x.address, s=x.service: grpc_serving(trust, a, s), x.address))
             self._spawn("gateway")
             waits.append(("gateway", lambda: http_answers(self.gateway_url + "/healthz"), self.gateway_url))
@@ -208,12 +215,35 @@ class Mesh:
         return codes
 
 
+@dataclass(frozen=True)
+class MetricsTarget:
+    """One process's Prometheus endpoint: `process` is the service's name, or with extra replicas of that service
+    the process's own (engine-0 for the standard engine, engine-1, ... for the extras)."""
+
+    process: str
+    service: str
+    url: str
+
+
 def metrics_urls(cfg: Config) -> dict[str, str]:
     """service -> its /metrics URL, on the interface the service listens on (loopback for `chatmesh up`)."""
+    return {t.service: t.url for t in metrics_targets(cfg)}
+
+
+def metrics_targets(cfg: Config, extra: Sequence[Extra] = ()) -> list[MetricsTarget]:
+    """Every process's /metrics of the mesh `cfg` describes plus `extra` (what `scaled` returns), in start order
+    per service; processes whose metrics port is 0 are left out."""
     hosts = {service: _host(cfg[address]) for service, address in ORDER}
     hosts["gateway"] = cfg[settings.HOST]
-    return {service: f"http://{_url_host(hosts[service])}:{cfg[port]}/metrics"
-            for service, port in settings.METRIC_PORTS.items() if cfg[port]}
+    scaled_services = {x.service for x in extra}
+    out: list[MetricsTarget] = []
+    for service, port in settings.METRIC_PORTS.items():
+        if cfg[port]:
+            process = f"{service}-0" if service in scaled_services else service
+            out.append(MetricsTarget(process, service, f"http://{_url_host(hosts[service])}:{cfg[port]}/metrics"))
+        out += [MetricsTarget(x.name, x.service, f"http://{_url_host(_host(x.address))}:{x.metrics_port}/metrics")
+                for x in extra if x.service == service and x.metrics_port]
+    return out
 
 
 def _host(address: str) -> str:
@@ -231,10 +261,18 @@ def _step(address: str, i: int) -> str:
     return f"{host}:{int(port) + 10 * i}"
 
 
+def _metrics_step(cfg: Config, service: str, i: int) -> int:
+    base = cfg[settings.METRIC_PORTS[service]]
+    return base + 10 * i if base else 0
+
+
 def scaled(cfg: Config, engines: int, chats: int) -> tuple[dict[str, str], list[Extra]]:
     """More engine replicas and chat processes on one host: replica i (engine-i) and chat process i listen ten
-    ports above the previous one (engines 50054, 50064, ...; chats 50051, 50061, ...). Returns the settings every
-    process gets (the router's CHATMESH_REPLICAS, the gateway's CHATMESH_CHAT_ADDRESSES) and the extra processes."""
+    ports above the previous one (engines 50054, 50064, ...; chats 50051, 50061, ...), and serve their metrics
+    ten ports apart too (engines 9154, 9164, ...; chats 9151, 9161, ...; none when the service's metrics port is
+    0). Returns the settings every process gets (the router's CHATMESH_REPLICAS, the gateway's
+    CHATMESH_CHAT_ADDRESSES) and the extra processes. Raises MeshError when a stepped port is one the mesh
+    already uses."""
     if engines < 1 or chats < 1:
         raise MeshError("--engines and --chats must be at least 1")
     env: dict[str, str] = {}
@@ -245,14 +283,40 @@ def scaled(cfg: Config, engines: int, chats: int) -> tuple[dict[str, str], list[
             raise MeshError("--engines replaces CHATMESH_REPLICAS; set one or the other")
         addresses = [_step(cfg[settings.ENGINE_ADDRESS], i) for i in range(engines)]
         env[replicas.env] = ",".join(f"engine-{i}={a}" for i, a in enumerate(addresses))
-        extra += [Extra(f"engine-{i}", "engine", a, {"CHATMESH_REPLICA_ID": f"engine-{i}"})
+        extra += [Extra(f"engine-{i}", "engine", a, {"CHATMESH_REPLICA_ID": f"engine-{i}"},
+                        _metrics_step(cfg, "engine", i))
                   for i, a in enumerate(addresses) if i]
     if chats > 1:
         addresses = [_step(cfg[settings.CHAT_ADDRESS], i) for i in range(chats)]
         env["CHATMESH_CHAT_ADDRESSES"] = ",".join(addresses)
-        extra += [Extra(f"chat-{i}", "chat", a, {"CHATMESH_CHAT_INSTANCE_ID": f"chat-{i}"})
+        extra += [Extra(f"chat-{i}", "chat", a, {"CHATMESH_CHAT_INSTANCE_ID": f"chat-{i}"},
+                        _metrics_step(cfg, "chat", i))
                   for i, a in enumerate(addresses) if i]
+    if extra:
+        _check_ports(cfg, extra)
     return env, extra
+
+
+def _check_ports(cfg: Config, extra: Sequence[Extra]) -> None:
+    """No two processes of the mesh on one port (they all run on this host)."""
+    taken: dict[int, str] = {}
+
+    def take(port: int, who: str) -> None:
+        if port in taken:
+            raise MeshError(f"{who} would listen on port {port}, which is {taken[port]}'s: move the base ports "
+                            "apart (replicas and chat processes step by ten)")
+        taken[port] = who
+
+    for service, address in ORDER:
+        take(int(cfg[address].rpartition(":")[2]), f"{service} (gRPC)")
+    take(cfg[settings.GATEWAY_PORT], "gateway (HTTP)")
+    for service, port in settings.METRIC_PORTS.items():
+        if cfg[port]:
+            take(cfg[port], f"{service} (metrics)")
+    for x in extra:
+        take(int(x.address.rpartition(":")[2]), f"{x.name} (gRPC)")
+        if x.metrics_port:
+            take(x.metrics_port, f"{x.name} (metrics)")
 
 
 def register(sub: Any) -> None:
@@ -298,6 +362,8 @@ def _up(args: argparse.Namespace) -> int:
                   f"Every gRPC hop speaks mutual TLS with the certificates in {mesh.certs}; `chatmesh certs` prints\n"
                   "the flags that make grpcurl the operator (README, \"Debugging with grpcurl\").")
     metrics_lines = "".join(f"\n  {name:<10} {where}" for name, where in mesh.metrics_urls.items()) or "off"
+    flags = (f" --engines {args.engines}" if args.engines > 1 else "") + (f" --chats {args.chats}" if args.chats > 1
+                                                                        else "")
     print(f"""
 chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
 
@@ -307,7 +373,8 @@ chatmesh is up. Open {url}/ in a browser, or stream a reply with curl:
 
 {trust_line}
 Prometheus metrics (GET /metrics): {metrics_lines}
-At a glance: chatmesh status [--watch]; a Prometheus config scraping these: chatmesh status --scrape-config
+At a glance: chatmesh status{flags} [--watch]
+A Prometheus config scraping these: chatmesh status{flags} --scrape-config
 (Grafana dashboard: docs/observability/grafana-dashboard.json). Each reply on the web page shows its TTFT and
 how many of its prompt tokens came from the engine's cache: the second turn of a conversation hits it.
 
