@@ -63,6 +63,6 @@ def test_the_openai_sdk_gets_paris_from_the_real_model(local_mesh: Mesh) -> None
 
     key = asyncio.run(make_key(Path(local_mesh.cfg[settings.DATA_DIR]), "sdk-user"))
     client = openai.OpenAI(base_url=local_mesh.gateway_url + "/openai/v1", api_key=key, max_retries=0, timeout=120)
-    done = client.chat.completions.create(model="smollm2-135m-instruct",
+    done = client.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1",
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in (done.choices[0].message.content or ""), done.choices[0].message.content

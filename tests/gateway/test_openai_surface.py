@@ -12,11 +12,13 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from chatmesh.mesh.config import Config
+from chatmesh.model import profile
 from tests.gateway.conftest import Gateway, StartGateway
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.openai_client import dropping_proxy, make_key, sdk
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model profile's id (CHATMESH_MODEL=smollm2)
 
 
 @pytest.fixture
@@ -44,6 +46,25 @@ async def test_models_list_and_retrieve(client: openai.AsyncOpenAI) -> None:
     assert (await client.models.retrieve(MODEL)).id == MODEL
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("gpt-4o")
+
+
+async def test_models_follow_the_model_profile_and_an_override(start_gateway: StartGateway, key: str) -> None:
+    """/models lists what CHATMESH_MODEL's profile serves (its id; its context, within CHATMESH_CONTEXT_TOKENS),
+    not a separate setting; CHATMESH_OPENAI_MODEL only renames it."""
+    default = profile.load(Config(env={}))
+    assert default.model_id == MODEL
+    llama = await start_gateway(CHATMESH_MODEL="llama3", CHATMESH_CONTEXT_TOKENS="131072")
+    listed = (await sdk(llama.url, key).models.list()).data
+    want = profile.load(Config(env={"CHATMESH_MODEL": "llama3"}))
+    assert [(m.id, m.model_dump()["context_length"]) for m in listed] == [(want.model_id, 131072)]
+    assert want.model_id != MODEL
+    capped = await start_gateway(CHATMESH_MODEL="llama3")  # chat's 8,192-token default bounds what a request gets
+    assert (await sdk(capped.url, key).models.retrieve(want.model_id)).model_dump()["context_length"] == 8192
+    renamed = await start_gateway(CHATMESH_OPENAI_MODEL="house-model")
+    client = sdk(renamed.url, key)
+    assert [m.id for m in (await client.models.list()).data] == ["house-model"]
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model=MODEL, messages=[user("hi")])
 
 
 async def test_completion_not_streamed(client: openai.AsyncOpenAI, fake: FakeChat) -> None:

@@ -41,6 +41,7 @@ from chatmesh.gateway.openai import routes as openai_routes
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.errors import response_for as openai_error
 from chatmesh.gateway.openai.history import HistoryIndex
+from chatmesh.gateway.openai.models import served_model
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_options
@@ -218,11 +219,12 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
             max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
             budget=budget_of(cfg),
             deadline_s=cfg[settings.CHAT_DEADLINE_S], observed=observed)
+        served = await asyncio.to_thread(served_model, cfg)
         app.state.openai = Surface(
             edge=app.state.edge, accounts=accounts,
             index=HistoryIndex(accounts.engine, b"openai-history\0" + cfg[settings.KEY_PEPPER].encode(),
                                cfg[store_settings.RETENTION_DAYS]),
-            model=cfg[settings.OPENAI_MODEL], context_tokens=cfg[chat_settings.CONTEXT_TOKENS],
+            model=served.model, context_tokens=served.context_tokens,
             reply_cap=cfg[chat_settings.MAX_REPLY_TOKENS])
         log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH])
         exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None

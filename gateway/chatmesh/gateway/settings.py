@@ -60,5 +60,6 @@ KEY_PEPPER = Setting("CHATMESH_KEY_PEPPER", "chatmesh-dev-pepper",
 AUTH_CACHE_S = Setting("CHATMESH_AUTH_CACHE_S", 0.5,
                        "seconds a key or session lookup is cached per gateway: a revoked key or ended session stops "
                        "working everywhere within this bound", float)
-OPENAI_MODEL = Setting("CHATMESH_OPENAI_MODEL", "smollm2-135m-instruct",
-                       "model id the OpenAI-compatible surface (/openai/v1) serves and lists under /models", str)
+OPENAI_MODEL = Setting("CHATMESH_OPENAI_MODEL", "",
+                       "override of the model id the OpenAI-compatible surface (/openai/v1) lists under /models and "
+                       "accepts in requests (empty: the model profile's id, from CHATMESH_MODEL)", str)
