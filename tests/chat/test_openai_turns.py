@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from chatmesh.chat.events import Completed
+from chatmesh.chat.events import Blocked, Completed
 from chatmesh.chat.ports import FinishReason
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.turns import NewConversation
@@ -69,6 +69,30 @@ async def test_a_send_creates_its_conversation_with_the_clients_history() -> Non
     # a retry of the same request finds the conversation and replays the turn (nothing seeded again)
     again = await collect(w.core.send_turn(OWNER, conv, turn, "New question", create=NewConversation("", seed)))
     assert text_of(again) == "Hello there." and len(stored(w, conv)) == 5 and len(w.engine.generations) == 1
+
+
+async def test_a_seeded_historys_user_messages_pass_the_input_check_like_the_new_message() -> None:
+    w = world()
+    conv = ConversationId(str(uuid.uuid4()))
+    seed = (Seed(Role.SYSTEM, "BLOCKME is fine in a system prompt"), Seed(Role.USER, "earlier: please BLOCKME"),
+            Seed(Role.ASSISTANT, "Earlier reply"))
+    events = await collect(w.core.send_turn(OWNER, conv, new_turn(), "Innocent question",
+                                            create=NewConversation("", seed)))
+    await w.settled()
+    final = events[-1].kind
+    assert isinstance(final, Blocked) and final.stage == "input" and final.category == "abuse"
+    assert len(w.engine.generations) == 0 and w.idle()
+    assert stored(w, conv)[-2:] == [(Role.USER, "Innocent question", MessageStatus.COMPLETE),
+                                    (Role.ASSISTANT, "", MessageStatus.BLOCKED)]
+    assert w.moderation.inputs_checked == 2  # the seeded user message and the new one; not the system prompt
+    # a clean history: every user message checked, the turn answered
+    clean = ConversationId(str(uuid.uuid4()))
+    ok = await collect(w.core.send_turn(OWNER, clean, new_turn(), "Next", create=NewConversation("", (
+        Seed(Role.USER, "one"), Seed(Role.ASSISTANT, "r1"), Seed(Role.USER, "two"), Seed(Role.ASSISTANT, "r2")))))
+    assert isinstance(ok[-1].kind, Completed) and w.moderation.inputs_checked == 5
+    # an ordinary send checks its one message, as before
+    await collect(w.core.send_turn(OWNER, clean, new_turn(), "Third"))
+    assert w.moderation.inputs_checked == 6
 
 
 async def test_expect_last_turn_id_refuses_a_history_that_moved_on() -> None:

@@ -4,6 +4,7 @@ statistics as the witness of how many generations ran and the store's usage as t
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseIncompleteEvent
 
 from chatmesh.mesh import settings
@@ -19,7 +21,7 @@ from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import channel, start_mesh
 from tests.gateway.openai_client import dropping_proxy, make_key, sdk
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model profile's id (CHATMESH_MODEL=smollm2)
 BLOCK = 32
 
 
@@ -168,3 +170,50 @@ async def test_bad_input_is_a_400_and_stores_nothing(openai_mesh: Mesh) -> None:
     async with httpx.AsyncClient(base_url=openai_mesh.gateway_url) as http:
         listed = await http.get("/v1/conversations", headers={"authorization": f"Bearer {client.api_key}"})
     assert listed.json()["conversations"] == []
+
+
+async def test_a_seeded_history_passes_input_moderation(openai_mesh: Mesh) -> None:
+    """A history chatmesh does not hold seeds a new conversation; its user messages are input-checked like the
+    new message (they reach the model in the prompt): a blocked one blocks the turn before any engine runs."""
+    client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
+    before = await generations(openai_mesh)
+    done = await client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "Please charge my card 4111 1111 1111 1111, expiry 12/29."},
+        {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "What is a good name for a cat?"}])
+    assert done.choices[0].finish_reason == "content_filter" and not done.choices[0].message.content
+    assert await generations(openai_mesh) == before, "a blocked seeded message reached an engine"
+    clean = await client.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "What is a good name for a cat?"}])
+    assert clean.choices[0].finish_reason in ("stop", "length") and clean.choices[0].message.content
+    assert await generations(openai_mesh) == before + 1
+
+
+async def test_racing_requests_with_one_history_append_it_once(openai_mesh: Mesh) -> None:
+    """Two requests resending the same stored history at once, each with its own next message: the stored
+    conversation takes exactly one of them (expect_last_turn_id, checked on the claim's own context); the other
+    is answered in a conversation of its own, seeded with the history. Neither is lost, neither appends twice."""
+    client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
+    first = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Start here"}])
+    history: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Start here"},
+        {"role": "assistant", "content": first.choices[0].message.content or ""}]
+    before = await generations(openai_mesh)
+    a, b = await asyncio.gather(*(client.chat.completions.create(
+        model=MODEL, messages=[*history, {"role": "user", "content": text}]) for text in ("Path A", "Path B")))
+    assert a.choices[0].message.content and b.choices[0].message.content
+    assert await generations(openai_mesh) == before + 2
+    headers = {"authorization": f"Bearer {client.api_key}"}
+    async with httpx.AsyncClient(base_url=openai_mesh.gateway_url, headers=headers) as http:
+        listed = (await http.get("/v1/conversations")).json()["conversations"]
+        views = [(await http.get(f"/v1/conversations/{c['id']}")).json()["messages"] for c in listed]
+    contents = sorted([m["content"] for m in v if m["role"] == "user"] for v in views)
+    assert contents == [["Start here", "Path A"], ["Start here", "Path B"]], contents
+    # each continues where it was recorded: the next turn of either path lands in its own conversation
+    follow = await client.chat.completions.create(model=MODEL, messages=[
+        *history, {"role": "user", "content": "Path B"}, {"role": "assistant", "content": b.choices[0].message.content},
+        {"role": "user", "content": "Path B, next"}])
+    assert follow.choices[0].message.content
+    async with httpx.AsyncClient(base_url=openai_mesh.gateway_url, headers=headers) as http:
+        assert len((await http.get("/v1/conversations")).json()["conversations"]) == 2

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
 from chatmesh.chat.ports import ModerationPort, Pick, RouterPort, Screening
@@ -26,12 +26,22 @@ from chatmesh.mesh.ids import ConversationId
 T = TypeVar("T")
 
 
+async def _screen_all(moderation: ModerationPort, conv: ConversationId, texts: Sequence[str]) -> Screening:
+    """The input check of a send that seeds its new conversation with a client's history (the OpenAI surface):
+    every user message of that history reaches the model in this turn's prompt just as the new message does, so
+    each is checked like one, together; the first blocked one decides, else the new message's screening."""
+    results = await asyncio.gather(*(moderation.check_input(text, conv) for text in texts))
+    return next((r for r in results if r.blocked), results[-1])
+
+
 class Admission:
     def __init__(self, router: RouterPort, moderation: ModerationPort, conv: ConversationId,
-                 content: str | None) -> None:
+                 content: str | None, seeded: Sequence[str] = ()) -> None:
         self.router = router
-        self.screening: asyncio.Future[Screening] | None = (
-            asyncio.ensure_future(moderation.check_input(content, conv)) if content is not None else None)
+        self.screening: asyncio.Future[Screening] | None = None
+        if content is not None:
+            self.screening = asyncio.ensure_future(
+                _screen_all(moderation, conv, (*seeded, content)) if seeded else moderation.check_input(content, conv))
         self.pick: asyncio.Future[Pick] = asyncio.ensure_future(router.pick(conv))
 
     async def ready(self, beside: Awaitable[T] | None) -> tuple[Pick, Screening | None, T | None]:

@@ -18,7 +18,9 @@ may first create its conversation, seeded with the client's earlier history (`Ne
 of the owner is used as it is, so a retry lands where the first attempt did), and may expect the conversation to
 end with a given turn (`expect_last_turn_id`): a new claim whose context ends elsewhere is released at once and
 REJECTED (FAILED_PRECONDITION), nothing stored, so a client whose history no longer matches is never answered
-from another one. A known turn id replays or attaches before either guard is looked at.
+from another one. A known turn id replays or attaches before either guard is looked at. The seeded history's user
+messages are input-checked with the new message (they reach the model in its prompt just as it does): one of
+them blocked blocks the turn, as blocked new input would (the seed stays stored, the reply is BLOCKED).
 
 Either way: one generation, one bill. The caller going away stops a turn it owns (I5: the partial reply the
 user saw is stored as stopped). A stop reaching a process that does not generate the turn is forwarded to the
@@ -109,14 +111,16 @@ class Turns:
                    create: NewConversation | None = None, expect_last: TurnId | None = None
                    ) -> AsyncIterator[TurnEvent]:
         machine = TurnMachine(self.observe)
+        seeded: tuple[str, ...] = ()
         with ending_on_error(machine):
             validate_content(content)
             if create is not None:
                 seed = tuple(replace(m, token_count=self.prompts.count_tokens(m.content)) for m in create.seed)
                 await self.store.create_conversation(key.owner, key.conversation, create.title,
                                                      self.opt.default_prompt_version, seed)
+                seeded = tuple(m.content for m in create.seed if m.role is Role.USER)  # input-checked too
         async for event in self._attempt(machine, key, content, None, fingerprint("send", content), options,
-                                         expect_last):
+                                         expect_last, seeded=seeded):
             yield event
 
     async def regenerate(self, key: TurnKey, options: TurnOptions = DEFAULT_TURN) -> AsyncIterator[TurnEvent]:
@@ -183,10 +187,11 @@ class Turns:
 
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                        fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None,
-                       delivered: Delivered = NOTHING) -> AsyncIterator[TurnEvent]:
+                       delivered: Delivered = NOTHING, seeded: tuple[str, ...] = ()) -> AsyncIterator[TurnEvent]:
         """One attempt; with `delivered` (a retry whose client already has part of the reply, `follow.py`), its
         stream continues that part, and a claim won here generates the rest of it."""
-        events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text)
+        events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text,
+                                  seeded)
         stream = continuing(events, delivered) if delivered.sequence > 0 else events
         try:
             async for event in stream:
@@ -195,15 +200,15 @@ class Turns:
             await stream.aclose()
 
     async def _from_start(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
-                          fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str
-                          ) -> AsyncGenerator[TurnEvent, None]:
+                          fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str,
+                          seeded: tuple[str, ...] = ()) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
             async for event in live.follow(0, replayed=True):
                 yield event
             return
         admission = Admission(self.ports.router, self.ports.moderation, key.conversation,
-                              content if regenerates is None else None)
+                              content if regenerates is None else None, seeded)
         try:
             with ending_on_error(machine):
                 claim = await self.store.begin_turn(ClaimRequest(
