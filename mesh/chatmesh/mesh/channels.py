@@ -3,8 +3,8 @@
 With mutual TLS the channel presents this process's certificate and accepts only a server whose certificate is
 signed by the mesh CA and names `service` (its DNS SAN `<service>.chatmesh`, set as the TLS target name, so
 whichever address is dialled, only that service's certificate answers). In plaintext (loopback only) it is a
-plain insecure channel. Whatever else every hop needs is added here, once: the tracing interceptors (only when
-tracing is on: `chatmesh.mesh.tracing`), so the current trace context travels in each call's metadata. Open
+plain insecure channel. Whatever else every hop needs is added here, once: trace propagation (only when tracing is
+on: `chatmesh.mesh.tracing.traced_channel`), so the current trace context travels in each call's metadata. Open
 every service-to-service channel through `open_channel`, never `grpc.aio.insecure_channel` directly.
 
 Rotation: a gRPC channel's credentials are fixed when it is made, so the TLS channel is a thin wrapper that looks
@@ -71,8 +71,7 @@ def open_channel(trust: Trust, address: str, service: str, options: Options = ()
     if trust.tls is None:
         for one in addresses_of(address):
             trust.check_address(one, f"dialling {service} at")
-        return grpc.aio.insecure_channel(address, options=options,
-                                         interceptors=tracing.client_interceptors() or None)
+        return tracing.traced_channel(grpc.aio.insecure_channel(address, options=options))
     return RotatingChannel(trust.tls, address, service, options)
 
 
@@ -151,8 +150,8 @@ class RotatingChannel(grpc.aio.Channel):
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def _open(self, pems: tls.Pems) -> grpc.aio.Channel:
-        return grpc.aio.secure_channel(self._address, tls.channel_credentials(pems), self._options,
-                                       interceptors=tracing.client_interceptors() or None)
+        return tracing.traced_channel(grpc.aio.secure_channel(self._address, tls.channel_credentials(pems),
+                                                              self._options))
 
     def current(self) -> grpc.aio.Channel:
         pems = self._watched.current()

@@ -14,8 +14,8 @@ Who starts what:
   `traceparent` a SERVER span named after the method (`chatmesh.v1.StoreService/BeginTurn`) and makes it current
   while the handler runs. An RPC without one (the router's stats watch, a shared moderation stream, health,
   an operator's grpcurl) is not traced: roots start at the edge only, so no long-lived stream becomes a trace;
-- `client_interceptors()` (on every channel `chatmesh.mesh.channels` opens) put the current span's context into
-  the outgoing call's metadata;
+- `traced_channel()` (around every channel `chatmesh.mesh.channels` opens) puts the current span's context into
+  each outgoing call's metadata (no grpc.aio client interceptor: see `_Traced`);
 - services add their own spans for a turn's phases (`span("claim")`, ...) and record ones they only know the
   times of afterwards (`record`: the engine's queue wait and prefill).
 
@@ -173,22 +173,14 @@ def use(root: Any) -> contextlib.AbstractContextManager[Any]:
     return trace.use_span(root, end_on_exit=False)
 
 
-# ---- gRPC: server and client interceptors -----------------------------------------------------------------------
+# ---- gRPC: the server interceptor and the client channel -----------------------------------------------------------------------
 
 if TYPE_CHECKING:  # grpc's classes are generic in its stubs only, not subscriptable at run time
     Handler = grpc.RpcMethodHandler[Any, Any]
     _ServerBase = grpc.aio.ServerInterceptor[Any, Any]
-    _UnaryUnary = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
-    _UnaryStream = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
-    _StreamUnary = grpc.aio.StreamUnaryClientInterceptor[Any, Any]
-    _StreamStream = grpc.aio.StreamStreamClientInterceptor[Any, Any]
 else:
     Handler = grpc.RpcMethodHandler
     _ServerBase = grpc.aio.ServerInterceptor
-    _UnaryUnary = grpc.aio.UnaryUnaryClientInterceptor
-    _UnaryStream = grpc.aio.UnaryStreamClientInterceptor
-    _StreamUnary = grpc.aio.StreamUnaryClientInterceptor
-    _StreamStream = grpc.aio.StreamStreamClientInterceptor
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[Handler]]
 
 
@@ -237,46 +229,72 @@ def _traced_handler(handler: Handler, name: str, parent: Any) -> Handler:
     return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), des, ser)
 
 
-def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+def _with_trace(metadata: Any) -> Any:
+    """`metadata` (None, a sequence of pairs or grpc.aio.Metadata) plus the current trace context, if any."""
     carrier = inject({})
     if not carrier:
-        return details
-    metadata = grpc.aio.Metadata(*(details.metadata or ()))
-    for key, value in carrier.items():
-        metadata.add(key, value)
-    return details._replace(metadata=metadata)  # type: ignore[attr-defined,no-any-return]
+        return metadata
+    return (*(tuple(metadata) if metadata else ()), *carrier.items())
 
 
-# grpc.aio files each interceptor under the FIRST call type it is an instance of (an if/elif chain), so one class
-# implementing all four would only ever see unary-unary calls: one class per call type.
-class _UnaryUnaryContext(_UnaryUnary):
-    async def intercept_unary_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                    request: Any) -> Any:
-        return await continuation(_with_context(details), request)
+class _Traced:
+    """A multi-callable that adds the current trace context to each call's metadata, then makes the call as it is.
+    This, not a grpc.aio client interceptor: with any interceptor, grpc.aio starts a task per call and passes
+    every streamed message through extra async generators and queues (bench/mesh_overhead --observability
+    measured it: ~30 us of CPU per streamed message on each side); this costs one dictionary per call."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self._call(*args, metadata=_with_trace(metadata), **kwargs)
 
 
-class _UnaryStreamContext(_UnaryStream):
-    async def intercept_unary_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request: Any) -> Any:
-        return await continuation(_with_context(details), request)
+class _TracedChannel(grpc.aio.Channel):
+    """A channel whose calls carry the current trace context (see `_Traced`); everything else is the channel's."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Traced(self._channel.unary_unary(*args, **kwargs))
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Traced(self._channel.unary_stream(*args, **kwargs))
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return _Traced(self._channel.stream_unary(*args, **kwargs))
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return _Traced(self._channel.stream_stream(*args, **kwargs))
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
+
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
+
+    async def __aenter__(self) -> _TracedChannel:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._channel.close(None)
 
 
-class _StreamUnaryContext(_StreamUnary):
-    async def intercept_stream_unary(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                     request_iterator: Any) -> Any:
-        return await continuation(_with_context(details), request_iterator)
-
-
-class _StreamStreamContext(_StreamStream):
-    async def intercept_stream_stream(self, continuation: Any, details: grpc.aio.ClientCallDetails,
-                                      request_iterator: Any) -> Any:
-        return await continuation(_with_context(details), request_iterator)
+def traced_channel(channel: grpc.aio.Channel) -> grpc.aio.Channel:
+    """`channel`, its calls carrying the current trace context when tracing is on (unchanged when off)."""
+    return _TracedChannel(channel) if ON else channel
 
 
 def server_interceptors() -> list[_ServerBase]:
     return [_ServerInterceptor()] if ON else []
 
 
-def client_interceptors() -> list[Any]:  # grpc-stubs leaves aio's ClientInterceptor untyped
-    """Put the current trace context into each outgoing call's metadata, one interceptor per call type."""
-    return [_UnaryUnaryContext(), _UnaryStreamContext(), _StreamUnaryContext(), _StreamStreamContext()] if ON else []
