@@ -4,12 +4,13 @@ real service started by the bootstrap (with the RPC counts its error decorators 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.mesh import errors, metrics
@@ -121,3 +122,32 @@ async def test_the_bootstrap_serves_a_services_metrics_and_counts_its_rpcs_by_co
     assert delta("chatmesh_rpc_server_handled_total", (("code", "NOT_FOUND"), ("method", "ReleaseLease"))) == 1
     assert delta("chatmesh_rpc_server_handling_seconds_count", (("method", "ListReplicas"),)) == 2
     assert ("process_cpu_seconds_total", ()) in got
+
+
+def test_the_direct_exposition_is_byte_for_byte_what_prometheus_client_writes() -> None:
+    """Registry.exposition formats chatmesh's own series itself (no metric objects per scrape); the text must be
+    exactly prometheus_client's for the same families: escaping, label order, aliases, +Inf, tiny values."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.registry import Collector
+
+    r = metrics.Registry(process=False)
+    c = r.counter("chatmesh_t_turns", 'turns\nby "outcome" \\', ["outcome"], also=("vllm:t_turns",))
+    c.labels("ok").inc()
+    c.labels('a"b\\c\nd').inc(2.5e-7)
+    r.counter("chatmesh_t_plain", "plain")
+    h = r.histogram("chatmesh_t_seconds", "h", (0.005, 0.5), ["replica", "b"], also=("vllm:t_seconds",))
+    h.labels("engine-0", "x").observe(0.01, 3)
+    h.labels("engine-1", "y").observe(7.0)
+    r.histogram("chatmesh_t2_seconds", "h2", (1, 2))
+    r.gauges("chatmesh_t_g", "g", lambda: [(("a",), 1.5), (("b",), float("inf"))], ["replica"])
+    metrics.RPC.done("chatmesh.v1.TestService/Exposition", "OK", 0.001)
+
+    class Families(Collector):
+        def collect(self) -> Iterator[Metric]:
+            return r.collect()
+
+    reference = CollectorRegistry(auto_describe=False)
+    reference.register(Families())
+    assert r.exposition() == generate_latest(reference)
+    h.labels("engine-0", "x").observe(0.2)  # kept label strings, new counts
+    assert r.exposition() == generate_latest(reference)
