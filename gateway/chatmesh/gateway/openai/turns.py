@@ -17,11 +17,23 @@ the conversation it forks from), so a retry finds it again. Responses name their
 
 Every path makes at most one ChatService call before the first token, except the rare ones (a regenerate, a
 fork), which read the conversation first.
+
+Racing continuations. The store writes a turn's user message together with its reply, when the turn finishes, so
+while one request's turn generates, the conversation still ends where both it and a second request continuing
+the same point expect: `expect_last_turn_id` alone lets both append. So this edge holds each point a request is
+continuing (owner, conversation, turn) for that request's turn (`_hold`): another request continuing the same
+point with another turn id meanwhile is treated as the conversation having moved on (it forks: a conversation
+of its own, seeded with the history), while a retry of the same turn passes (it replays or attaches). A hold
+lapses after HOLD_S, by when the point has moved on anyway if the turn was stored. It covers requests through
+one gateway process; two gateways racing on one point can still both append (closing that needs the claim
+itself to refuse a second open turn in the conversation, a store change).
 """
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from chatmesh.gateway.errors import ApiError
@@ -37,6 +49,8 @@ from chatmesh.v1 import chat_pb2, common_pb2
 
 _NAMESPACE = uuid.UUID("6f1d6c1e-2b7a-4c53-9a55-0c0a7e0b5f19")
 MAX_FORKS = 3
+HOLD_S = 300.0  # how long a point stays held for the turn continuing it (module docstring)
+MAX_HOLDS = 100_000
 
 
 def owner_token(edge: Edge, owner: OwnerId, conversation: ConversationId | None = None) -> Metadata:
@@ -83,9 +97,25 @@ class Opened:
 
 
 class Turns:
-    def __init__(self, edge: Edge, index: HistoryIndex):
+    def __init__(self, edge: Edge, index: HistoryIndex, clock: Callable[[], float] = time.monotonic):
         self.edge = edge
         self.index = index
+        self._clock = clock
+        self._holds: dict[tuple[OwnerId, ConversationId, str], tuple[TurnId, float]] = {}
+
+    def _hold(self, ask: Ask, point: Point, turn: TurnId) -> bool:
+        """Holds `point` for `turn`; False when another turn of this process holds it (module docstring)."""
+        now = self._clock()
+        key = (ask.owner, point.conversation, point.turn)
+        held = self._holds.get(key)
+        if held is not None and held[0] != turn and held[1] > now:
+            return False
+        if len(self._holds) >= MAX_HOLDS:
+            self._holds = {k: v for k, v in self._holds.items() if v[1] > now}
+            if len(self._holds) >= MAX_HOLDS:
+                self._holds.clear()
+        self._holds[key] = (turn, now + HOLD_S)
+        return True
 
     def turn_id(self, ask: Ask) -> TurnId:
         if ask.fresh:
@@ -110,6 +140,8 @@ class Turns:
     # ---- the paths --------------------------------------------------------------------------------------------
 
     async def _continue(self, ask: Ask, turn: TurnId, point: Point, *, recheck: bool) -> Opened:
+        if not self._hold(ask, point, turn):  # another request of ours is continuing this very point
+            return await self._resend(ask, turn, point, forks=0)
         try:
             opened = await self._send(ask, turn, point.conversation, expect=point.turn)
         except ApiError as err:
