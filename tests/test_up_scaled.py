@@ -20,7 +20,7 @@ from chatmesh.mesh import status
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.up import MeshError, metrics_targets, scaled
 from tests.conftest import free_port, port_open
-from tests.e2e.conftest import mesh_env
+from tests.e2e.conftest import grpcurl_path, mesh_env
 
 
 def test_replicas_and_chat_processes_listen_ten_ports_apart() -> None:
@@ -138,6 +138,16 @@ def test_chatmesh_up_scaled_prints_every_processes_metrics_and_each_answers(tmp_
                                text=True, timeout=60)
         assert shown.returncode == 0, shown.stdout + shown.stderr
         assert re.search(r"engine-1\s+SERVING", shown.stdout) and re.search(r"chat-1\s+SERVING", shown.stdout)
+        grpcurl = grpcurl_path()
+        if grpcurl is not None:  # the README's grpcurl line for a mesh with mutual TLS, against engine-1
+            certs = tmp_path / "data" / "certs"
+            engine_1 = env["CHATMESH_ENGINE_ADDRESS"].rsplit(":", 1)
+            asked = subprocess.run([grpcurl, "-cacert", str(certs / "ca.pem"), "-cert", str(certs / "operator.pem"),
+                                    "-key", str(certs / "operator-key.pem"), "-servername", "engine.chatmesh",
+                                    "-d", "{}", f"{engine_1[0]}:{int(engine_1[1]) + 10}",
+                                    "chatmesh.v1.GenerateService/GetStats"], capture_output=True, text=True,
+                                   timeout=30)
+            assert asked.returncode == 0 and '"stats"' in asked.stdout, asked.stdout + asked.stderr
     finally:
         up.send_signal(signal.SIGTERM)
         try:
