@@ -14,10 +14,11 @@ cost on this machine, so "mesh minus floor" is what chatmesh's own work adds.
     .venv/bin/python -m bench.mesh_overhead --conversations 50 --turns 4 [--think-ms 0] [--append BENCHMARKS.md]
 
 `--observability` instead compares, in one run, the mesh with metrics and tracing off (no metrics endpoints, no
-OTEL_EXPORTER_OTLP_ENDPOINT) and on (every /metrics scraped each second, as an eager Prometheus would, and every
-span exported by OTLP/gRPC to a receiver in this process that decodes them), alternating `--rounds` times: TTFT
-through the edge and server CPU per turn, side by side. In-process counters are updated in both (they cannot be
-turned off; they are what the endpoint serves).
+OTEL_EXPORTER_OTLP_ENDPOINT) and on (every /metrics scraped each `--scrape-s` seconds, default 1 s as an eager
+Prometheus would, and every span exported by OTLP/gRPC to a receiver in this process that decodes them), ABBA over
+`--rounds` rounds: TTFT through the edge and server CPU per turn, side by side. `--modes off,metrics,tracing,on`
+adds each half alone, to tell their costs apart. In-process counters are updated in both (they cannot be
+turned off; they are what the endpoint serves). Both sides run the mesh with mutual TLS between its services.
 
     .venv/bin/python -m bench.mesh_overhead --observability --conversations 50 --turns 4 --think-ms 300
 
@@ -38,9 +39,11 @@ import datetime
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -51,12 +54,13 @@ import httpx
 
 from bench.mesh_floor import FloorMesh
 from chatmesh.mesh import identity as ident
-from chatmesh.mesh import settings
+from chatmesh.mesh import settings, status
 from chatmesh.mesh.up import Mesh
 from chatmesh.model import template
 from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.tokenizer import load as load_tokenizer
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from tests.conftest import free_port
 from tests.e2e.conftest import channel, mesh_env
 
 
@@ -153,89 +157,165 @@ async def floor_direct(address: str, conversations: int, turns: int, think_s: fl
     return ttfts
 
 
+SETTLE_S = 6.0
+
+
 class _SpanSink:
-    """An OTLP/gRPC trace receiver that decodes and counts what it is sent (the collector's side of the wire)."""
+    """An OTLP/gRPC trace receiver that decodes and counts what it is sent (the collector's side of the wire), in a
+    process of its own so its threads never hold the measuring client's GIL (`_sink_main`)."""
 
     def __init__(self) -> None:
-        from concurrent import futures
+        self.proc = subprocess.Popen([sys.executable, "-c", "from bench.mesh_overhead import _sink_main; _sink_main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=Path(__file__).parents[1])
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.port = int(self.proc.stdout.readline())
 
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    @property
+    def spans(self) -> int:
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.proc.stdin.write("count\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline())
 
-        sink = self
-
-        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:
-                sink.spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-                return trace_service_pb2.ExportTraceServiceResponse()
-
-        self.spans = 0
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)  # type: ignore[no-untyped-call]
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
-def _scrape_every_second(urls: list[str], stop: threading.Event) -> None:
-    while not stop.wait(1.0):
-        for url in urls:
-            try:
-                httpx.get(url, timeout=2)
-            except httpx.HTTPError:
-                pass
+def _sink_main() -> None:
+    from concurrent import futures
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    count = [0]
+
+    class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            count[0] += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), server)  # type: ignore[no-untyped-call]
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    server.start()
+    for _ in sys.stdin:
+        print(count[0], flush=True)
+
+
+class _Scraper:
+    """Every /metrics of a mesh scraped each `interval_s` by Debian's real `prometheus` (with the config `chatmesh
+    status --scrape-config` prints), or, without it, by a loop in a process of its own; never in the measuring
+    process."""
+
+    def __init__(self, mesh: Mesh, interval_s: float, tmp: Path) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not mesh.metrics_urls:
+            return
+        binary = shutil.which("prometheus")
+        log = (tmp / "scraper.log").open("wb")
+        if binary is not None:
+            (tmp / "prometheus.yml").write_text(status.scrape_config(mesh.cfg, interval_s=interval_s))
+            self.proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}",
+                                          f"--storage.tsdb.path={tmp / 'tsdb'}", "--log.level=warn",
+                                          f"--web.listen-address=127.0.0.1:{free_port()}"], stdout=log, stderr=log)
+        else:
+            loop = ("import sys, time, urllib.request\n"
+                    "while True:\n"
+                    f"    time.sleep({interval_s})\n"
+                    "    for u in sys.argv[1:]:\n"
+                    "        try: urllib.request.urlopen(u, timeout=2).read()\n"
+                    "        except OSError: pass\n")
+            self.proc = subprocess.Popen([sys.executable, "-c", loop, *mesh.metrics_urls.values()], stdout=log,
+                                         stderr=log)
+        self.what = "Debian's prometheus" if binary is not None else "a scrape loop in a process of its own"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+MODES = {"off": "nothing (no metrics endpoints, no OTLP)", "metrics": "metrics only (scraped)",
+         "tracing": "tracing only (OTLP)", "on": "metrics + tracing",
+         "sampled": "metrics + tracing, 1 turn in 10 traced (OTEL_TRACES_SAMPLER)"}
 
 
 def observability(args: argparse.Namespace) -> int:
     sink = _SpanSink()
-    results: dict[str, list[tuple[list[float], float]]] = {"off": [], "on": []}
-    for _ in range(args.rounds):
-        for mode in ("off", "on"):
+    modes = args.modes.split(",")
+    if modes[0] != "off" or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: off first, then any of {', '.join(MODES)}")
+    results: dict[str, list[tuple[list[float], float]]] = {m: [] for m in modes}
+    spans: dict[str, int] = {m: 0 for m in modes}
+    loads: list[float] = []
+    scraped_by = ""
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:  # ABBA: no side always goes first
+            loads.append(os.getloadavg()[0])
             with tempfile.TemporaryDirectory() as tmp:
                 extra = {"CHATMESH_SIM_SPEED": "100000", "CHATMESH_MAX_REPLY_TOKENS": "48",
                          "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_LIMIT_TURNS_PER_MINUTE": "1000000",
                          "CHATMESH_LIMIT_OPEN_STREAMS": "100000",
-                         "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000"}
+                         "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000",
+                         "CHATMESH_MESH_PLAINTEXT": "false",  # mutual TLS between the services, as deployed
+                         "CHATMESH_OWNER_TOKEN_ADDRESS": f"127.0.0.1:{free_port()}"}  # (served with mTLS on)
                 env = mesh_env(Path(tmp) / "data", **extra)
-                if mode == "off":
+                if mode in ("off", "tracing"):
                     env.update({s.env: "0" for s in settings.METRIC_PORTS.values()})
-                else:
+                if mode in ("tracing", "on", "sampled"):
                     env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}"})
+                if mode == "sampled":  # the OpenTelemetry SDK's standard sampler settings
+                    env.update({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"})
+                spans_before = sink.spans
                 mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
                 mesh.start()
-                stop = threading.Event()
-                scraper = threading.Thread(target=_scrape_every_second, args=(list(mesh.metrics_urls.values()), stop))
+                scraper: _Scraper | None = None
                 try:
                     asyncio.run(through_edge(mesh.gateway_url, 4, 1))
-                    scraper.start()
+                    scraper = _Scraper(mesh, args.scrape_s, Path(tmp))
+                    scraped_by = scraper.what if scraper.proc is not None else scraped_by
                     before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
                     edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
                                                     args.think_ms / 1000))
+                    # Spans leave in batches up to 5 s after their turn (BatchSpanProcessor's schedule delay):
+                    # wait that out on both sides so the export's CPU is counted, then read the CPU times.
+                    time.sleep(SETTLE_S)
                     cpu = sum(cpu_seconds(p.pid) - before[name] for name, p in mesh.procs.items()) / len(edge)
                     results[mode].append((edge, cpu))
+                    spans[mode] += sink.spans - spans_before
                 finally:
-                    stop.set()
-                    if scraper.is_alive():
-                        scraper.join()
+                    if scraper is not None:
+                        scraper.stop()
                     mesh.stop()
-    sink.server.stop(0)
+    sink.stop()
     rows = []
-    for mode in ("off", "on"):
+    for mode in modes:
         ttfts = [t for edge, _ in results[mode] for t in edge]
         cpu = statistics.mean(c for _, c in results[mode])
         rows.append((mode, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3, cpu * 1e3))
-    (_, _, off_p50, off_p95, off_cpu), (_, _, on_p50, on_p95, on_cpu) = rows
+    _, _, off_p50, off_p95, off_cpu = rows[0]
     lines = [
-        f"### Metrics and tracing on vs off ({datetime.date.today()}, {os.cpu_count()} cores, {platform.machine()}, "
-        f"{args.conversations} concurrent conversations x {args.turns} turns, think time {args.think_ms:.0f} ms, "
-        f"{args.rounds} alternating rounds, sim at ~0 step time, load average {os.getloadavg()[0]:.1f})",
+        f"### Metrics and tracing on vs off ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} cores, {platform.machine()}, {args.conversations} concurrent conversations x "
+        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds ABBA, a fresh mesh per mode "
+        f"and round, mesh mTLS on, sim at ~0 step time, load average {min(loads):.1f}-{max(loads):.1f})",
         "",
-        "| metrics + tracing | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) |",
-        "|---|---|---|---|---|",
-        *[f"| {mode} | {n} | {p50:.2f} | {p95:.2f} | {cpu:.2f} |" for mode, n, p50, p95, cpu in rows],
-        f"| **on minus off** | | **{on_p50 - off_p50:+.2f}** | {on_p95 - off_p95:+.2f} | "
-        f"**{on_cpu - off_cpu:+.2f} ({(on_cpu / off_cpu - 1) * 100:+.1f}%)** |",
+        "| observability | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 vs off | "
+        "CPU vs off | spans per turn |",
+        "|---|---|---|---|---|---|---|---|",
+        *[f"| {MODES[mode]} | {n} | {p50:.2f} | {p95:.2f} | {cpu:.2f} | {p50 - off_p50:+.2f} ms | "
+          f"{(cpu / off_cpu - 1) * 100:+.1f}% | {spans[mode] / (n + 4 * args.rounds):.1f} |"
+          for mode, n, p50, p95, cpu in rows],
         "",
-        f"Spans received and decoded by the OTLP receiver: {sink.spans} "
-        f"({sink.spans / max(1, rows[1][1]):.1f} per turn); every /metrics scraped once a second.",
+        "Per round, TTFT p50 / CPU per turn (ms): " + "; ".join(
+            f"{mode} " + ", ".join(f"{statistics.median(e) * 1e3:.2f} / {c * 1e3:.2f}" for e, c in results[mode])
+            for mode in modes) + ".",
+        "",
+        f"Spans were received and decoded by an OTLP/gRPC receiver in a process of its own (per turn: the warm-up "
+        f"turns included); every /metrics scraped each {args.scrape_s:g} s by {scraped_by or 'nothing'}. The "
+        "receiver and the scraper run beside the mesh, never in the measuring client's process. CPU per turn counts each service's "
+        f"CPU from the first measured turn to {SETTLE_S:.0f} s after the last (the span batches' export included).",
         "",
     ]
     text = "\n".join(lines)
@@ -314,7 +394,12 @@ def main() -> int:
     parser.add_argument("--security", action="store_true",
                         help="compare plaintext vs mutual TLS + owner tokens instead (see the module docstring)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="with --observability or --security: alternating off/on rounds")
+                        help="with --observability (modes, ABBA) or --security: alternating rounds")
+    parser.add_argument("--modes", default="off,on",
+                        help="with --observability: off first, then any of metrics, tracing, on, sampled "
+                             "(comma-separated)")
+    parser.add_argument("--scrape-s", type=float, default=1.0,
+                        help="with --observability: seconds between scrapes of every /metrics")
     args = parser.parse_args()
     if args.observability:
         return observability(args)
