@@ -149,3 +149,18 @@ async def test_completed_says_why_the_reply_ended() -> None:
     ended = (await collect(w.core.send_turn(OWNER, conv, new_turn(), "Hi")))[-1].kind
     assert isinstance(cut, Completed) and cut.finish_reason == "length"
     assert isinstance(ended, Completed) and ended.finish_reason == "stop"
+
+
+async def test_a_conversation_created_with_messages_input_checks_their_user_messages() -> None:
+    """CreateConversation with messages (the Conversations API's items): each user message passes the input
+    check as it would as a turn; one blocked refuses the whole creation, naming it, and nothing is stored."""
+    w = world()
+    before = dict(w.store.conversations)
+    with pytest.raises(errors.InvalidArgument, match=r"messages\[1\] was blocked by moderation \(abuse\)"):
+        await w.core.create_conversation(OWNER, "", (Seed(Role.SYSTEM, "BLOCKME in a system prompt is not checked"),
+                                                     Seed(Role.USER, "please BLOCKME")))
+    assert w.store.conversations == before and w.moderation.inputs_checked == 1
+    made = await w.core.create_conversation(OWNER, "", (Seed(Role.USER, "Remember 7."),
+                                                        Seed(Role.ASSISTANT, "Noted.")))
+    assert w.moderation.inputs_checked == 2
+    assert [c for _, c, _ in stored(w, made.conversation_id)] == ["Remember 7.", "Noted."]

@@ -3,12 +3,14 @@ deletion reaching every copy (I4): the stored rows, then the conversation's KV b
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Callable
 
-from chatmesh.chat.ports import EnginePort, RouterPort, StorePort, TurnKey
+from chatmesh.chat.ports import EnginePort, ModerationPort, RouterPort, StorePort, TurnKey
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.store.values import Conversation, DailyUsage, History, Seed
+from chatmesh.store.values import Conversation, DailyUsage, History, Role, Seed
 
 log = logs.get("chatmesh.chat")
 
@@ -16,8 +18,10 @@ MAX_TITLE_CHARS = 200
 
 
 class Conversations:
-    def __init__(self, store: StorePort, router: RouterPort, engines: EnginePort, default_prompt_version: str,
-                 stop_turns: Callable[[OwnerId, ConversationId], None], count_tokens: Callable[[str], int]):
+    def __init__(self, store: StorePort, router: RouterPort, engines: EnginePort, moderation: ModerationPort,
+                 default_prompt_version: str, stop_turns: Callable[[OwnerId, ConversationId], None],
+                 count_tokens: Callable[[str], int]):
+        self.moderation = moderation
         self.count_tokens = count_tokens
         self.store = store
         self.router = router
@@ -26,13 +30,23 @@ class Conversations:
         self.stop_turns = stop_turns  # stops this process's turns of a conversation being deleted
 
     async def create(self, owner: OwnerId, title: str, seed: tuple[Seed, ...] = ()) -> Conversation:
-        """A new conversation; with `seed`, holding those messages (a client's earlier history) already."""
+        """A new conversation; with `seed`, holding those messages (a client's earlier history) already. The
+        seed's user messages pass the input check first, as each would as a turn (they reach the model in every
+        later prompt): one blocked refuses the creation (InvalidArgument naming it), nothing stored."""
         if len(title) > MAX_TITLE_CHARS:
             raise errors.InvalidArgument(f"title must be at most {MAX_TITLE_CHARS} characters")
         if not seed:
             return await self.store.insert_conversation(owner, title, self.default_prompt_version)
+        conversation = ConversationId(str(uuid.uuid4()))
+        users = [(i, m.content) for i, m in enumerate(seed) if m.role is Role.USER]
+        screenings = await asyncio.gather(*(self.moderation.check_input(text, conversation) for _, text in users))
+        for (i, _), screening in zip(users, screenings):
+            if screening.blocked:
+                raise errors.InvalidArgument(f"messages[{i}] was blocked by moderation "
+                                             f"({screening.category or 'policy'})")
         counted = tuple(Seed(m.role, m.content, self.count_tokens(m.content)) for m in seed)
-        conv, _ = await self.store.create_conversation(owner, None, title, self.default_prompt_version, counted)
+        conv, _ = await self.store.create_conversation(owner, conversation, title, self.default_prompt_version,
+                                                       counted)
         return conv
 
     async def get(self, owner: OwnerId, conv: ConversationId) -> History:

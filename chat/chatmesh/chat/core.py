@@ -48,8 +48,8 @@ class ChatCore:
         ports = Ports(store, router, engines, moderation, peers)
         self.prompts = Prompts(ports, renderer, count_tokens, options)
         self.turns = Turns(ports, self.prompts, options, observe, now_ms)
-        self.conversations = Conversations(store, router, engines, options.default_prompt_version, self._stop_all,
-                                           count_tokens)
+        self.conversations = Conversations(store, router, engines, moderation, options.default_prompt_version,
+                                           self._stop_all, count_tokens)
 
     # ---- conversations -------------------------------------------------------------------------------------
 
