@@ -7,12 +7,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
+from chatmesh.gateway.app import create_app, serve_hypercorn
+from chatmesh.mesh.config import Config
+from tests.conftest import free_port
 from tests.gateway.conftest import Gateway, StartGateway
 from tests.gateway.fake_chat import FakeChat
+from tests.gateway.sse_client import collect, reply_text
+from tests.trust import gateway_env
 
 
 def nested(depth: int) -> str:
@@ -172,3 +179,42 @@ async def test_the_development_identity_refuses_rebound_host_names_and_cross_sit
     assert rebound.status_code == 421 and rebound.json()["error"]["code"] == "misdirected_request"
     assert cross_site.status_code == 403 and cross_site.json()["error"]["code"] == "forbidden_origin"
     assert own_page.status_code == 201 and by_name.status_code == 200
+
+
+async def test_on_hypercorn_slow_headers_are_dropped_and_a_long_silent_stream_is_not(
+        fake_chat: tuple[FakeChat, str], tmp_path: Path, mesh_certs: Path) -> None:
+    """hypercorn's read_timeout (once the header bound) bounds every read, so it cut any SSE stream whose client
+    sent nothing for that long: with a 1 s header bound, a turn streaming for ~2 s was dropped before its first
+    byte. The header and idle bounds are hypercorn's idle timer instead."""
+    fake, address = fake_chat
+    port = free_port()
+    cfg = Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": address, "CHATMESH_DATA_DIR": str(tmp_path),
+                      "CHATMESH_GATEWAY_SERVER": "hypercorn", "CHATMESH_SHUTDOWN_GRACE_S": "1",
+                      "CHATMESH_EDGE_HEADER_TIMEOUT_S": "1", "CHATMESH_EDGE_IDLE_TIMEOUT_S": "5"})
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_hypercorn(cfg, create_app(cfg), port, stop))
+    fake.delay_s, fake.chunks = 0.25, ["x"] * 8  # a first delta after 0.25 s, the last after ~2 s
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for _ in range(100):
+                try:
+                    await client.get("/healthz")
+                    break
+                except httpx.ConnectError:
+                    await asyncio.sleep(0.05)
+            conv = (await client.post("/v1/conversations")).json()["id"]
+            started = time.monotonic()
+            async with client.stream("POST", f"/v1/conversations/{conv}/turns",
+                                     json={"turn_id": str(uuid.uuid4()), "content": "x"}) as r:
+                events = await collect(r)
+            streamed_s = time.monotonic() - started
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+        await writer.drain()
+        elapsed, _ = await _closed_after(reader, 8.0)
+        writer.close()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+    assert streamed_s > 1.5 and reply_text(events) == "x" * 8
+    assert elapsed < 4.0

@@ -347,8 +347,11 @@ async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
     hc.graceful_timeout = grace + 2
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")  # through chatmesh.mesh.logs, not hypercorn's own handler
-    hc.keep_alive_timeout = cfg[settings.IDLE_TIMEOUT_S]
-    hc.read_timeout = max(1, int(cfg[settings.HEADER_TIMEOUT_S] + 0.5))  # per read: see chatmesh.gateway.deadlines
+    # hypercorn's idle timer runs from a connection's start (and each response's end) until a request's headers
+    # are complete: the idle bound and the header deadline at once (chatmesh.gateway.deadlines). No read_timeout:
+    # hypercorn applies it to every read, so it cut every SSE stream whose client sent nothing for that long.
+    hc.keep_alive_timeout = min(cfg[settings.IDLE_TIMEOUT_S], cfg[settings.HEADER_TIMEOUT_S])
+    hc.read_timeout = None
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

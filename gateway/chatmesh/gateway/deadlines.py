@@ -16,9 +16,11 @@ An open SSE stream is a response in progress, so none of these end it; its disco
 
 Where each lives: the body deadline is ASGI middleware (`BodyDeadline`), the same for both servers; the idle
 bound is each server's keep-alive setting; the header deadline is `edge_protocol()`, uvicorn's httptools
-protocol with a timer (uvicorn has no header timeout of its own). On hypercorn the header bound is its
-`read_timeout`, a per-read timeout, which is weaker: a client that sends a byte within every period keeps its
-connection until the body or idle bound ends it.
+protocol with a timer (uvicorn has no header timeout of its own). On hypercorn both the header and the idle
+bound are its idle timer (`keep_alive_timeout`, set to the smaller of the two), which runs from a connection's
+start, and each response's end, until a request's headers are complete: a deadline too, but the connection is
+closed without a 408. (hypercorn's `read_timeout` is not used: it bounds every read, so it cut SSE streams whose
+client sent nothing for that long.)
 """
 
 from __future__ import annotations
