@@ -116,3 +116,24 @@ def test_asyncio_unretrieved_task_exception_and_uncaught_exceptions(captured: io
     assert ("Task exception was never retrieved", "ValueError") in found
     assert ("uncaught_exception", "OSError") in found
     assert ("uncaught_thread_exception", "LookupError") in found
+
+
+def test_a_traceback_rendered_as_text_is_its_type_and_place(captured: io.StringIO) -> None:
+    """Starlette hands uvicorn `traceback.format_exc()` when startup fails: the reason was lost (the line kept only
+    "Traceback (most recent call last):"), and its message and source lines must not be written."""
+    import traceback
+
+    try:
+        try:
+            _fails(MARKER, {"cookie": MARKER})
+        except ValueError as inner:
+            raise RuntimeError(f"first line\n{MARKER}") from inner  # a message running on below its line
+    except RuntimeError:
+        text = traceback.format_exc()
+    assert MARKER in text
+    logging.getLogger("uvicorn.error").error(text)
+    assert MARKER not in captured.getvalue()
+    (line,) = lines(captured)
+    assert line["event"] == "traceback" and line["error_type"] == "RuntimeError"
+    where = line["error_at"]
+    assert isinstance(where, list) and where and all(w.startswith("test_logs.py:") for w in where)

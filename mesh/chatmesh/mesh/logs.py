@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -122,9 +123,36 @@ def _safe_arg(arg: object) -> object:
     return f"<{type(arg).__name__}>"
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+_FRAME_LINE = re.compile(r'^\s*File "([^"]+)", line (\d+), in ([\w<>.]+)\s*$')
+_EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?::|$)")
+
+
+def traceback_fields(text: str) -> dict[str, object]:
+    """A traceback already rendered as text (Starlette hands uvicorn `traceback.format_exc()` when startup
+    fails) as `error_type` and `error_at`: the last exception's class and the innermost code locations. Its
+    messages and source lines are dropped, as for a live exception."""
+    lines = text.strip().splitlines()
+    matches = [(i, m) for i, m in enumerate(map(_FRAME_LINE.match, lines)) if m]
+    out: dict[str, object] = {"error_at": [f"{os.path.basename(m[1])}:{m[2]} {m[3]}" for _, m in matches][-FRAMES:]}
+    # the exception's line is the first unindented one after the last frame (its message may run on below it)
+    after = (line for line in lines[matches[-1][0] + 1:] if not line[:1].isspace()) if matches else iter(())
+    exception = _EXCEPTION_LINE.match(next(after, ""))
+    if exception is not None:
+        out["error_type"] = exception[1]
+    return out
+
+
 def record_event(record: logging.LogRecord) -> dict[str, Any]:
-    """A stdlib record as an event dict: the first line of its template, numeric arguments only."""
+    """A stdlib record as an event dict: the first line of its template, numeric arguments only (a rendered
+    traceback as its exception's class and code locations)."""
     template = record.msg if isinstance(record.msg, str) else f"<{type(record.msg).__name__}>"
+    if template.startswith(_TRACEBACK):
+        rendered: dict[str, Any] = {"event": "traceback", "logger": record.name,
+                                    "level": record.levelname.lower(), **traceback_fields(template)}
+        if record.exc_info:
+            rendered["exc_info"] = record.exc_info
+        return rendered
     text = template
     if record.args:
         args = record.args
