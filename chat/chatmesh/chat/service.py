@@ -34,6 +34,7 @@ from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_turn_id
+from chatmesh.mesh.message_size import MessageSize
 from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScoped
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.mesh.trust import Trust
@@ -262,7 +263,8 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
         advertise_address=(cfg[settings.ADVERTISE_ADDRESS] or cfg[mesh_settings.LISTEN]
                            or cfg[mesh_settings.CHAT_ADDRESS]),
         instance_id=cfg[settings.INSTANCE_ID] or f"chat-{socket.gethostname()}-{os.getpid()}",
-        system_prompts=prompts, default_prompt_version=default_version)
+        system_prompts=prompts, default_prompt_version=default_version,
+        message_size=MessageSize.from_config(cfg))
     registry = metrics.Registry()
     observed = ChatMetrics(registry)
     moderation = Moderation(ModerationClient.from_config(cfg, registry.prometheus, trust=trust))

@@ -45,12 +45,12 @@ from chatmesh.chat.ports import ClaimRequest, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import LeaseId, TurnId
+from chatmesh.mesh.message_size import MessageSize
 from chatmesh.mesh.turn import RECORD_ACTIVE, Move, TurnMachine, TurnState
 from chatmesh.store.values import (
     Claimed, Conflicted, Done, History, InProgress, MessageStatus, Role, Seed, TurnRecord,
 )
 
-MAX_CONTENT_BYTES = 512 * 1024
 CONTEXT_MESSAGES = 1000  # messages after the summary a claim returns (the store's cap); more: a separate read
 # The caller's own mistakes end an attempt as REJECTED; anything else (a dependency down) as FAILED.
 REJECTIONS = (errors.InvalidArgument, errors.NotFound, errors.Conflict, errors.FailedPrecondition)
@@ -68,11 +68,12 @@ def fingerprint(kind: str, content: str) -> str:
     return hashlib.sha256(f"{kind}\0{content}".encode()).hexdigest()
 
 
-def validate_content(content: str) -> str:
+def validate_content(content: str, size: MessageSize) -> str:
+    """A user message: not blank, and within the one size policy (chatmesh.mesh.message_size) in bytes; its
+    tokens are checked with the whole prompt."""
     if not content or not content.strip():
         raise errors.InvalidArgument("content must be a non-empty string")
-    if len(content.encode()) > MAX_CONTENT_BYTES:
-        raise errors.InvalidArgument(f"content is over the {MAX_CONTENT_BYTES // 1024} KiB limit")
+    size.check_bytes(content)
     return content
 
 
@@ -113,7 +114,7 @@ class Turns:
         machine = TurnMachine(self.observe)
         seeded: tuple[str, ...] = ()
         with ending_on_error(machine):
-            validate_content(content)
+            validate_content(content, self.opt.message_size)
             if create is not None:
                 seed = tuple(replace(m, token_count=self.prompts.count_tokens(m.content)) for m in create.seed)
                 await self.store.create_conversation(key.owner, key.conversation, create.title,
