@@ -21,6 +21,16 @@ at `MAX_RECONNECT_BACKOFF_MS` (1 s), so a peer that comes back is reached within
 one connect attempt a second while it is down. MIN_CONNECT_TIMEOUT (the time one attempt may take, 20 s) is
 left alone: a slow TLS handshake still completes.
 
+A peer that vanishes without closing its connections (its host powered off, its link down, a network partition)
+sends no FIN or RST: without keepalive a call on that connection, a Generate stream or the router's WatchStats,
+waits for its deadline (minutes) and the router keeps the replica serving. So `RECONNECT` also turns on HTTP/2
+keepalive: a PING every 5 s (`KEEPALIVE_TIME_MS`) on every connection, with or without calls; no answer within
+3 s (`KEEPALIVE_TIMEOUT_MS`; grpc 1.81 times the keepalive PING by `grpc.http2.ping_timeout_ms`, default
+60 s, so both are set) and the connection is closed, its calls end UNAVAILABLE (which chat and the router
+handle as the peer being gone) and the channel reconnects. A silent peer is seen within ~8 s; the cost is one
+PING frame and its ack per connection every 5 s. The servers (`chatmesh.mesh.server.SERVER_OPTIONS`) accept
+pings that often and ping their clients the same way, so an engine notices a vanished chat.
+
 Several addresses. `target_for("10.0.0.1:50051,10.0.0.2:50051")` is gRPC's static `ipv4:` resolver target, and
 `dns:///chat.internal:50051` (every A record of a name, re-resolved when connections fail) passes through; with
 `balanced_options` the channel keeps a connection to each address and spreads calls round robin over those that
@@ -49,9 +59,18 @@ RETIRE_GRACE_S = 600.0
 Options = Sequence[tuple[str, Any]]
 INITIAL_RECONNECT_BACKOFF_MS = 100
 MAX_RECONNECT_BACKOFF_MS = 1000
+# keepalive: a ping every KEEPALIVE_TIME_MS on every connection, busy or idle; no answer within
+# KEEPALIVE_TIMEOUT_MS and the connection is dead (its calls end UNAVAILABLE, the channel reconnects)
+KEEPALIVE_TIME_MS = 5000
+KEEPALIVE_TIMEOUT_MS = 3000
 RECONNECT: Options = (
     ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
 )
 
 

@@ -163,7 +163,18 @@ class Service:
     metrics: metrics.Registry = field(default_factory=metrics.Registry)  # served on the service's metrics port
 
 
-SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    # keepalive (chatmesh.mesh.channels: every mesh channel pings every 5 s): accept pings that often, with or
+    # without calls, and never answer them with GOAWAY too_many_pings; ping clients the same way, so a call from
+    # a client that vanished ends within ~8 s instead of running to its deadline
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.http2.ping_timeout_ms", 3000),
+]
 
 
 @dataclass
