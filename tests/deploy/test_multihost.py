@@ -10,17 +10,13 @@ migrations Job, and one PostgreSQL instance of the CloudNativePG Cluster. The te
 namespace, on the same bridge, talks HTTP to the gateway's address.
 
 The scenario: turns through the gateway, each crossing the gateway, chat, store, router, moderation and engine
-hosts (their RPC counters say so); then the engine host generating a turn is taken away mid-reply (its process
-killed by pid, its switch port down): the client retries that turn with the same turn id, the conversations that
+hosts (their RPC counters say so); then the engine host generating a turn vanishes mid-reply (its switch port
+down first, then its process killed by pid, so no FIN or RST ever reaches its peers: only the mesh's gRPC
+keepalive, chatmesh.mesh.channels, tells chat and the router it is gone, within ~8 s): the client retries that turn with the same turn id, the conversations that
 lived there spill to the other engines, and the store holds every turn the client saw completed exactly once;
 then the host comes back (port up, the same pod started again) and the router serves it again (ListReplicas as
 the operator, and a new conversation's turn generated there). Through it all every pod read every setting its
 manifest gave it (no settings_unread warning) and logged no error.
-
-Not shown here: a host that vanishes silently. Taken away in the other order (switch port down first, then
-the process killed, so no FIN or RST ever leaves it), the turn in flight hung past 100 s and the router kept the
-engine SERVING for as long (tried by hand at landing time): no mesh channel sets gRPC keepalive, so a peer that
-stops answering is noticed only at the call's deadline (CHATMESH_ENGINE_DEADLINE_S, 300 s).
 
 Needs root, iproute2, PostgreSQL's server binaries, redis-server and kubectl; skips naming what is missing (fails
 with CHATMESH_REQUIRE_SERVICES=1). Every wait is bounded; the network, its hosts and /etc/netns/<ns> are removed
@@ -370,8 +366,8 @@ def test_turns_cross_hosts_and_losing_an_engine_host_loses_and_duplicates_nothin
         assert len(busy) == 1, busy
         victim.append(busy[0])
         host = c.hosts[busy[0]]
+        c.net.unplug(host)  # first: the host vanishes silently, no FIN or RST leaves it
         c.net.kill(host)
-        c.net.unplug(host)
 
     tid = str(uuid.uuid4())
     content = "And what happens when a host goes away mid-reply?"
