@@ -461,6 +461,23 @@ async def client_disconnect_stops_the_turn_and_frees_the_sequence() -> World:
 
 
 @scenario
+async def shutdown_releases_a_turn_it_cuts_off_for_the_retry_elsewhere() -> World:
+    w, conv = await fresh()
+    key = w.key(conv)
+    gate = asyncio.Event()
+    w.engine.scripts.append(Script(reply_script("x", " y").events, gates={2: gate}))
+    stream = w.core.send_turn(OWNER, conv, key.turn, "Go")
+    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Delta))
+    w.core.drain()  # SIGTERM: the grace ran out with the turn still streaming; its RPC is cancelled
+    await stream.aclose()  # type: ignore[attr-defined]
+    await w.settled()
+    assert text_of(seen) == "x" and stored(w, conv) == []  # not stored cut short as stopped
+    assert w.store.records[key].state is TurnRecordState.FAILED and w.store.records[key].lease is None
+    assert path(w)[-1] == (S.DECODE, S.FAILED) and w.idle() and w.engine.closed_early == 1
+    return w
+
+
+@scenario
 async def stop_reaching_another_process_is_forwarded_to_the_lease_holder() -> World:
     w, conv = await fresh()
     key = w.key(conv)

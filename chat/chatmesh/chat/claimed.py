@@ -10,7 +10,8 @@ writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.
     -> QUEUED  the prompt built (a summary made first at a boundary, `prompt.py`), sent to the picked replica
     -> PREFILL / DECODE  as the engine admits the prompt and streams (`stream.py`)
     -> STORED | STOPPED | BLOCKED  one FinishTurn: user message, reply as the user saw it, usage; one transaction
-    -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry)
+    -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry); also a turn cut off by
+               this process shutting down (`LiveTurn.handed_off`): its retry is generated elsewhere
 
 A takeover (`Job.resume`: the turn was taken over from a dead holder and its client already has part of the
 reply) continues that text: it is published first and its tokens follow the generation prompt, so the engine
@@ -154,6 +155,9 @@ class ClaimedTurn:
                                     generation, self.opt.engine_deadline_s, self.job.options.stop)
         if self.live.lease_lost:
             raise LeaseLost(f"turn {turn} was taken over by another chat process")
+        if self.live.handed_off and isinstance(ending, StoppedHere):
+            raise errors.Unavailable(f"chat process {self.opt.instance_id} is shutting down; retry turn {turn} "
+                                     "with the same turn id")
         usage, text, output = tally.usage, self.live.text, tally.output_tokens + resumed
 
         async def store(to: TurnState, status: MessageStatus) -> None:

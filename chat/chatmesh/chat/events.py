@@ -97,6 +97,7 @@ class LiveTurn:
         self._changed = asyncio.Condition()
         self.stop_requested = asyncio.Event()
         self.lease_lost = False  # set when another process took the turn over
+        self.handed_off = False  # set when this process shuts down: the turn is released, not stopped
 
     async def publish(self, kind: TurnEventKind) -> None:
         async with self._changed:

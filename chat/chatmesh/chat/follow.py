@@ -124,8 +124,10 @@ class StoredFollower:
                 case TurnRecordState.STORED | TurnRecordState.STOPPED:
                     if record.reply is None:
                         raise errors.Unavailable(f"the store reported turn {self.key.turn} finished without a reply")
-                    self._known(record.reply.content)
-                    async for event in continuing(listed(replay(record.reply, record.usage, 0)), self.delivered):
+                    events = listed(replay(record.reply, record.usage, 0))
+                    if not self._known(record.reply.content):  # the client says it has more than the reply
+                        events = listed(replay(record.reply, record.usage, self.seen))
+                    async for event in continuing(events, self.delivered) if self.text is not None else events:
                         yield event
                     return
                 case TurnRecordState.RECEIVED | TurnRecordState.RUNNING:

@@ -101,6 +101,7 @@ class Turns:
         self.now_ms = now_ms
         self.live: dict[TurnKey, LiveTurn] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.draining = False  # shutting down: a turn whose caller goes now is released for a retry, not stopped
 
     @property
     def lease_holder(self) -> str:
@@ -167,8 +168,15 @@ class Turns:
                                             f"{record.lease_holder!r}, which this process cannot reach")
         return await self.ports.peers.stop(address, key)
 
+    def drain(self) -> None:
+        """Shutdown began: turns cut off by it (their RPC cancelled at the end of the grace) are released as
+        failed, so the retry, on another chat process, generates them (a stop would store them cut short)."""
+        self.draining = True
+
     async def close(self) -> None:
+        self.drain()
         for live in list(self.live.values()):
+            live.handed_off = True
             live.stop_requested.set()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -269,6 +277,7 @@ class Turns:
             async for event in stream:
                 yield event
         except (asyncio.CancelledError, GeneratorExit):
+            live.handed_off = self.draining
             live.stop_requested.set()
             raise
         finally:
