@@ -158,9 +158,11 @@ def test_model_decodes_the_same_greedy_tokens_native_or_not(loaded: object, kv_d
     # The first decode step reads the same cached prompt both ways, but each layer first stores the new token's
     # K/V, computed from the previous layer's (1e-6-different) attention output: a rounding of it can flip to the
     # next representable value (int8: 1/127 of the row's absmax; bfloat16: 2^-8 relative). Measured: int8 1.6e-6
-    # apart (no flip), bfloat16 1.8e-4. Later steps drift further (int8: 1e-3 by step 5); the tight comparison
-    # of the arithmetic itself is test_kernel_matches_float64_and_the_pytorch_path.
-    tolerance = 2e-5 if kv_dtype == torch.int8 else 1e-3
+    # apart on an AMD EPYC host (no flip), 1.05e-3 on an Intel Xeon with AVX-512 (one flip: the kernel's vector
+    # sums round differently there); bfloat16 1.8e-4. Later steps drift further (int8: 1e-3 by step 5); the tight
+    # comparison of the arithmetic itself is test_kernel_matches_float64_and_the_pytorch_path, and the greedy
+    # tokens above must be identical either way.
+    tolerance = 3e-3 if kv_dtype == torch.int8 else 1e-3
     for a, b in zip(fast_logits, slow_logits):
         assert float((a - b).abs().max() / b.abs().max()) < tolerance
 
