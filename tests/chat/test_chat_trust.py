@@ -47,7 +47,7 @@ class Mesh:
 
 @pytest.fixture
 async def mesh(mesh_certs: Path, tmp_path: Path) -> AsyncIterator[Mesh]:
-    env = {"CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_ENGINE": "sim", "CHATMESH_SIM_TEXT": "words",
+    env = {"CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_ENGINE": "sim", "CHATMESH_SIM_TEXT": "tokenizer",
            "CHATMESH_SIM_STEP_MS": "1", "CHATMESH_MAX_REPLY_TOKENS": "12", "CHATMESH_STORE_PURGE_INTERVAL_S": "0",
            "CHATMESH_ROUTER_HEALTH": "false"}
     running: list[tuple[Service, Running]] = []

@@ -23,13 +23,12 @@ import pytest
 from chatmesh.chat import context
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
-from chatmesh.chat.prompting import ChatMLRenderer
+from chatmesh.chat.prompting import ProfileRenderer
 from chatmesh.mesh import identity as ident
 from chatmesh.mesh import settings, tokens
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.up import Extra, Mesh
-from chatmesh.model import tokenizer as model_tokenizer
-from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model import profile
 from chatmesh.moderation.client import ModerationClient
 from prometheus_client import CollectorRegistry
 from chatmesh.mesh.config import Config
@@ -183,15 +182,16 @@ async def test_twenty_concurrent_sends_of_one_turn_id_over_two_chat_processes_ge
 
 def _core_for(cluster: Cluster, channels: Channels) -> ChatCore:
     cfg = Config(env=dict(cluster.mesh.env))
-    tok = model_tokenizer.load(cfg[MODEL_DIR])
-    renderer = ChatMLRenderer(tok)
+    served = profile.load(cfg)
+    renderer = ProfileRenderer(served)
     options = ChatOptions(
         limits=context.PromptLimits(8192, 131072, 40), temperature=0, top_p=1, lease_ttl_ms=3000,
         progress_interval_s=0.1, engine_deadline_s=60, instance_id="test",
         system_prompts=dict(DEFAULT_SYSTEM_PROMPTS), default_prompt_version="v1", summary_threshold_tokens=300,
         keep_recent_messages=4)
     return ChatCore(GrpcStore(channels.get(cfg[settings.STORE_ADDRESS], "store")),
-                    GrpcRouter(channels.get(cfg[settings.ROUTER_ADDRESS], "router")), GrpcEngines(channels),
+                    GrpcRouter(channels.get(cfg[settings.ROUTER_ADDRESS], "router")),
+                    GrpcEngines(channels, model=served.identity),
                     Moderation(ModerationClient.from_config(cfg, registry=CollectorRegistry(), trust=channels.trust)),
                     renderer, renderer.count, options)
 
@@ -201,8 +201,8 @@ async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Clus
     core = _core_for(cluster, channels)
     if not cluster.mesh.cfg[settings.MESH_PLAINTEXT]:  # the core acts for alice as chat does: with her token
         tokens.current.set(issuer_of(cluster.mesh.certs).mint(OwnerId(OWNER)).token)
-    assert isinstance(core.renderer, ChatMLRenderer)
-    tok = core.renderer.tokenizer
+    assert isinstance(core.renderer, ProfileRenderer)
+    tok = core.renderer.profile
     try:
         conv = await new_conversation(cluster.mesh, cluster.chats[0])
         owner, cid = OwnerId(OWNER), ConversationId(conv)

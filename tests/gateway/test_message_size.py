@@ -71,3 +71,20 @@ async def test_over_the_token_limit_names_the_setting(start_gateway: StartGatewa
     status, error, _ = await post_turn(gw, text)
     assert status == 400
     assert error["message"] == f"the message is {n} tokens; the limit is 100 tokens (CHATMESH_MAX_MESSAGE_TOKENS)"
+
+
+async def test_the_edge_counts_in_the_served_models_tokens(start_gateway: StartGateway, model_dir: Path) -> None:
+    # CHATMESH_MODEL=llama3: the edge counts with Llama 3's tokenizer (the profile chat renders with), not SmolLM2's.
+    from chatmesh.model import assets, profile
+
+    need(assets.LLAMA3_TOKENIZER.present(model_dir), "the Llama 3 tokenizer (`chatmesh model fetch`)")
+    llama3, smollm2 = profile.load_spec("llama3", model_dir), profile.load_spec("smollm2", model_dir)
+    text = "Café naïve 東京 " * 40  # 800 bytes: 163 Llama 3 tokens, 362 of SmolLM2's
+    n = llama3.count(text)
+    assert n < smollm2.count(text) and n < len(text.encode())
+    gw = await start_gateway(CHATMESH_MODEL="llama3", CHATMESH_MAX_MESSAGE_TOKENS=str(n - 1))
+    status, error, _ = await post_turn(gw, text)
+    assert status == 400
+    assert error["message"] == f"the message is {n} tokens; the limit is {n - 1} tokens (CHATMESH_MAX_MESSAGE_TOKENS)"
+    gw = await start_gateway(CHATMESH_MODEL="llama3", CHATMESH_MAX_MESSAGE_TOKENS=str(n))
+    assert (await post_turn(gw, text))[0] == 200

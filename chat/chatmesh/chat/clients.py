@@ -31,6 +31,7 @@ from chatmesh.mesh import errors, tokens, tracing
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
+from chatmesh.model.profile import ModelIdentity
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
 from chatmesh.store import wire
 from chatmesh.store.values import (
@@ -240,9 +241,15 @@ def engine_event(resp: generate_pb2.GenerateResponse) -> EngineEvent | None:
 
 
 class GrpcEngines:
-    def __init__(self, channels: Channels, observed: ChatMetrics | None = None):
+    """Engine replicas over gRPC. With `model` (the profile chat renders with), every generation names it as its
+    expected model, and an engine serving another tokenizer refuses it with FAILED_PRECONDITION before any work
+    (chatmesh.model.profile.check_agreement): a misconfigured mesh fails the turn loudly, naming both models."""
+
+    def __init__(self, channels: Channels, observed: ChatMetrics | None = None, model: ModelIdentity | None = None):
         self.channels = channels
         self.observed = observed
+        self.expected = None if model is None else generate_pb2.ModelIdentity(
+            model_id=model.model_id, tokenizer_digest=model.tokenizer_digest)
 
     async def generate(self, address: str, generation: Generation, timeout_s: float
                        ) -> AsyncGenerator[EngineEvent, None]:
@@ -254,8 +261,8 @@ class GrpcEngines:
                 request_id=generation.request_id, conversation_id=generation.conversation,
                 turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
                 platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
-                temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed),
-                timeout=timeout_s, metadata=tokens.forwarded())
+                temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed,
+                expected_model=self.expected), timeout=timeout_s, metadata=tokens.forwarded())
             try:
                 async for resp in rpc:
                     if (event := engine_event(resp)) is not None:

@@ -28,7 +28,7 @@ from chatmesh.mesh.turn import TurnRecordState
 from chatmesh.store.values import MessageStatus, TurnRecord
 from chatmesh.store.wire import conversation_pb, message_pb, seed_of, usage_pb
 from chatmesh.chat.observe import ChatMetrics
-from chatmesh.chat.prompting import ChatMLRenderer
+from chatmesh.chat.prompting import ProfileRenderer
 from chatmesh.mesh import identity, metrics
 from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
@@ -38,9 +38,8 @@ from chatmesh.mesh.message_size import MessageSize
 from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScoped
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.mesh.trust import Trust
-from chatmesh.model import settings as model_settings
+from chatmesh.model import profile as model_profile
 from chatmesh.moderation.client import ModerationClient
-from chatmesh.model import tokenizer as model_tokenizer
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
 Ctx = grpc.aio.ServicerContext[object, object]
@@ -241,18 +240,24 @@ def load_system_prompts(path: str) -> dict[str, str]:
     return data
 
 
+def context_tokens(cfg: Config, served: model_profile.ModelProfile) -> int:
+    """The context a prompt plus its reply must fit: the served model's, within CHATMESH_CONTEXT_TOKENS (a
+    deployment may run a model with less than it was trained for, e.g. a TensorRT-LLM engine's max_seq_len)."""
+    return min(cfg[settings.CONTEXT_TOKENS], served.context_tokens)
+
+
 def build(cfg: Config, trust: Trust | None = None) -> Service:
     """ChatService; `trust` is the process's (default: what the settings say, as spiffe://chatmesh/chat)."""
     trust = trust or Trust.from_config(cfg, identity.CHAT)
     channels = Channels(trust)
-    tokenizer = model_tokenizer.load(cfg[model_settings.MODEL_DIR])
-    renderer = ChatMLRenderer(tokenizer)
+    served = model_profile.load(cfg)  # CHATMESH_MODEL: the same profile as every engine's (checked per generation)
+    renderer = ProfileRenderer(served)
     prompts = load_system_prompts(cfg[settings.SYSTEM_PROMPTS])
     default_version = cfg[settings.SYSTEM_PROMPT_VERSION]
     if default_version not in prompts:
         raise ValueError(f"CHATMESH_SYSTEM_PROMPT_VERSION {default_version!r} is not among {sorted(prompts)}")
     options = ChatOptions(
-        limits=context.PromptLimits(context_tokens=cfg[settings.CONTEXT_TOKENS],
+        limits=context.PromptLimits(context_tokens=context_tokens(cfg, served),
                               prompt_cap_tokens=cfg[settings.PROMPT_CAP_TOKENS],
                               reply_tokens=cfg[settings.MAX_REPLY_TOKENS]),
         temperature=cfg[settings.TEMPERATURE], top_p=cfg[settings.TOP_P],
@@ -271,7 +276,7 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     core = ChatCore(
         store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS], "store"), observed),
         router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS], "router")),
-        engines=GrpcEngines(channels, observed),
+        engines=GrpcEngines(channels, observed, model=served.identity),
         moderation=moderation,
         renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels),
         observe=observed.on_move)

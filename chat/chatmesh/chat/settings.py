@@ -14,7 +14,8 @@ TEMPERATURE = Setting("CHATMESH_TEMPERATURE", 0.0, "sampling temperature (0: gre
 TOP_P = Setting("CHATMESH_TOP_P", 1.0, "nucleus sampling mass", float)
 CONTEXT_TOKENS = Setting(
     "CHATMESH_CONTEXT_TOKENS", 8192,
-    "the model's context window in tokens; prompt plus reply must fit (SmolLM2: 8192)", int)
+    "cap on the context window in tokens: prompt plus reply must fit the served model's context length (the "
+    "CHATMESH_MODEL profile's: SmolLM2 8192, Llama 3.1 131072) and this", int)
 PROMPT_CAP_TOKENS = Setting(
     "CHATMESH_PROMPT_CAP_TOKENS", 131072,
     "configured cap on prompt tokens (pasted input up to 128k where the model allows)", int)

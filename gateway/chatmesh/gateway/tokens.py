@@ -7,9 +7,9 @@ least one byte, so a message of at most `limit` UTF-8 bytes has at most `limit` 
 a worker thread, one at a time per process, so the event loop keeps serving streams while a paste is counted
 (~0.3 s per MB of ordinary text here).
 
-`count_message_tokens` is the one place the edge asks how many tokens a text is; today it uses the model's
-tokenizer from chatmesh.model (SmolLM2's GGUF, loaded once on first need), to be switched to the model profile
-(issue 23). Without a model file the edge skips the count and leaves the check to chat.
+`count_message_tokens` is the one place the edge asks how many tokens a text is; it counts with the served model's
+profile (chatmesh.model.profile, CHATMESH_MODEL: the tokenizer chat renders with and the engines serve), loaded
+once on first need. Without the model's files the edge skips the count and leaves the check to chat.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.mesh import logs
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.message_size import MessageSize, MessageTooLong
-from chatmesh.model import assets
+from chatmesh.model import assets, profile
 from chatmesh.model import settings as model_settings
-from chatmesh.model import tokenizer as model_tokenizer
 
 log = logs.get("chatmesh.gateway.tokens")
 
@@ -36,8 +35,8 @@ def model_input_tokens(cfg: Config) -> int:
     return max(1, min(cfg[chat_settings.PROMPT_CAP_TOKENS], room))
 
 
-def count_message_tokens(tokenizer: model_tokenizer.Tokenizer, text: str) -> int:
-    return len(tokenizer.encode(text))
+def count_message_tokens(served: profile.ModelProfile, text: str) -> int:
+    return served.count(text)
 
 
 def too_long(err: MessageTooLong) -> ApiError:
@@ -47,29 +46,32 @@ def too_long(err: MessageTooLong) -> ApiError:
 class MessageTokens:
     """Checks a message against the size policy for the configured model (see the module header)."""
 
-    def __init__(self, policy: MessageSize, input_tokens: int, model_dir: str) -> None:
+    def __init__(self, policy: MessageSize, input_tokens: int, model: str, model_dir: str) -> None:
+        """`model`, `model_dir`: CHATMESH_MODEL and CHATMESH_MODEL_DIR (the profile is loaded on first count)."""
         self.policy = policy
         self.input_tokens = input_tokens
         self.limit = policy.token_limit(input_tokens)
+        self._model = model
         self._model_dir = model_dir
-        self._tokenizer: model_tokenizer.Tokenizer | None = None
+        self._profile: profile.ModelProfile | None = None
         self._missing = False
         self._load_lock = threading.Lock()
         self._one_at_a_time = asyncio.Semaphore(1)
 
     @classmethod
     def from_config(cls, cfg: Config) -> MessageTokens:
-        return cls(MessageSize.from_config(cfg), model_input_tokens(cfg), cfg[model_settings.MODEL_DIR])
+        return cls(MessageSize.from_config(cfg), model_input_tokens(cfg), cfg[model_settings.MODEL],
+                   cfg[model_settings.MODEL_DIR])
 
     def _count(self, text: str) -> int | None:
         with self._load_lock:
-            if self._tokenizer is None and not self._missing:
+            if self._profile is None and not self._missing:
                 try:
-                    self._tokenizer = model_tokenizer.load(self._model_dir)
+                    self._profile = profile.load_spec(self._model, self._model_dir)
                 except assets.ModelMissing:
                     self._missing = True
                     log.warning("message_tokens_uncounted", reason="no model file; chat checks the prompt")
-        return count_message_tokens(self._tokenizer, text) if self._tokenizer is not None else None
+        return count_message_tokens(self._profile, text) if self._profile is not None else None
 
     async def check(self, text: str, what: str = "the message") -> None:
         """Raises a 400 `message_too_long` ApiError naming the limit when `text` is over the policy."""
