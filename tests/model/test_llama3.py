@@ -57,10 +57,11 @@ def test_the_llama_profile_is_llama_31s(llama3: ModelProfile) -> None:
 
 def test_ten_turns_give_the_ids_tokenizers_gives_for_metas_rendering(llama3: ModelProfile, hf: HFTokenizer,
                                                                      llama31_template: str) -> None:
-    messages = conversation(10)
-    assert len(messages) == 20
-    want = hf.encode(meta_text(llama31_template, messages), add_special_tokens=False).ids
-    assert list(llama3.render(messages).token_ids) == want
+    assert len(conversation(10)) == 20
+    for n in range(1, 11):  # every turn's prompt, not only the last
+        messages = conversation(n)
+        want = hf.encode(meta_text(llama31_template, messages), add_special_tokens=False).ids
+        assert list(llama3.render(messages).token_ids) == want, f"turn {n}"
 
 
 def test_each_prompt_starts_with_the_last_one_plus_its_reply(llama3: ModelProfile) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from chatmesh.model.template import DEFAULT_SYSTEM, Message, Role, generation_prompt_ids, render
 from chatmesh.model.tokenizer import Tokenizer
 
@@ -34,3 +36,28 @@ def test_prefix_stability_across_turns(tok: Tokenizer) -> None:
 def test_without_generation_prompt(tok: Tokenizer) -> None:
     p = render(tok, [(Role.USER, "x")], add_generation_prompt=False)
     assert p.token_ids[-2:] == (tok.im_end_id, *tok.encode("\n"))
+
+
+def test_chatml_boundary_splits_are_the_stated_ones(tok: Tokenizer, model_dir: Path) -> None:
+    # template.py: per-piece encoding equals tokenizing SmolLM2's rendered text whole (the `tokenizers` oracle,
+    # special tokens parsed) except where content starts with whitespace, which then is not merged into the
+    # newline before it: other ids, the same characters.
+    from tokenizers import AddedToken
+
+    from tests.model.test_tokenizer import _hf
+
+    hf = _hf(model_dir)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tok.special_tokens])
+
+    def whole(messages: list[Message]) -> list[int]:
+        text = tok.decode(render(tok, messages).token_ids, special=True)
+        return list(hf.encode(text, add_special_tokens=False).ids)
+
+    plain = [Message(Role.SYSTEM, "Be brief."), Message(Role.USER, "What is 2+2? Café 東京 🎉"),
+             Message(Role.ASSISTANT, "4, of course.\n\nAnd 5 + 5 = 10. "), Message(Role.USER, "Thanks!\n")]
+    for n in range(1, len(plain) + 1):
+        assert list(render(tok, plain[:n]).token_ids) == whole(plain[:n])
+    spaced = [*plain[:2], Message(Role.ASSISTANT, "\n 4, of course."), Message(Role.USER, "  and 3+3?")]
+    ours = render(tok, spaced).token_ids
+    assert list(ours) != whole(spaced)
+    assert tok.decode(ours, special=True) == hf.decode(whole(spaced), skip_special_tokens=False)

@@ -29,7 +29,7 @@ from chatmesh.store.values import MessageStatus, TurnRecord
 from chatmesh.store.wire import conversation_pb, message_pb, seed_of, usage_pb
 from chatmesh.chat.observe import ChatMetrics
 from chatmesh.chat.prompting import ProfileRenderer
-from chatmesh.mesh import identity, metrics
+from chatmesh.mesh import identity, logs, metrics
 from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config
@@ -252,6 +252,9 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     channels = Channels(trust)
     served = model_profile.load(cfg)  # CHATMESH_MODEL: the same profile as every engine's (checked per generation)
     renderer = ProfileRenderer(served)
+    logs.get("chatmesh.chat").info("model_profile", model_id=served.model_id,
+                                   tokenizer_digest=served.identity.tokenizer_digest,
+                                   chat_format=served.chat_format.name, context_tokens=served.context_tokens)
     prompts = load_system_prompts(cfg[settings.SYSTEM_PROMPTS])
     default_version = cfg[settings.SYSTEM_PROMPT_VERSION]
     if default_version not in prompts:
