@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +17,6 @@ import httpx
 import pytest
 
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS
-from chatmesh.mesh import identity as ident
-from chatmesh.mesh.channels import open_blocking_channel
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.up import Extra, Mesh
 from chatmesh.model import assets, profile
@@ -26,7 +25,7 @@ from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.template import Role
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
 from tests.conftest import free_port
-from tests.e2e.conftest import SseEvent, mesh_env, start_mesh
+from tests.e2e.conftest import SseEvent, channel, mesh_env, start_mesh
 from tests.e2e.test_turns import new_conversation, send_turn
 
 SYSTEM = DEFAULT_SYSTEM_PROMPTS["v1"]
@@ -80,12 +79,12 @@ def _reply(events: list[SseEvent]) -> str:
 
 
 def engine_stats(mesh: Mesh, address: str) -> generate_pb2.EngineStats:
-    channel = open_blocking_channel(mesh.trust(ident.OPERATOR), address, "engine")
-    try:
-        stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        return stub.GetStats(generate_pb2.GetStatsRequest(), timeout=10).stats
-    finally:
-        channel.close()
+    async def stats() -> generate_pb2.EngineStats:
+        async with channel(mesh, "engine", address=address) as ch:
+            resp = await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest(), timeout=10)
+            return resp.stats
+
+    return asyncio.run(stats())
 
 
 def test_a_llama_mesh_completes_turns_with_usage_in_llama_tokens(llama_mesh: Mesh, llama3: ModelProfile,
