@@ -28,7 +28,7 @@ authorization, owner tokens minted by the gateway and verified by chat, the stor
 paced load sent to each in turn, `--rounds` times with the order swapped each round: TTFT through the edge and
 server CPU per turn, side by side.
 
-    .venv/bin/python -m bench.mesh_overhead --security --conversations 50 --turns 4 --think-ms 300 --rounds 6
+    .venv/bin/python -m bench.mesh_overhead --security --conversations 50 --turns 6 --think-ms 2000 --rounds 6
 """
 
 from __future__ import annotations
@@ -333,7 +333,8 @@ LIFTED = {"CHATMESH_SIM_SPEED": "100000", "CHATMESH_MAX_REPLY_TOKENS": "48", "CH
 
 def security(args: argparse.Namespace) -> int:
     """Plaintext vs mutual TLS + authorization + owner tokens: two meshes up at once, rounds interleaved."""
-    results: dict[str, list[tuple[list[float], float]]] = {"plaintext": [], "mTLS + owner tokens": []}
+    results: dict[str, list[tuple[list[float], dict[str, float]]]] = {"plaintext": [], "mTLS + owner tokens": []}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         meshes = {}
         try:
@@ -350,7 +351,7 @@ def security(args: argparse.Namespace) -> int:
                     before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
                     edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
                                                     args.think_ms / 1000))
-                    cpu = sum(cpu_seconds(p.pid) - before[name] for name, p in mesh.procs.items()) / len(edge)
+                    cpu = {name: (cpu_seconds(p.pid) - before[name]) / len(edge) for name, p in mesh.procs.items()}
                     results[mode].append((edge, cpu))
         finally:
             for mesh in meshes.values():
@@ -360,14 +361,17 @@ def security(args: argparse.Namespace) -> int:
         ttfts = [t for edge, _ in runs for t in edge]
         p50s = [statistics.median(edge) * 1e3 for edge, _ in runs]
         rows.append((mode, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3,
-                     statistics.mean(c for _, c in runs) * 1e3, p50s))
+                     statistics.mean(sum(c.values()) for _, c in runs) * 1e3, p50s))
     (_, _, off_p50, off_p95, off_cpu, off_rounds), (_, _, on_p50, on_p95, on_cpu, on_rounds) = rows
     paired = statistics.median(b - a for a, b in zip(off_rounds, on_rounds))
+    by_service = {mode: {name: statistics.mean(c[name] for _, c in runs) * 1e3 for name in runs[0][1]}
+                  for mode, runs in results.items()}
+    off_cpu_s, on_cpu_s = by_service.values()
     lines = [
         f"### mTLS + owner tokens on vs off ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} cores, {platform.machine()}, {args.conversations} concurrent conversations x "
         f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds interleaved (order swapped "
-        f"each round), sim at ~0 step time, load average {os.getloadavg()[0]:.1f})",
+        f"each round), sim at ~0 step time, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)",
         "",
         "| mesh | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 per round (ms) |",
         "|---|---|---|---|---|---|",
@@ -376,6 +380,10 @@ def security(args: argparse.Namespace) -> int:
         f"| **on minus off** | | **{on_p50 - off_p50:+.2f}** ({on_p50 / off_p50:.3f}x; median of the rounds' "
         f"differences {paired:+.2f}) | {on_p95 - off_p95:+.2f} | **{on_cpu - off_cpu:+.2f} "
         f"({(on_cpu / off_cpu - 1) * 100:+.1f}%)** | |",
+        "",
+        "Server CPU per turn by service, plaintext -> mTLS + owner tokens (ms): "
+        + ", ".join(f"{name} {off_cpu_s[name]:.2f} -> {on_cpu_s[name]:.2f} ({on_cpu_s[name] - off_cpu_s[name]:+.2f})"
+                    for name in sorted(off_cpu_s, key=lambda n: off_cpu_s[n] - on_cpu_s[n])),
         "",
     ]
     report(lines, args.append)
