@@ -88,3 +88,19 @@ async def test_the_edge_counts_in_the_served_models_tokens(start_gateway: StartG
     assert error["message"] == f"the message is {n} tokens; the limit is {n - 1} tokens (CHATMESH_MAX_MESSAGE_TOKENS)"
     gw = await start_gateway(CHATMESH_MODEL="llama3", CHATMESH_MAX_MESSAGE_TOKENS=str(n))
     assert (await post_turn(gw, text))[0] == 200
+
+
+async def test_the_edge_takes_the_served_models_context_within_the_setting(start_gateway: StartGateway,
+                                                                          model_dir: Path) -> None:
+    # Llama 3.1's 131,072-token context under a larger CHATMESH_CONTEXT_TOKENS: what a message may have and what a
+    # turn reserves is the model's context minus the reply, as chat computes it (chat.service.context_tokens).
+    from chatmesh.model import assets
+
+    need(assets.LLAMA3_TOKENIZER.present(model_dir), "the Llama 3 tokenizer (`chatmesh model fetch`)")
+    gw = await start_gateway(CHATMESH_MODEL="llama3", CHATMESH_CONTEXT_TOKENS="200000",
+                             CHATMESH_PROMPT_CAP_TOKENS="200000", CHATMESH_MAX_MESSAGE_TOKENS="200000",
+                             CHATMESH_MAX_REPLY_TOKENS="256")
+    assert gw.app.state.edge.message_tokens.input_tokens == 131072 - 256
+    smol = await start_gateway(CHATMESH_CONTEXT_TOKENS="200000", CHATMESH_PROMPT_CAP_TOKENS="200000",
+                               CHATMESH_MAX_REPLY_TOKENS="256")
+    assert smol.app.state.edge.message_tokens.input_tokens == 8192 - 256

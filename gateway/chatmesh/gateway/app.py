@@ -212,14 +212,15 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         app.state.accounts = accounts
         local = ids.parse_owner_id(cfg[settings.LOCAL_USER], "CHATMESH_LOCAL_USER") \
             if cfg[settings.AUTH] == "local" else None
+        served = await asyncio.to_thread(served_model, cfg)  # the profile's model id and context (chat's too)
         app.state.edge = routes.Edge(
             chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), tokens=owner_tokens,
             limits=limits,
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
-            max_body_bytes=cfg[settings.MAX_BODY_BYTES], message_tokens=MessageTokens.from_config(cfg),
+            max_body_bytes=cfg[settings.MAX_BODY_BYTES],
+            message_tokens=MessageTokens.from_config(cfg, served.context_tokens),
             budget=budget_of(cfg),
             deadline_s=cfg[settings.CHAT_DEADLINE_S], observed=observed)
-        served = await asyncio.to_thread(served_model, cfg)
         app.state.openai = Surface(
             edge=app.state.edge, accounts=accounts,
             index=HistoryIndex(accounts.engine, b"openai-history\0" + cfg[settings.KEY_PEPPER].encode(),

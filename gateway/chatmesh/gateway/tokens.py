@@ -28,10 +28,12 @@ from chatmesh.model import settings as model_settings
 log = logs.get("chatmesh.gateway.tokens")
 
 
-def model_input_tokens(cfg: Config) -> int:
-    """The most prompt tokens the configured model takes: its context minus the reply's tokens, within the
+def model_input_tokens(cfg: Config, context_tokens: int | None = None) -> int:
+    """The most prompt tokens the configured model takes: its context (`context_tokens`: the served model's
+    within CHATMESH_CONTEXT_TOKENS, as chat uses; default the setting) minus the reply's tokens, within the
     configured prompt cap. Every turn's prompt fits in it (chat refuses the rest), so it bounds a reservation."""
-    room = cfg[chat_settings.CONTEXT_TOKENS] - cfg[chat_settings.MAX_REPLY_TOKENS]
+    context = cfg[chat_settings.CONTEXT_TOKENS] if context_tokens is None else context_tokens
+    room = context - cfg[chat_settings.MAX_REPLY_TOKENS]
     return max(1, min(cfg[chat_settings.PROMPT_CAP_TOKENS], room))
 
 
@@ -59,8 +61,8 @@ class MessageTokens:
         self._one_at_a_time = asyncio.Semaphore(1)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> MessageTokens:
-        return cls(MessageSize.from_config(cfg), model_input_tokens(cfg), cfg[model_settings.MODEL],
+    def from_config(cls, cfg: Config, context_tokens: int | None = None) -> MessageTokens:
+        return cls(MessageSize.from_config(cfg), model_input_tokens(cfg, context_tokens), cfg[model_settings.MODEL],
                    cfg[model_settings.MODEL_DIR])
 
     def _count(self, text: str) -> int | None:
