@@ -24,7 +24,8 @@ TORCH_WHEELS=${CHATMESH_TORCH_WHEELS:-/opt/wheels}   # a folder holding torch-2.
 HOST_CA=${CHATMESH_BUILD_CA:-/etc/ssl/certs/ca-certificates.crt}
 
 for tool in podman debootstrap; do
-  command -v "$tool" >/dev/null || { echo "build.sh: $tool not found (apt-get install podman debootstrap)" >&2; exit 2; }
+  command -v "$tool" >/dev/null \
+    || { echo "build.sh: $tool not found (apt-get install podman debootstrap)" >&2; exit 2; }
 done
 
 if [ "${CHATMESH_IMAGE_REBASE:-0}" = 1 ] || ! podman image exists "$BASE"; then

@@ -1,7 +1,8 @@
 """The image's smoke turn, run by the image's own Python inside the image's files (deploy/image/smoke.sh feeds it on
-stdin): `chatmesh store migrate` (the migrations Job's command), then `chatmesh up` with the `local` engine (the baked SmolLM2 model on the CPU) and mTLS on, then two turns of
-one conversation through the gateway's HTTP/SSE edge. Prints one JSON line (what was checked and measured) and
-exits 0 when every check holds. Standard library and the image's packages only (this file is not in the image)."""
+stdin): `chatmesh store migrate` (the migrations Job's command), the h100-triton init container's render and pip
+install, then `chatmesh up` with the `local` engine (the baked SmolLM2 model on the CPU) and mTLS on, and two
+turns of one conversation through the gateway's HTTP/SSE edge. Prints one JSON line (what was checked and
+measured) and exits 0 when every check holds. The image's packages only (this file is not in the image)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ def turn(client: httpx.Client, conv: str, content: str) -> tuple[str, dict[str, 
     return text, events[-1][1], time.monotonic() - started
 
 
+def triton_init(folder: Path) -> dict[str, Any]:
+    """The h100-triton overlay's init container `render`, as its manifest runs it, with HOME unwritable as there:
+    `chatmesh triton render` (the Llama 3 profile from the baked model folder standing in for the checkpoint's
+    tokenizer on /checkpoints), then pip installs the image's wheels for Triton's Python."""
+    env = {**os.environ, "HOME": "/opt/chatmesh"}
+    render = subprocess.run(
+        ["chatmesh", "triton", "render", "--out", str(folder / "repository"), "--model",
+         "/checkpoints/Llama-3.1-70B-Instruct-FP8", "--profile", "llama3", "--tp", "8", "--kv-fraction", "0.9",
+         "--gpu", "h100", "--host-memory-gib", "1536", "--engine", "trtllm", "--replica-id", "engine-0"],
+        env=env, capture_output=True, text=True, timeout=120)
+    pip = subprocess.run(["sh", "-c", f"python -m pip install -q --no-index --no-deps --target {folder}/python "
+                          "/opt/chatmesh/wheels/*.whl"], env=env, capture_output=True, text=True, timeout=120)
+    repo = folder / "repository" / "chatmesh_llm"
+    return {"render": render.returncode, "pip": pip.returncode,
+            "rendered": sorted(str(p.relative_to(repo)) for p in repo.rglob("*") if p.is_file())
+            if repo.is_dir() else [],
+            "installed": sorted(p.name for p in (folder / "python").glob("*") if p.is_dir()
+                                and p.name != "bin" and not p.name.endswith(".dist-info")),
+            "errors": (render.stderr + pip.stderr).strip()[-400:]}
+
+
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="chatmesh-smoke-"))
     env = {**os.environ, "CHATMESH_DATA_DIR": str(work / "data"), "CHATMESH_ENGINE": "local",
@@ -59,13 +81,14 @@ def main() -> int:
     # the migrations Job's command, against the embedded SQLite store here (the Job's is PostgreSQL)
     (work / "data").mkdir()
     migrate = subprocess.run(["chatmesh", "store", "migrate"], env=env, capture_output=True, text=True, timeout=120)
+    triton = triton_init(work / "triton")
     out = (work / "up.out").open("wb")
     started = time.monotonic()
     up = subprocess.Popen(["chatmesh", "up"], env=env, stdout=out, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL)
     result: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid(), "python": sys.version.split()[0],
                               "compilers": [c for c in ("gcc", "cc", "g++", "c++", "clang") if shutil.which(c)],
-                              "migrate": [migrate.returncode, migrate.stdout.strip()[-80:]]}
+                              "migrate": [migrate.returncode, migrate.stdout.strip()[-80:]], "triton_init": triton}
     try:
         while b"chatmesh is up" not in (work / "up.out").read_bytes():
             if up.poll() is not None or time.monotonic() - started > UP_TIMEOUT_S:
@@ -83,7 +106,10 @@ def main() -> int:
         result.update(reply=reply, first_turn_s=round(first_s, 2), second_turn_s=round(second_s, 2),
                       first_usage=first.get("usage"), second_usage=second.get("usage"),
                       replica=second.get("replica_id", second.get("replica")))
-        checks = {"non_root": os.getuid() != 0, "migrate": migrate.returncode == 0, "no_compiler": not result["compilers"],
+        checks = {"non_root": os.getuid() != 0, "migrate": migrate.returncode == 0,
+                  "triton_init": (triton["render"], triton["pip"], triton["installed"]) == (0, 0, ["chatmesh",
+                                                                                             "structlog"]),
+                  "no_compiler": not result["compilers"],
                   "paris": "Paris" in reply,
                   "second_turn_cached": second["usage"]["cached_prompt_tokens"] > second["usage"]["prompt_tokens"] // 2}
         result["checks"] = checks

@@ -18,8 +18,8 @@ user=$(podman image inspect --format '{{.Config.User}}' "$IMAGE")
 workdir=$(podman image inspect --format '{{.Config.WorkingDir}}' "$IMAGE")
 mapfile -t env < <(podman image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$IMAGE" | sed '/^$/d')
 
-unshare --mount --net --pid --fork --mount-proc="$root/proc" -- env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin ROOT="$root" USERSPEC="$user" \
-  WORKDIR="$workdir" bash -c '
+unshare --mount --net --pid --fork --mount-proc="$root/proc" -- \
+  env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin ROOT="$root" USERSPEC="$user" WORKDIR="$workdir" bash -c '
     set -euo pipefail
     ip link set lo up
     mount -t tmpfs -o mode=1777 tmpfs "$ROOT/tmp"

