@@ -41,6 +41,8 @@ from typing import Any
 import grpc
 
 from bench.fault_mesh import SERVICES, Audit, FaultMesh, Load, PrivatePostgres, Redis, audit, recovery
+from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.trust import Trust
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
 
 # The process of each service kind a fault hits: engine-0 (the one with a metrics port and GetStats reached at
@@ -60,19 +62,20 @@ class Injected:
     extra: dict[str, Any]
 
 
-async def engine_generations(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def engine_generations(trust: Trust, address: str) -> int:
+    async with open_channel(trust, address, "engine") as channel:
         resp = await generate_pb2_grpc.GenerateServiceStub(channel).GetStats(generate_pb2.GetStatsRequest(),
                                                                               timeout=1)
         return int(resp.stats.generations)
 
 
-async def first_generation_after(address: str, since: float, timeout_s: float = 10.0) -> float | None:
+async def first_generation_after(trust: Trust, address: str, since: float, timeout_s: float = 10.0
+                                 ) -> float | None:
     """Seconds from `since` until the (restarted) engine at `address` has started a generation."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if await engine_generations(address) > 0:
+            if await engine_generations(trust, address) > 0:
                 return round(time.monotonic() - since, 3)
         except grpc.aio.AioRpcError:
             pass
@@ -80,10 +83,11 @@ async def first_generation_after(address: str, since: float, timeout_s: float = 
     return None
 
 
-async def router_serving_after(address: str, replica: str, since: float, timeout_s: float = 10.0) -> float | None:
+async def router_serving_after(trust: Trust, address: str, replica: str, since: float, timeout_s: float = 10.0
+                               ) -> float | None:
     """Seconds from `since` until the router at `address` lists `replica` as serving."""
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(trust, address, "router") as channel:
         stub = route_pb2_grpc.RouteServiceStub(channel)
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.aio.AioRpcError):
@@ -111,8 +115,9 @@ async def inject(kind: str, mesh: FaultMesh, load: Load, down_s: float, redis: R
             if service == "engine":
                 address = mesh.procs[name].address
                 router = mesh.procs["router"].address
-                serving, first = await asyncio.gather(router_serving_after(router, "engine-0", healthy),
-                                                      first_generation_after(address, healthy))
+                trust = mesh.mesh.trust()  # as the operator, over the mesh's mutual TLS
+                serving, first = await asyncio.gather(router_serving_after(trust, router, "engine-0", healthy),
+                                                      first_generation_after(trust, address, healthy))
                 extra["router_serving_after_healthy_s"] = serving
                 extra["engine_first_generation_after_healthy_s"] = first
             return Injected(kind, at, healthy, extra)
