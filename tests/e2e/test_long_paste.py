@@ -1,8 +1,8 @@
 """Long pastes end to end (issue 17; the one size policy of chatmesh.mesh.message_size): through the real edge,
 chat, moderation, store and the `sim` engine.
 
-- With a 128k-token context (CHATMESH_CONTEXT_TOKENS=131072, the reference model's), a paste of about 127,000
-  tokens is accepted with 200, moderated, prefilled, answered (turn.completed, never turn.failed) and stored whole.
+- With a 128k-context model (CHATMESH_MODEL=llama3: Llama 3.1's 131,072 tokens, which sim serves in its ids; the
+  gateway and chat take the served model's context), a paste of about 127,000 tokens is accepted with 200, moderated, prefilled, answered (turn.completed, never turn.failed) and stored whole.
 - A paste over CHATMESH_MAX_MESSAGE_TOKENS (128,000) is a 400 naming the limit, and nothing of it is stored.
 - With the default 8k context, a paste of more than 32 KB (moderation's old input cap, where a 200 used to end in
   turn.failed) but within what the model takes is answered; one past what the model takes is a 400 naming that."""
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Protocol
 from pathlib import Path
 
 import httpx
 import pytest
 
 from chatmesh.mesh.config import Config
+from chatmesh.model import assets, profile
 from chatmesh.model import tokenizer as model_tokenizer
 from chatmesh.model.assets import GGUF_NAME
 from chatmesh.model.settings import MODEL_DIR
@@ -38,7 +40,19 @@ def tokenizer() -> model_tokenizer.Tokenizer:
     return model_tokenizer.load(path)
 
 
-def paste(tok: model_tokenizer.Tokenizer, tokens: int) -> str:
+class Codec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@pytest.fixture(scope="module")
+def llama3() -> profile.ModelProfile:
+    path = Path(Config()[MODEL_DIR])
+    need(assets.LLAMA3_TOKENIZER.present(path), "the Llama 3 tokenizer (`chatmesh model fetch`)")
+    return profile.load_spec("llama3", str(path))
+
+
+def paste(tok: Codec, tokens: int) -> str:
     """A document of exactly `tokens` tokens (numbered lines of prose, so no two lines are alike)."""
     lines = [f"{i}. " + " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12)) + ".\n" for i in range(tokens // 8)]
     text = "".join(lines)
@@ -69,7 +83,7 @@ def stored(client: httpx.Client, conv: str) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def long_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    mesh = start_mesh(tmp_path_factory.mktemp("paste128k"), CHATMESH_CONTEXT_TOKENS="131072",
+    mesh = start_mesh(tmp_path_factory.mktemp("paste128k"), CHATMESH_MODEL="llama3", CHATMESH_CONTEXT_TOKENS="131072",
                       CHATMESH_SIM_STEP_MS="5", CHATMESH_MAX_REPLY_TOKENS="32")
     try:
         yield mesh
@@ -77,9 +91,8 @@ def long_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         mesh.stop()
 
 
-def test_a_128k_token_paste_is_answered_and_stored_whole(long_mesh: Mesh,
-                                                         tokenizer: model_tokenizer.Tokenizer) -> None:
-    document = paste(tokenizer, 127_000)
+def test_a_128k_token_paste_is_answered_and_stored_whole(long_mesh: Mesh, llama3: profile.ModelProfile) -> None:
+    document = paste(llama3, 127_000)
     assert len(document.encode()) > 400_000
     with httpx.Client(base_url=long_mesh.gateway_url, timeout=300) as client:
         conv = client.post("/v1/conversations", json={}).json()["id"]
@@ -97,8 +110,8 @@ def test_a_128k_token_paste_is_answered_and_stored_whole(long_mesh: Mesh,
 
 
 def test_a_paste_over_the_token_limit_is_400_and_nothing_is_stored(long_mesh: Mesh,
-                                                                    tokenizer: model_tokenizer.Tokenizer) -> None:
-    document = paste(tokenizer, 128_001)
+                                                                    llama3: profile.ModelProfile) -> None:
+    document = paste(llama3, 128_001)
     assert len(document.encode()) < 1024 * 1024  # under the byte bound: the token count refuses it
     with httpx.Client(base_url=long_mesh.gateway_url, timeout=300) as client:
         conv = client.post("/v1/conversations", json={}).json()["id"]
@@ -108,8 +121,9 @@ def test_a_paste_over_the_token_limit_is_400_and_nothing_is_stored(long_mesh: Me
                                                                 "128,000 tokens (CHATMESH_MAX_MESSAGE_TOKENS)"}
         assert stored(client, conv) == []
         before = client.get("/v1/conversations").json()["conversations"]
+        model = client.get("/openai/v1/models").json()["data"][0]["id"]
         completion = client.post("/openai/v1/chat/completions", json={
-            "model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": document}]})
+            "model": model, "messages": [{"role": "user", "content": document}]})
         assert completion.status_code == 400 and "128,000 tokens" in completion.text
         assert client.get("/v1/conversations").json()["conversations"] == before  # none created for it
 
