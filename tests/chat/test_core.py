@@ -143,6 +143,8 @@ async def completed_turn_is_stored_once_and_frees_everything() -> World:
     final = final_of(events)
     assert isinstance(final, Completed) and final.replica_id == "engine-0"
     assert final.usage.output_tokens == 4 and final.usage.prompt_tokens == len(w.engine.generations[0].prompt_token_ids)
+    # turn.started tells the edge the prompt's size before the engine runs (what a disconnect is charged)
+    assert events[0].kind.prompt_tokens == len(w.engine.generations[0].prompt_token_ids)
     assert stored(w, conv) == [(Role.USER, "What is a block?", MessageStatus.COMPLETE),
                                (Role.ASSISTANT, "Hello there.", MessageStatus.COMPLETE)]
     assert path(w) == [(S.RECEIVED, S.QUEUED), (S.QUEUED, S.PREFILL), (S.PREFILL, S.DECODE), (S.DECODE, S.STORED)]
@@ -159,7 +161,7 @@ async def retry_of_a_stored_turn_replays_it_without_generating() -> World:
     w.moves.clear()
     again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hi"))
     assert len(w.engine.generations) == 1 and w.router.picks == 2 and w.idle()  # the early pick was released
-    assert isinstance(again[0].kind, Started) and again[0].kind.replayed
+    assert isinstance(again[0].kind, Started) and again[0].kind.replayed and again[0].kind.prompt_tokens is None
     assert text_of(again) == text_of(first) and isinstance(final_of(again), Completed)
     assert final_of(again).usage == final_of(first).usage  # type: ignore[union-attr]
     assert path(w) == [(S.RECEIVED, S.REPLAYED)]
@@ -182,7 +184,8 @@ async def retry_reaching_the_generating_process_attaches_to_the_live_stream() ->
     await w.settled()
     assert text_of(a) == text_of(b) == "one two" and len(w.engine.generations) == 1
     assert text_of(c) == " two" and c[0].sequence > 4  # resumed after what the client had seen
-    assert isinstance(b[0].kind, Started) and b[0].kind.replayed
+    assert isinstance(b[0].kind, Started) and b[0].kind.replayed and b[0].kind.prompt_tokens is None
+    assert isinstance(a[0].kind, Started) and a[0].kind.prompt_tokens == len(w.engine.generations[0].prompt_token_ids)
     assert (S.RECEIVED, S.ATTACHED) in path(w) and path(w).count((S.RECEIVED, S.ATTACHED)) == 2
     assert w.idle()
     return w
@@ -346,6 +349,7 @@ async def blocked_input_is_stored_as_blocked_and_never_reaches_an_engine() -> Wo
     events = await w.turn(conv, "please BLOCKME now")
     final = final_of(events)
     assert isinstance(final, Blocked) and final.stage == "input" and final.category == "abuse"
+    assert [e.kind for e in events] == [Started(False), final]  # no prompt was built: no size to report
     assert len(w.engine.generations) == 0 and w.idle()
     assert stored(w, conv) == [(Role.USER, "please BLOCKME now", MessageStatus.COMPLETE),
                                (Role.ASSISTANT, "", MessageStatus.BLOCKED)]

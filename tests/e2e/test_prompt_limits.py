@@ -11,6 +11,7 @@ gateway processes on one real Redis (127.0.0.1:6379) in front of real chat, stor
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -141,14 +142,20 @@ async def test_a_disconnect_after_the_first_delta_is_charged_its_prompt(limits: 
         third = await turn(one)
         turns, tokens = await billed(one)
     statuses = [second[0], third[0]]
-    # Uncharged, the disconnect would leave room for both (B is about 2.5 prompts); charged its prompt, one runs.
-    # (Chat does not report the prompt's size in turn.started today, so the gateway keeps a disconnected turn's
-    # whole reservation, here the whole budget, and neither runs: an overcharge, never an undercharge.)
-    assert third[0] == 429 and statuses.count(200) <= 1, statuses
+    # The disconnected turn is charged its prompt, the size turn.started reported before the engine ran (chat
+    # sends it; charged its whole reservation, here the budget, neither turn below would run): the edge's log of
+    # the ended stream says what it was told and kept, ids and counts only.
+    ended = [json.loads(line) for line in (limits.mesh.log_dir / "gateway.log").read_text().splitlines()
+             if '"turn_stream_ended"' in line]
+    disconnected = [e for e in ended if e.get("outcome") == "disconnected"]
+    assert len(disconnected) == 1 and disconnected[0]["started_prompt_tokens"] == limits.prompt, disconnected
+    assert statuses.count(200) >= 1, statuses
     assert all(1 <= int(h["retry-after"]) <= 3600 for status, h in (second, third) if status == 429)
     assert first in ((1, limits.prompt), (0, 0))  # if the store bills a disconnect, it bills the whole prompt
     assert (turns, tokens) == (first[0] + statuses.count(200), first[1] + limits.prompt * statuses.count(200))
-    assert tokens <= limits.budget
+    # the edge's bound: B plus one turn's prompt (a turn admitted with less left than its prompt still runs: chat
+    # does not enforce prompt_token_allowance yet, see gateway/metering.py)
+    assert tokens <= limits.budget + limits.prompt
 
 
 async def test_concurrent_turns_on_two_gateways_spend_at_most_the_budget_plus_one_turn(limits: LimitMesh) -> None:

@@ -85,7 +85,6 @@ class ClaimedTurn:
         turn = self.job.key
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
-            await self.live.publish(Started(replayed=False))
             final = await self._generate()
         except errors.CoreError as err:
             log.warning("turn_failed", conversation_id=turn.conversation, turn_id=turn.turn,
@@ -104,6 +103,8 @@ class ClaimedTurn:
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
             self.forget()
+        if self.live.started is None:  # ended before its prompt was built (blocked input, a failure)
+            await self.live.publish(Started(replayed=False))
         await self.live.publish(final)
 
     async def _generate(self) -> TurnEventKind:
@@ -130,6 +131,7 @@ class ClaimedTurn:
             rendered = self.prompts.render(view, summary, self.job.content if self.job.regenerates is None else None,
                                            self.job.regenerates, options.instructions,
                                            options.max_reply_tokens(self.opt.limits.reply_tokens))
+            await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
             if self.job.resume:  # a takeover: the reply continues the text its client already has
                 rendered = Rendered(rendered.token_ids + self.prompts.renderer.continuation(self.job.resume),
                                     rendered.platform_prefix_tokens)

@@ -20,6 +20,9 @@ from chatmesh.store.values import Message, MessageStatus
 @dataclass(frozen=True)
 class Started:
     replayed: bool
+    # tokens of the rendered prompt (what the owner is charged for it whatever happens next); None when the stream
+    # replays or attaches, or the turn ended before its prompt was built
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,13 @@ class TurnEvent:
     kind: TurnEventKind
 
 
-def resume_from(text: str, final: TurnEventKind | None, after: int, replayed: bool) -> list[TurnEvent]:
-    """The events a client that has seen up to sequence `after` still needs, given the reply so far."""
+def resume_from(text: str, final: TurnEventKind | None, after: int, replayed: bool,
+                started: Started | None = None) -> list[TurnEvent]:
+    """The events a client that has seen up to sequence `after` still needs, given the reply so far. `started`:
+    the turn's own Started (with its prompt's size), sent to the client the turn is generated for."""
     out: list[TurnEvent] = []
     if after < 1:
-        out.append(TurnEvent(1, Started(replayed=replayed)))
+        out.append(TurnEvent(1, Started(replayed=True) if replayed else started or Started(replayed=False)))
     seen = max(0, after - 1)
     if len(text) > seen:
         out.append(TurnEvent(1 + len(text), Delta(text[seen:])))
@@ -94,6 +99,7 @@ class LiveTurn:
     def __init__(self) -> None:
         self.text = ""
         self.final: TurnEventKind | None = None
+        self.started: Started | None = None  # published once the prompt is rendered (or the turn ended first)
         self._changed = asyncio.Condition()
         self.stop_requested = asyncio.Event()
         self.lease_lost = False  # set when another process took the turn over
@@ -105,7 +111,7 @@ class LiveTurn:
                 case Delta(text=t):
                     self.text += t
                 case Started():
-                    pass
+                    self.started = kind
                 case Completed() | Stopped() | Failed() | Blocked():
                     self.final = kind
             self._changed.notify_all()
@@ -115,7 +121,9 @@ class LiveTurn:
         seen = after
         while True:
             async with self._changed:
-                pending = resume_from(self.text, self.final, seen, replayed)
+                # the turn's own client waits for its Started (it carries the prompt's size); attachers do not
+                ready = replayed or seen >= 1 or self.started is not None or self.final is not None
+                pending = resume_from(self.text, self.final, seen, replayed, self.started) if ready else []
                 if not pending:
                     await self._changed.wait()
                     continue

@@ -59,9 +59,11 @@ AUTHZ = {"chatmesh.v1.ChatService": {
 def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
     out = chat_pb2.TurnEvent(sequence=event.sequence)
     match event.kind:
-        case Started(replayed=replayed):
+        case Started(replayed=replayed, prompt_tokens=prompt_tokens):
             out.started.turn_id = turn
             out.started.replayed = replayed
+            if prompt_tokens is not None:
+                out.started.prompt_tokens = prompt_tokens
         case Delta(text=text):
             out.delta.text = text
         case Completed(usage=usage, replica_id=replica, finish_reason=reason):

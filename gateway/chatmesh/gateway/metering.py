@@ -6,11 +6,12 @@ budget before the first refusal. So for each new turn (send or regenerate):
 
 1. Admission (`LimitBackend.admit_turn`) takes one turn and reserves the owner's remaining prompt tokens up to
    `reserve_up_to`, the largest prompt the model takes; under one token left: 429 "prompt tokens per hour" with
-   Retry-After. The reservation goes to chat as `prompt_token_allowance`. Chat knows the rendered prompt's size
-   before it calls an engine and refuses a prompt over the allowance (RESOURCE_EXHAUSTED with the size in the
-   `chatmesh-prompt-tokens` trailer): nothing ran, the reservation goes back, and the answer is 429 naming the
-   limit with Retry-After the time until the bucket holds the prompt (400 when the prompt is larger than the
-   whole hourly budget: waiting would not help).
+   Retry-After. The reservation goes to chat as `prompt_token_allowance`. The contract (chat.proto): chat,
+   which knows the rendered prompt's size before it calls an engine, refuses a prompt over the allowance
+   (RESOURCE_EXHAUSTED with the size in the `chatmesh-prompt-tokens` trailer): nothing ran, the reservation goes
+   back, and the answer is 429 naming the limit with Retry-After the time until the bucket holds the prompt (400
+   when the prompt is larger than the whole hourly budget: waiting would not help). The edge handles that
+   answer; chat does not send it yet (it ignores the allowance), so the bound below is B plus one prompt.
 2. `turn.started` carries the prompt's size: the reservation is settled to it at once, so the excess is back in
    the bucket before the reply streams and a concurrent turn can use it.
 3. At the end it is settled to `charge(...)`:
