@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -225,3 +226,35 @@ async def test_begin_turn_returns_context(stub: Stub) -> None:
         owner_id="alice", conversation_id=conv, turn_id=str(uuid.uuid4()), content="x", lease_holder="c",
         context_max_messages=-1)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "context_max_messages" in details
+
+
+async def test_calls_cancelled_mid_statement_leave_no_unretrieved_exception(stub: Stub) -> None:
+    """A caller that goes away mid-call (chat stopping a turn's heartbeat, a deadline) cancels the handler; the
+    statement it was running must not leave the database driver's future unretrieved (PostgreSQL: asyncpg's
+    "unexpected connection_lost()" once SQLAlchemy drops the interrupted connection), a line in the store's log."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: seen.append(str(ctx.get("message"))))
+    try:
+        conv = await new_conversation(stub)
+        turn = str(uuid.uuid4())
+        claimed = await stub.BeginTurn(store_pb2.BeginTurnRequest(
+            owner_id="alice", conversation_id=conv, turn_id=turn, fingerprint="f", content="hi",
+            lease_holder="chat-1", lease_ttl_ms=10_000))
+        for i in range(80):
+            call = stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+                owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
+                partial_text="x" * i, event_sequence=i, lease_ttl_ms=10_000))
+            await asyncio.sleep((i % 8) * 0.0005)
+            call.cancel()
+        progress = await stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+            owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
+            partial_text="done", event_sequence=100, lease_ttl_ms=10_000))
+        assert progress.held  # the store still serves the turn after the cancelled calls
+        await asyncio.sleep(0.5)
+        gc.collect()
+        await asyncio.sleep(0.1)
+    finally:
+        loop.set_exception_handler(previous)
+    assert seen == []

@@ -11,9 +11,10 @@ purged conversation age out of their LRU (the chat service evicts on explicit de
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -36,6 +37,35 @@ from chatmesh.store.wire import (
 from chatmesh.v1 import store_pb2, store_pb2_grpc
 
 log = logs.get("chatmesh.store.service")
+
+S = TypeVar("S")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("cancelled_call_ended", error_type=type(task.exception()).__name__)
+
+
+def completes(fn: Callable[[S, Req, Context], Awaitable[Resp]]) -> Callable[[S, Req, Context], Awaitable[Resp]]:
+    """Runs a store RPC's work to its end even when its caller goes away (a cancelled handler): an SQLAlchemy
+    statement interrupted by a cancellation makes SQLAlchemy drop its connection mid-statement, which leaves
+    asyncpg's future for it unretrieved (a "Future exception was never retrieved" line) and empties the pool
+    for the calls after it. The statements are short and bounded; the cancelled caller gets its CANCELLED at
+    once, the work's own outcome is discarded (its exception retrieved here)."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: S, request: Req, context: Context) -> Resp:
+        work = asyncio.ensure_future(fn(self, request, context))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_retrieve)
+            raise
+
+    return wrapper
+
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -87,6 +117,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return self.guard.owner_wide(context, request)
 
     @unary_errors
+    @completes
     async def InsertConversation(self, request: store_pb2.InsertConversationRequest,
                                  context: Context) -> store_pb2.InsertConversationResponse:
         # Creating a named conversation (chat's SendTurn with `create`) needs a token for that conversation (or
@@ -100,6 +131,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv), created=created)
 
     @unary_errors
+    @completes
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
         return history_pb(await self.store.read_conversation(
@@ -107,6 +139,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             from_index=request.from_index, max_messages=request.max_messages))
 
     @unary_errors
+    @completes
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
         outcome = await self.store.begin_turn(
             *self._in_conversation(request, context),
@@ -119,6 +152,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return claim_pb(outcome)
 
     @unary_errors
+    @completes
     async def FinishTurn(self, request: store_pb2.FinishTurnRequest,
                          context: Context) -> store_pb2.FinishTurnResponse:
         reply = Reply(user_token_count=request.user_token_count, text=request.reply,
@@ -133,6 +167,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
                                             reply=message_pb(finished.reply))
 
     @unary_errors
+    @completes
     async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
         released = await self.store.fail_turn(
             *self._in_conversation(request, context),
@@ -140,6 +175,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.FailTurnResponse(released=released)
 
     @unary_errors
+    @completes
     async def UpdateTurnProgress(self, request: store_pb2.UpdateTurnProgressRequest,
                                  context: Context) -> store_pb2.UpdateTurnProgressResponse:
         progress = await self.store.update_turn_progress(
@@ -150,12 +186,14 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
                                                     lease_expires_at_ms=progress.lease_expires_at_ms)
 
     @unary_errors
+    @completes
     async def ReadTurn(self, request: store_pb2.ReadTurnRequest, context: Context) -> store_pb2.ReadTurnResponse:
         turn = await self.store.read_turn(*self._in_conversation(request, context),
                                           parse_turn_id(request.turn_id))
         return turn_record_pb(turn)
 
     @unary_errors
+    @completes
     async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
                           context: Context) -> store_pb2.SaveSummaryResponse:
         summary = await self.store.save_summary(
@@ -164,18 +202,21 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.SaveSummaryResponse(summary=summary_pb(summary))
 
     @unary_errors
+    @completes
     async def ListOwnerConversations(self, request: store_pb2.ListOwnerConversationsRequest,
                                      context: Context) -> store_pb2.ListOwnerConversationsResponse:
         convs = await self.store.list_conversations(self._owner_wide(request, context), request.page_size)
         return store_pb2.ListOwnerConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
     @unary_errors
+    @completes
     async def DeleteStoredConversation(self, request: store_pb2.DeleteStoredConversationRequest,
                                        context: Context) -> store_pb2.DeleteStoredConversationResponse:
         evict = await self.store.delete_conversation(*self._in_conversation(request, context))
         return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
 
     @unary_errors
+    @completes
     async def DeleteStoredTurn(self, request: store_pb2.DeleteStoredTurnRequest,
                                context: Context) -> store_pb2.DeleteStoredTurnResponse:
         evict, deleted = await self.store.delete_turn(*self._in_conversation(request, context),
@@ -183,24 +224,28 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         return store_pb2.DeleteStoredTurnResponse(evict_conversation_ids=evict, messages_deleted=deleted)
 
     @unary_errors
+    @completes
     async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,
                               context: Context) -> store_pb2.DeleteOwnerDataResponse:
         evict = await self.store.delete_user_data(self._owner_wide(request, context))
         return store_pb2.DeleteOwnerDataResponse(evict_conversation_ids=evict)
 
     @unary_errors
+    @completes
     async def ExportOwnerData(self, request: store_pb2.ExportOwnerDataRequest,
                               context: Context) -> store_pb2.ExportOwnerDataResponse:
         document = await self.store.export_user_data(self._owner_wide(request, context))
         return store_pb2.ExportOwnerDataResponse(json=json.dumps(document, ensure_ascii=False))
 
     @unary_errors
+    @completes
     async def ReadUsage(self, request: store_pb2.ReadUsageRequest, context: Context) -> store_pb2.ReadUsageResponse:
         days = await self.store.usage(self._owner_wide(request, context), request.days)
         return store_pb2.ReadUsageResponse(days=[
             store_pb2.UsageDay(day=d.day, usage=usage_pb(d.usage), turns=d.turns) for d in days])
 
     @unary_errors
+    @completes
     async def PurgeExpired(self, request: store_pb2.PurgeExpiredRequest,
                            context: Context) -> store_pb2.PurgeExpiredResponse:
         purged = await self.store.purge_expired()
