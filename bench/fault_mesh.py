@@ -43,17 +43,12 @@ import httpx
 
 from chatmesh.mesh import settings
 from chatmesh.mesh.up import Extra, Mesh, grpc_serving, http_answers, replicas_serving
+from tests.conftest import free_port
+from tests.e2e.conftest import mesh_env
 
 SERVICES = ("engine", "chat", "store", "router", "moderation", "gateway")
 LOG_PROBLEMS = ("Traceback", "Task exception was never retrieved", "Exception in callback", "exception was never")
 FINALS = ("turn.completed", "turn.stopped", "turn.blocked")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
@@ -139,26 +134,15 @@ class FaultMesh:
     def __init__(self, root: Path, database_url: str = "", schema: str = "", redis_url: str = "",
                  engines: int = 3, chats: int = 2, step_ms: int = 20, reply_tokens: int = 48) -> None:
         self.root = root
-        ports = {name: free_port() for name in ("chat", "store", "router", "engine", "moderation", "gateway")}
-        env = {
-            **{setting.env: str(free_port()) for setting in settings.METRIC_PORTS.values()},
-            "CHATMESH_DATA_DIR": str(root / "data"),
-            "CHATMESH_GATEWAY_PORT": str(ports["gateway"]),
-            "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{ports['chat']}",
-            "CHATMESH_STORE_ADDRESS": f"127.0.0.1:{ports['store']}",
-            "CHATMESH_ROUTER_ADDRESS": f"127.0.0.1:{ports['router']}",
-            "CHATMESH_ENGINE_ADDRESS": f"127.0.0.1:{ports['engine']}",
-            "CHATMESH_MODERATION_ADDRESS": f"127.0.0.1:{ports['moderation']}",
-            "CHATMESH_ENGINE": "sim",
-            "CHATMESH_SIM_STEP_MS": str(step_ms),
-            "CHATMESH_MAX_REPLY_TOKENS": str(reply_tokens),
-            "CHATMESH_LOG_LEVEL": "info",
-            "CHATMESH_SHUTDOWN_GRACE_S": "2",
-            "CHATMESH_LIMIT_TURNS_PER_MINUTE": "100000",
-            "CHATMESH_LIMIT_OPEN_STREAMS": "1000",
-            "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000",  # the load is one user's: no 429 in the figures
-            "CHATMESH_STORE_PURGE_INTERVAL_S": "0",
-        }
+        env = mesh_env(
+            root / "data",
+            CHATMESH_SIM_STEP_MS=str(step_ms),
+            CHATMESH_MAX_REPLY_TOKENS=str(reply_tokens),
+            CHATMESH_LIMIT_TURNS_PER_MINUTE="100000",
+            CHATMESH_LIMIT_OPEN_STREAMS="1000",
+            CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="1000000000",  # the load is one user's: no 429 in the figures
+            CHATMESH_STORE_PURGE_INTERVAL_S="0",
+        )
         if database_url:
             env["CHATMESH_DATABASE_URL"] = database_url
         if schema:

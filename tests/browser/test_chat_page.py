@@ -14,20 +14,25 @@ from chatmesh.mesh.up import Mesh
 from tests.conftest import need
 
 CHROMIUM = "/usr/bin/chromium"
+
+
+def _browser_mesh(tmp: Path, **extra: str) -> Iterator[Mesh]:
+    """A real mesh for a browser test (skipped without Debian's chromium), stopped after the module."""
+    need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
+    from tests.e2e.conftest import start_mesh  # the lead's real-mesh fixture module
+
+    mesh = start_mesh(tmp, **extra)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
 pytestmark = [pytest.mark.services, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def slow_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
-    from tests.e2e.conftest import start_mesh  # the lead's real-mesh fixture module
-
-    mesh = start_mesh(tmp_path_factory.mktemp("browser-mesh"), CHATMESH_SIM_STEP_MS="150",
-                      CHATMESH_MAX_REPLY_TOKENS="400")
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+    yield from _browser_mesh(tmp_path_factory.mktemp("browser-mesh"), CHATMESH_SIM_STEP_MS="150",
+                             CHATMESH_MAX_REPLY_TOKENS="400")
 
 
 @pytest.mark.timeout(240)
@@ -89,14 +94,7 @@ def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
 
 @pytest.fixture(scope="module")
 def quick_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    need(shutil.which("chromium") is not None or Path(CHROMIUM).exists(), "chromium (apt-get install chromium)")
-    from tests.e2e.conftest import start_mesh
-
-    mesh = start_mesh(tmp_path_factory.mktemp("browser-quick"), CHATMESH_MAX_REPLY_TOKENS="24")
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+    yield from _browser_mesh(tmp_path_factory.mktemp("browser-quick"), CHATMESH_MAX_REPLY_TOKENS="24")
 
 
 @pytest.mark.timeout(180)

@@ -36,6 +36,16 @@ class Gateway:
 StartGateway = Callable[..., Awaitable[Gateway]]
 
 
+
+async def until_listening(client: httpx.AsyncClient, tries: int = 100) -> None:
+    """Waits (at most ~5 s) until a gateway started in the test answers /healthz on `client`'s base URL."""
+    for _ in range(tries):
+        try:
+            await client.get("/healthz")
+            return
+        except httpx.ConnectError:
+            await asyncio.sleep(0.05)
+
 @pytest.fixture
 async def fake_chat(mesh_certs: Path) -> AsyncIterator[tuple[FakeChat, str]]:
     """The fake ChatService over mutual TLS, checking every call's owner token as chat does."""

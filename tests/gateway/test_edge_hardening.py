@@ -16,7 +16,7 @@ import pytest
 from chatmesh.gateway.app import create_app, serve_hypercorn
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
-from tests.gateway.conftest import Gateway, StartGateway
+from tests.gateway.conftest import Gateway, StartGateway, until_listening
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.sse_client import collect, reply_text
 from tests.trust import gateway_env
@@ -196,12 +196,7 @@ async def test_on_hypercorn_slow_headers_are_dropped_and_a_long_silent_stream_is
     fake.delay_s, fake.chunks = 0.25, ["x"] * 8  # a first delta after 0.25 s, the last after ~2 s
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            for _ in range(100):
-                try:
-                    await client.get("/healthz")
-                    break
-                except httpx.ConnectError:
-                    await asyncio.sleep(0.05)
+            await until_listening(client)
             conv = (await client.post("/v1/conversations")).json()["id"]
             started = time.monotonic()
             async with client.stream("POST", f"/v1/conversations/{conv}/turns",

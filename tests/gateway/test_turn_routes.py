@@ -17,7 +17,7 @@ from chatmesh.gateway.app import create_app, route_table, serve_hypercorn
 from chatmesh.gateway.openapi import DOCUMENT
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port, need
-from tests.gateway.conftest import Gateway, StartGateway
+from tests.gateway.conftest import Gateway, StartGateway, until_listening
 from tests.trust import gateway_env
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.sse_client import collect, frames, reply_text
@@ -192,12 +192,7 @@ async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_
         trusting = ssl.create_default_context(cafile=str(ca))
         async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{port}", verify=trusting, http2=True,
                                      timeout=10) as client:
-            for _ in range(100):
-                try:
-                    await client.get("/healthz")
-                    break
-                except httpx.ConnectError:
-                    await asyncio.sleep(0.05)
+            await until_listening(client)
             conv = (await client.post("/v1/conversations")).json()["id"]
             async with client.stream("POST", f"/v1/conversations/{conv}/turns",
                                      json={"turn_id": str(uuid.uuid4()), "content": "x"}) as r:

@@ -22,6 +22,30 @@ def _install() -> TritonInstall:
         raise
 
 
+def echo(client: object) -> list[int]:
+    """Streams [5, 6, 7] through the decoupled echo model; the token ids it sends back."""
+    import tritonclient.grpc as grpcclient
+
+    assert isinstance(client, grpcclient.InferenceServerClient)
+    responses: queue.Queue[tuple[object, object]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    inp = grpcclient.InferInput("token_ids", [3], "INT32")
+    inp.set_data_from_numpy(np.array([5, 6, 7], dtype=np.int32))
+    client.async_stream_infer("echo", [inp], enable_empty_final_response=True)
+    got: list[int] = []
+    try:
+        while True:
+            result, error = responses.get(timeout=30)
+            assert error is None, error
+            response = result.get_response()  # type: ignore[attr-defined]
+            if response.outputs:
+                got.extend(int(t) for t in result.as_numpy("token_id"))  # type: ignore[attr-defined]
+            if response.parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        client.stop_stream()
+
+
 def test_backend_folder_holds_library_utils_and_stub(tmp_path: Path) -> None:
     install = _install()
     folder = install.prepare_backends(tmp_path) / "python"
@@ -39,22 +63,8 @@ def test_decoupled_echo_model_streams_and_server_stops() -> None:
     server.start()
     try:
         assert server.running()
-        responses: queue.Queue[tuple[object, object]] = queue.Queue()
         client = grpcclient.InferenceServerClient(server.address)
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        inp = grpcclient.InferInput("token_ids", [3], "INT32")
-        inp.set_data_from_numpy(np.array([5, 6, 7], dtype=np.int32))
-        client.async_stream_infer("echo", [inp], enable_empty_final_response=True)
-        got: list[int] = []
-        while True:
-            result, error = responses.get(timeout=30)
-            assert error is None, error
-            response = result.get_response()  # type: ignore[attr-defined]
-            if response.outputs:
-                got.extend(int(t) for t in result.as_numpy("token_id"))  # type: ignore[attr-defined]
-            if response.parameters["triton_final_response"].bool_param:
-                break
-        client.stop_stream()
+        got = echo(client)
         client.close()
         assert got == [5, 6, 7]
     finally:

@@ -6,13 +6,11 @@ through it."""
 
 from __future__ import annotations
 
-import queue
 import socket
 import ssl
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from cryptography import x509
 
@@ -27,35 +25,12 @@ from chatmesh.mesh import pki
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.tls import TlsFiles
 from chatmesh.mesh.trust import TrustRefused
-from tests.triton.test_triton_launcher import MODELS, _install
+from tests.triton.test_triton_launcher import MODELS, _install, echo
 
 
 def engine_tls(certs: Path) -> TritonTls:
     pki.ensure(certs)
     return TritonTls(TlsFiles.in_folder(certs, ident.ENGINE))
-
-
-def echo(client: object) -> list[int]:
-    import tritonclient.grpc as grpcclient
-
-    assert isinstance(client, grpcclient.InferenceServerClient)
-    responses: queue.Queue[tuple[object, object]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    inp = grpcclient.InferInput("token_ids", [3], "INT32")
-    inp.set_data_from_numpy(np.array([5, 6, 7], dtype=np.int32))
-    client.async_stream_infer("echo", [inp], enable_empty_final_response=True)
-    got: list[int] = []
-    try:
-        while True:
-            result, error = responses.get(timeout=30)
-            assert error is None, error
-            response = result.get_response()  # type: ignore[attr-defined]
-            if response.outputs:
-                got.extend(int(t) for t in result.as_numpy("token_id"))  # type: ignore[attr-defined]
-            if response.parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        client.stop_stream()
 
 
 def answers(client: object) -> bool:
