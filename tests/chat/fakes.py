@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from chatmesh.chat import context
 from chatmesh.chat.ports import (
-    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
-    Pick, Replica, RouteLeaseId, Screening, TurnKey,
+    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
+    OutputScreen, Pick, Replica, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
@@ -232,6 +232,7 @@ class FakeRouter:
         self.replica_ids = [ReplicaId(r) for r in replicas]
         self.open: set[RouteLeaseId] = set()
         self.picks = 0
+        self.excluded: list[tuple[ReplicaId, ...]] = []  # each pick's exclusions, in order
         self.down = False
         self._ids = (RouteLeaseId(f"route-{n}") for n in itertools.count())
 
@@ -239,10 +240,13 @@ class FakeRouter:
         if self.down:
             raise errors.Unavailable("router unavailable")
         self.picks += 1
+        self.excluded.append(tuple(exclude))
+        usable = [r for r in self.replica_ids if r not in exclude]
+        if not usable:
+            raise errors.Unavailable(f"no healthy replica: all {len(self.replica_ids)} serving replicas are excluded")
         lease = next(self._ids)
         self.open.add(lease)
-        replica = self.replica_ids[0]
-        return Pick(replica, f"addr-{replica}", lease)
+        return Pick(usable[0], f"addr-{usable[0]}", lease)
 
     async def release(self, lease: RouteLeaseId) -> None:
         self.open.discard(lease)
@@ -278,10 +282,23 @@ class FakeEngine:
         self.closed_early = 0  # streams the caller closed before the engine finished (cancelled sequences)
         self.running = 0
         self.evicted: list[tuple[str, OwnerId, ConversationId]] = []
+        self.unreachable: set[str] = set()  # addresses whose calls fail before any event (not connected)
+        self.addresses: list[str] = []  # where each call went, unreachable ones included
+        self.on_unreachable: Callable[[], None] | None = None  # called as an unreachable call fails
 
     def generate(self, address: str, generation: Generation, timeout_s: float) -> AsyncGenerator[EngineEvent, None]:
+        self.addresses.append(address)
+        if address in self.unreachable:
+            return self._unreachable(address)
         self.generations.append(generation)
         return self._run(self.scripts.pop(0) if self.scripts else self.default)
+
+    async def _unreachable(self, address: str) -> AsyncGenerator[EngineEvent, None]:
+        if self.on_unreachable is not None:
+            self.on_unreachable()
+        for event in self.default.events[:0]:  # no event comes before the failure (an async generator, as a stream)
+            yield event  # type: ignore[misc]
+        raise EngineUnreachable(f"engine at {address} unavailable (UNAVAILABLE): failed to connect")
 
     async def _run(self, script: Script) -> AsyncGenerator[EngineEvent, None]:
         self.running += 1

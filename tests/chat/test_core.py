@@ -518,6 +518,63 @@ async def engine_lost_before_admitting_fails_and_the_retry_generates_once() -> W
 
 
 @scenario
+async def replica_unreachable_before_its_first_event_is_left_for_another_within_the_turn() -> World:
+    """A replica chat cannot reach (restarted and not reconnected to yet, or dead) generated nothing and sent
+    nothing: the turn asks the router again without it and completes there, one attempt, no retry needed."""
+    w, conv = await fresh()
+    w.router.replica_ids.append(ReplicaId("engine-1"))
+    w.engine.unreachable.add("addr-engine-0")
+    events = await w.turn(conv, "Go")
+    final = final_of(events)
+    assert isinstance(final, Completed) and final.replica_id == "engine-1" and text_of(events) == "Hello there."
+    assert w.engine.addresses == ["addr-engine-0", "addr-engine-1"] and len(w.engine.generations) == 1
+    assert w.router.excluded == [(), (ReplicaId("engine-0"),)]
+    assert sum(isinstance(e.kind, Started) for e in events) == 1  # one attempt, as the client sees it
+    assert path(w) == [(S.RECEIVED, S.QUEUED), (S.QUEUED, S.PREFILL), (S.PREFILL, S.DECODE), (S.DECODE, S.STORED)]
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Hello there.", MessageStatus.COMPLETE)
+    assert w.idle()  # both router leases released
+    return w
+
+
+@scenario
+async def every_replica_unreachable_fails_the_turn_retryably_after_trying_each() -> World:
+    w, conv = await fresh()
+    w.router.replica_ids += [ReplicaId("engine-1"), ReplicaId("engine-2"), ReplicaId("engine-3")]
+    w.engine.unreachable |= {f"addr-engine-{i}" for i in range(4)}
+    key = w.key(conv)
+    events = await collect(w.core.send_turn(OWNER, conv, key.turn, "Go"))
+    await w.settled()
+    final = final_of(events)
+    assert isinstance(final, Failed) and final.retryable and "engine-2" in final.message
+    # the first pick and MAX_REROUTES more, each without the replicas tried before
+    assert w.router.excluded == [(), ("engine-0",), ("engine-0", "engine-1")]
+    assert stored(w, conv) == [] and w.store.records[key].state is TurnRecordState.FAILED
+    assert path(w) == [(S.RECEIVED, S.QUEUED), (S.QUEUED, S.FAILED)] and w.idle()
+    w.engine.unreachable.clear()  # back: the retry of the same turn id generates it
+    retry = await collect(w.core.send_turn(OWNER, conv, key.turn, "Go"))
+    await w.settled()
+    assert isinstance(final_of(retry), Completed) and len(w.engine.generations) == 1
+    return w
+
+
+@scenario
+async def a_turn_stopped_while_its_replica_is_unreachable_ends_stopped() -> World:
+    """The caller went away as the replica failed: the turn is rerouted but stops at once (nothing was shown,
+    nothing generated), as a stop before any engine admits the prompt does."""
+    w, conv = await fresh()
+    w.router.replica_ids.append(ReplicaId("engine-1"))
+    w.engine.unreachable.add("addr-engine-0")
+    key = w.key(conv)
+    w.engine.on_unreachable = lambda: w.core.turns.live[key].stop_requested.set()
+    events = await collect(w.core.send_turn(OWNER, conv, key.turn, "Go"))
+    await w.settled()
+    assert isinstance(final_of(events), Stopped) and text_of(events) == ""
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "", MessageStatus.STOPPED)
+    assert path(w)[-1] == (S.QUEUED, S.STOPPED) and w.idle()
+    return w
+
+
+@scenario
 async def engine_error_during_prefill_fails_the_turn() -> World:
     w, *_ = await _failing(Script([EngineStarted(0), EngineFinished(FinishReason.ERROR, 0, "out of memory")]))
     assert path(w)[-1] == (S.PREFILL, S.FAILED)

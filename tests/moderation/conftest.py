@@ -18,9 +18,11 @@ from tests.conftest import free_port
 
 
 @asynccontextmanager
-async def running(env: Mapping[str, str] | None = None, moderator: Moderator | None = None) -> AsyncIterator[str]:
-    """Serves ModerateService built from `env` (and `moderator`); yields its address; stops it on exit."""
-    address = f"127.0.0.1:{free_port()}"
+async def running(env: Mapping[str, str] | None = None, moderator: Moderator | None = None,
+                  address: str = "") -> AsyncIterator[str]:
+    """Serves ModerateService built from `env` (and `moderator`) at `address` (default: a free port); yields its
+    address; stops it on exit."""
+    address = address or f"127.0.0.1:{free_port()}"
     ready, stop = asyncio.Event(), asyncio.Event()
     # A generous check deadline unless the test is about deadlines: a loaded CI machine must not turn a slow
     # scheduler into fallback verdicts.

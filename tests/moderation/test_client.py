@@ -3,6 +3,7 @@ down, slow or goes away mid-reply."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -64,6 +65,23 @@ async def test_service_down_applies_each_directions_policy_and_says_why() -> Non
         assert o.action is Action.ALLOW and o.fallback and "output failing open" in o.reason
     assert "UNAVAILABLE" in chunk.reason
     assert failures(registry, "output", "unavailable") + failures(registry, "output", "broken") == 2
+    await moderation.close()
+
+
+async def test_an_input_check_waits_for_a_service_that_is_starting() -> None:
+    """A moderation restart that a check runs into (nothing listening yet, then the channel's reconnect backoff)
+    is waited for, within CHATMESH_MODERATION_CLIENT_CONNECT_WAIT_MS: the check gets a verdict, not the failure
+    policy (an outage longer than the wait still gets it: the test above)."""
+    registry = CollectorRegistry()
+    address = f"127.0.0.1:{free_port()}"
+    moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_CONNECT_WAIT_MS="60000")
+    check = asyncio.create_task(moderation.check_input("What is a good name for a cat?", CONV))
+    await asyncio.sleep(0.3)  # its first connection attempt was refused: it waits
+    assert not check.done()
+    async with running(address=address):
+        outcome = await check
+    assert outcome.action is Action.ALLOW and outcome.decided_by is DecidedBy.POLICY
+    assert failures(registry, "input", "unavailable") == 0
     await moderation.close()
 
 

@@ -7,7 +7,11 @@ writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.
                blocked input            -> BLOCKED (stored as blocked, never reaches an engine)
                moderation unavailable   -> FAILED (an outage is not a verdict: nothing stored as blocked,
                                            nothing billed; the retry is checked again), also for output
-    -> QUEUED  the prompt built (a summary made first at a boundary, `prompt.py`), sent to the picked replica
+    -> QUEUED  the prompt built (a summary made first at a boundary, `prompt.py`), sent to the picked replica;
+               a replica that fails before its first event (`EngineUnreachable`: down, restarted and not yet
+               reconnected to, gone) generated nothing and sent nothing, so the router is asked for another one,
+               the failed ones excluded, up to MAX_REROUTES times, still QUEUED: a dead replica costs a pick,
+               not the turn
     -> PREFILL / DECODE  as the engine admits the prompt and streams (`stream.py`)
     -> STORED | STOPPED | BLOCKED  one FinishTurn: user message, reply as the user saw it, usage; one transaction
     -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry); also a turn cut off by
@@ -39,15 +43,17 @@ from chatmesh.chat.admission import Admission, judged
 from chatmesh.chat.context import Rendered
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, LiveTurn, Started, Stopped, TurnEventKind
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
-from chatmesh.chat.ports import EngineFinished, FinishReason, Generation, Pick, Ports, TurnKey
+from chatmesh.chat.ports import EngineFinished, EngineUnreachable, FinishReason, Generation, Pick, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
-from chatmesh.chat.stream import OutputBlocked, StoppedHere, StopString, StreamCut, relay
+from chatmesh.chat.stream import Ending, OutputBlocked, StoppedHere, StopString, StreamCut, Tally, relay
 from chatmesh.mesh import errors, logs
-from chatmesh.mesh.ids import LeaseId, TurnId
+from chatmesh.mesh.ids import LeaseId, ReplicaId, TurnId
 from chatmesh.mesh.turn import TurnMachine, TurnState, Usage
 from chatmesh.store.values import History, MessageStatus, Reply
 
 log = logs.get("chatmesh.chat")
+
+MAX_REROUTES = 2  # other replicas a turn tries when its replica fails before its first event (3 replicas: all)
 
 
 class LeaseLost(errors.Unavailable):
@@ -79,6 +85,7 @@ class ClaimedTurn:
         self.prompts = prompts
         self.opt = options
         self.forget = forget  # drops the live turn from this process's registry, before the final event
+        self.pick: Pick | None = None  # the replica the turn is on, while its router lease is open
 
     async def run(self) -> None:
         """Generates the turn to its end and publishes the final event; every path stores it once or fails it."""
@@ -114,6 +121,7 @@ class ClaimedTurn:
         # beside the other two.
         read = self.store.read_conversation(owner, conv) if self.job.view is None else None
         pick, screening, fresh = await self.job.admission.ready(read)
+        self.pick = pick
         try:
             user_tokens = 0
             if screening is not None:
@@ -137,12 +145,38 @@ class ClaimedTurn:
                                     rendered.platform_prefix_tokens)
                 await self.live.publish(Delta(self.job.resume))
             self.machine.advance(TurnState.QUEUED)
-            return await self._stream(rendered, pick, user_tokens)
+            return await self._stream(rendered, user_tokens)
         finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        pick, self.pick = self.pick, None
+        if pick is not None:
             with contextlib.suppress(errors.CoreError):
                 await self.router.release(pick.lease)
 
-    async def _stream(self, rendered: Rendered, pick: Pick, user_tokens: int) -> TurnEventKind:
+    async def _relay(self, generation: Generation) -> tuple[Ending, Tally, Pick]:
+        """`relay` on the picked replica, or on another one when it fails before its first event (see the module
+        header): the failed replicas excluded, up to MAX_REROUTES picks, while the turn is still QUEUED."""
+        tried: list[ReplicaId] = []
+        while True:
+            pick = self.pick
+            assert pick is not None
+            try:
+                ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine,
+                                            pick.address, generation, self.opt.engine_deadline_s,
+                                            self.job.options.stop)
+                return ending, tally, pick
+            except EngineUnreachable as err:
+                if len(tried) >= MAX_REROUTES or self.machine.state is not TurnState.QUEUED:
+                    raise
+                tried.append(pick.replica_id)
+                log.info("engine_rerouted", conversation_id=generation.conversation, turn_id=generation.turn,
+                         replica_id=pick.replica_id, reason=str(err))
+            await self._release()
+            self.pick = await self.router.pick(generation.conversation, tried)
+
+    async def _stream(self, rendered: Rendered, user_tokens: int) -> TurnEventKind:
         owner, conv, turn = self.job.key
         resumed = self.prompts.count_tokens(self.job.resume) if self.job.resume else 0
         cap = self.job.options.max_reply_tokens(self.opt.limits.reply_tokens)
@@ -153,8 +187,7 @@ class ClaimedTurn:
             temperature=self.opt.temperature if self.job.options.temperature is None else self.job.options.temperature,
             top_p=self.opt.top_p if self.job.options.top_p is None else self.job.options.top_p,
             seed=self.job.options.seed or 0)
-        ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine, pick.address,
-                                    generation, self.opt.engine_deadline_s, self.job.options.stop)
+        ending, tally, pick = await self._relay(generation)
         if self.live.lease_lost:
             raise LeaseLost(f"turn {turn} was taken over by another chat process")
         if self.live.handed_off and isinstance(ending, StoppedHere):

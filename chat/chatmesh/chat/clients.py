@@ -16,6 +16,7 @@ router and moderation act for no owner and get no token.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TypeVar
@@ -23,8 +24,8 @@ from typing import TypeVar
 import grpc
 
 from chatmesh.chat.ports import (
-    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, FinishReason, Generation, OutputScreen,
-    Pick, Replica, RouteLeaseId, Screening, TurnKey,
+    ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
+    OutputScreen, Pick, Replica, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.chat.observe import ChatMetrics
 from chatmesh.mesh import errors, tokens, tracing
@@ -200,20 +201,46 @@ class GrpcStore:
 
 
 class GrpcRouter:
-    def __init__(self, channel: grpc.aio.Channel):
+    """The router, for picks and their leases. A pick waits up to `wait_s` for an answer with a replica: for the
+    router's channel to connect (wait_for_ready: a router restarting, or one chat has not reconnected to yet) and
+    through UNAVAILABLE answers (no replica serving yet: a router just started, before the engines' health answers
+    reached it; the one replica restarting), asked again RETRY_PAUSE_S apart. So a brief router restart holds a
+    turn for a moment instead of failing it back to the client's retry backoff; past `wait_s` the turn fails,
+    retryable, as before."""
+
+    RETRY_PAUSE_S = 0.05
+
+    def __init__(self, channel: grpc.aio.Channel, wait_s: float = 1.5):
         self.stub = route_pb2_grpc.RouteServiceStub(channel)
+        self.wait_s = wait_s
+
+    async def _pick(self, request: route_pb2.PickReplicaRequest) -> route_pb2.PickReplicaResponse:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait_s
+        while True:
+            try:
+                return await self.stub.PickReplica(request, wait_for_ready=True,
+                                                   timeout=max(0.001, deadline - loop.time()))
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.Unavailable(f"router unavailable: no pick within {self.wait_s * 1000:.0f} ms"
+                                             ) from None
+                if err.code() != grpc.StatusCode.UNAVAILABLE or loop.time() + self.RETRY_PAUSE_S >= deadline:
+                    raise translate(err, "router") from None
+            await asyncio.sleep(self.RETRY_PAUSE_S)
 
     async def pick(self, conversation: ConversationId, exclude: Sequence[ReplicaId] = ()) -> Pick:
         with tracing.span("route") as span:
-            resp = await call("router", self.stub.PickReplica(route_pb2.PickReplicaRequest(
-                conversation_id=conversation, exclude_replica_ids=list(exclude))))
+            resp = await self._pick(route_pb2.PickReplicaRequest(conversation_id=conversation,
+                                                                  exclude_replica_ids=list(exclude)))
             if span is not None:
                 span.set_attribute("chatmesh.replica.id", resp.replica_id)
                 span.set_attribute("chatmesh.route.spill", resp.outcome == route_pb2.PICK_OUTCOME_SPILL)
         return Pick(ReplicaId(resp.replica_id), resp.address, RouteLeaseId(resp.lease_id))
 
     async def release(self, lease: RouteLeaseId) -> None:
-        await call("router", self.stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease)))
+        await call("router", self.stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease),
+                                                    timeout=self.wait_s))
 
     async def replicas(self) -> list[Replica]:
         resp = await call("router", self.stub.ListReplicas(route_pb2.ListReplicasRequest()))
@@ -263,13 +290,20 @@ class GrpcEngines:
                 platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
                 temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed,
                 expected_model=self.expected), timeout=timeout_s, metadata=tokens.forwarded())
+            answered = False
             try:
                 async for resp in rpc:
+                    answered = True
                     if (event := engine_event(resp)) is not None:
                         figures.event(event)
                         yield event
             except grpc.aio.AioRpcError as err:
-                raise translate(err, f"engine at {address}") from None
+                failure = translate(err, f"engine at {address}")
+                if err.code() == grpc.StatusCode.UNAVAILABLE and not answered:
+                    # not connected (a restarted engine chat has not reconnected to yet), or gone before its first
+                    # message: nothing was generated, another replica may take the turn (claimed.py)
+                    raise EngineUnreachable(str(failure)) from None
+                raise failure from None
             finally:
                 rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, NewType, Protocol
 
+from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.store.values import (
     Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, TurnRecord,
@@ -158,10 +159,16 @@ class EngineFinished:
 EngineEvent = EngineStarted | EngineDelta | EngineFinished
 
 
+class EngineUnreachable(errors.Unavailable):
+    """The replica could not be reached (or went away) before it sent anything for the generation: no prompt was
+    admitted and no token sampled, so the turn may go to another replica as it is."""
+
+
 class EnginePort(Protocol):
     def generate(self, address: str, generation: Generation, timeout_s: float
                  ) -> AsyncGenerator[EngineEvent, None]:
-        """Streams a generation; closing the iterator cancels the engine sequence."""
+        """Streams a generation; closing the iterator cancels the engine sequence. `EngineUnreachable` when the
+        replica fails before its first event."""
         ...
 
     async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int: ...

@@ -280,7 +280,8 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     moderation = Moderation(ModerationClient.from_config(cfg, registry.prometheus, trust=trust))
     core = ChatCore(
         store=GrpcStore(channels.get(cfg[mesh_settings.STORE_ADDRESS], "store"), observed),
-        router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS], "router")),
+        router=GrpcRouter(channels.get(cfg[mesh_settings.ROUTER_ADDRESS], "router"),
+                          wait_s=cfg[settings.ROUTER_WAIT_MS] / 1000),
         engines=GrpcEngines(channels, observed, model=served.identity),
         moderation=moderation,
         renderer=renderer, count_tokens=renderer.count, options=options, peers=GrpcPeers(channels),

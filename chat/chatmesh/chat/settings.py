@@ -43,3 +43,10 @@ ADVERTISE_ADDRESS = Setting(
     "(empty: the listen address)", str)
 ENGINE_DEADLINE_S = Setting(
     "CHATMESH_ENGINE_DEADLINE_S", 300.0, "deadline of one engine generation", float)
+# A router restart (or one chat has not reconnected to yet) is absorbed by the turn: its pick waits this long for
+# the router's channel and for a replica, then fails the turn, retryable (clients.GrpcRouter; BENCHMARKS.md,
+# issue 18: the client's retry backoff otherwise adds up to 1.5 s to each turn caught by the restart).
+ROUTER_WAIT_MS = Setting(
+    "CHATMESH_CHAT_ROUTER_WAIT_MS", 1500,
+    "how long a turn's replica pick waits for the router (restarting, reconnecting, no replica serving yet) "
+    "before the turn fails, retryable", int)

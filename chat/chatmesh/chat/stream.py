@@ -96,6 +96,8 @@ async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn,
                 address: str, generation: Generation, timeout_s: float, stops: tuple[str, ...] = ()
                 ) -> tuple[Ending, Tally]:
     tally = Tally(prompt_tokens=len(generation.prompt_token_ids))
+    if live.stop_requested.is_set():  # stopped before the engine was asked (e.g. while rerouting): not started
+        return StoppedHere(), tally
     screen = await moderation.open_output(generation.conversation)
     consume = asyncio.create_task(_consume(engines, live, machine, address, generation, timeout_s, screen, tally,
                                            StopScan(stops)))
@@ -106,9 +108,11 @@ async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn,
         stop.cancel()
         if not consume.done():  # stop or disconnect: cancel the engine sequence, keep what the user saw
             consume.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await consume
-        await screen.close()
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await consume  # raises the engine's failure, if that is how it ended
+        finally:
+            await screen.close()  # the reply's moderation window, also after a failure
     return (StoppedHere() if consume.cancelled() else consume.result()), tally
 
 

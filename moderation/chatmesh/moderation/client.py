@@ -19,7 +19,12 @@ Usage (one client per process; one output session per streamed reply):
 Every outcome says who decided (`decided_by`): the policy, the service's failure policy (its check deadline
 passed), or this client's failure policy (the service is down, answered with an error, or did not answer
 within CHATMESH_MODERATION_CLIENT_TIMEOUT_MS, per 32 KiB of a long input). Client failures are counted in the Prometheus counter
-`chatmesh_moderation_client_failures_total{direction, reason}`. An INVALID_ARGUMENT answer to an input check
+`chatmesh_moderation_client_failures_total{direction, reason}`.
+An input check first waits up to CHATMESH_MODERATION_CLIENT_CONNECT_WAIT_MS for the service to be reachable (its
+channel connected: a moderation restart, or a channel still in its reconnect backoff), and a check whose connection
+drops is asked again within that wait: a brief restart delays the turns it catches instead of failing them. An
+outage longer than that gets the failure policy, as before. (Output checks do not wait: they fail open by
+default, and a reply's first chunk would hold up its first token.) An INVALID_ARGUMENT answer to an input check
 (empty or oversized text), or an output chunk over CHATMESH_MAX_MESSAGE_BYTES, is the caller's error
 and is raised as `InvalidArgument`, not failed over. Output sessions share one CheckOutputBatch stream; chunks
 wait up to CHATMESH_MODERATION_CLIENT_BATCH_MS to share a message, except a reply's first chunk, which goes out at
@@ -29,6 +34,7 @@ once (with whatever is queued): it holds up the reply's first token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import itertools
 from collections import deque
@@ -123,6 +129,7 @@ class FailurePolicy:
     linger_s: float = 0.0  # how long output chunks wait to share a message with other streams' chunks
     max_bytes: int = 1024 * 1024  # the message size policy's; an output chunk over it is refused here, not on the
     # shared stream
+    connect_wait_s: float = 0.0  # how long an input check waits for the service to be reachable
 
     def mode(self, direction: Direction) -> FailureMode:
         match direction:
@@ -172,20 +179,38 @@ class ModerationClient:
         spiffe://chatmesh/chat, moderation's one caller)."""
         policy = FailurePolicy(FailureMode(cfg[settings.INPUT_FAILURE]), FailureMode(cfg[settings.OUTPUT_FAILURE]),
                                cfg[settings.CLIENT_TIMEOUT_MS] / 1000, failures_counter(registry),
-                               cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[mesh_settings.MAX_MESSAGE_BYTES])
+                               cfg[settings.CLIENT_BATCH_MS] / 1000, cfg[mesh_settings.MAX_MESSAGE_BYTES],
+                               connect_wait_s=cfg[settings.CLIENT_CONNECT_WAIT_MS] / 1000)
         trust = trust or Trust.from_config(cfg, identity.CHAT)
         return cls(open_channel(trust, cfg[mesh_settings.MODERATION_ADDRESS], "moderation"), policy, own_channel=True)
 
     async def check_input(self, text: str, conversation_id: str) -> Outcome:
         request = moderate_pb2.CheckInputRequest(text=text, conversation_id=conversation_id)
-        try:
-            reply = await self._stub.CheckInput(
-                request, timeout=scaled(self.policy.timeout_s, len(text.encode("utf-8", "surrogatepass"))))
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidArgument(err.details() or "invalid moderation input") from None
-            return self.policy.from_error(Direction.INPUT, err)
-        return self.policy.from_verdict(Direction.INPUT, reply.verdict)
+        timeout = scaled(self.policy.timeout_s, len(text.encode("utf-8", "surrogatepass")))
+        loop = asyncio.get_running_loop()
+        wait_until = loop.time() + self.policy.connect_wait_s
+        while True:
+            await self._connected(wait_until)
+            try:
+                reply = await self._stub.CheckInput(request, timeout=timeout)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidArgument(err.details() or "invalid moderation input") from None
+                if err.code() == grpc.StatusCode.UNAVAILABLE and loop.time() + RETRY_PAUSE_S < wait_until:
+                    await asyncio.sleep(RETRY_PAUSE_S)  # the connection dropped (a restart): wait for the next one
+                    continue
+                return self.policy.from_error(Direction.INPUT, err)
+            return self.policy.from_verdict(Direction.INPUT, reply.verdict)
+
+    async def _connected(self, until: float) -> None:
+        """Returns once the channel is connected (a connection attempt, or the next one after the channel's
+        reconnect backoff), or at the loop time `until`; a call made then on an unconnected channel fails at once,
+        UNAVAILABLE."""
+        left = until - asyncio.get_running_loop().time()
+        if left <= 0 or self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._channel.channel_ready(), left)
 
     def output(self, conversation_id: str) -> OutputSession:
         """A session for one streamed reply; all sessions share one batched stream, opened on first use."""
@@ -277,6 +302,7 @@ Pending = list[tuple[moderate_pb2.OutputChunk, "asyncio.Future[moderate_pb2.Verd
 
 
 MAX_BATCH = 512
+RETRY_PAUSE_S = 0.05  # before an input check whose connection dropped is asked again
 
 
 class _OutputMux:

@@ -16,6 +16,9 @@ CHECK_DEADLINE_MS = Setting("CHATMESH_MODERATION_CHECK_DEADLINE_MS", 50.0,
 CLIENT_TIMEOUT_MS = Setting("CHATMESH_MODERATION_CLIENT_TIMEOUT_MS", 250.0,
                             "how long a moderation client waits for a verdict before its failure policy decides",
                             float)
+CLIENT_CONNECT_WAIT_MS = Setting("CHATMESH_MODERATION_CLIENT_CONNECT_WAIT_MS", 1500.0,
+                                 "how long a moderation client's input check waits for the service to be reachable "
+                                 "(restarting, reconnecting) before the input failure policy decides", float)
 INPUT_FAILURE = Setting("CHATMESH_MODERATION_INPUT_FAILURE", "closed",
                         "when the input check cannot finish: closed blocks the message, open lets it through", str,
                         choices=FAILURE_MODES)

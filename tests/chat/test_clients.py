@@ -1,0 +1,120 @@
+"""Chat's gRPC clients on real loopback gRPC, where they do more than convert: the router pick's bounded wait (a
+router restarting, or answering that no replica serves yet, holds the turn for a moment instead of failing it)
+and the engine stream's `EngineUnreachable` (nothing reached the replica, so the turn may go to another)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter
+from chatmesh.chat.ports import EngineUnreachable, Generation
+from chatmesh.mesh import errors
+from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.config import Config
+from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.mesh.server import serve
+from chatmesh.mesh.trust import Trust
+from chatmesh.router.service import build
+from chatmesh.v1 import route_pb2, route_pb2_grpc
+from tests.conftest import free_port
+
+REPLICAS = "engine-0=127.0.0.1:1,engine-1=127.0.0.1:2"
+CONV = ConversationId(str(uuid.uuid4()))
+
+
+@asynccontextmanager
+async def router_at(address: str) -> AsyncIterator[None]:
+    cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true", "CHATMESH_REPLICAS": REPLICAS,
+                      "CHATMESH_ROUTER_HEALTH": "false"})
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(build(cfg), address, 0.5, ready=ready, stop=stop, trust=Trust.insecure()))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_pick_waits_for_a_router_that_is_starting() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    async with open_channel(Trust.insecure(), address, "router") as channel:
+        router = GrpcRouter(channel, wait_s=60)
+        pick = asyncio.create_task(router.pick(CONV))
+        await asyncio.sleep(0.3)  # its first connection attempt was refused: it waits
+        assert not pick.done()
+        async with router_at(address):
+            got = await pick
+            assert got.replica_id in ("engine-0", "engine-1") and got.lease
+            await router.release(got.lease)
+
+
+async def test_a_pick_fails_unavailable_once_the_wait_is_over() -> None:
+    async with open_channel(Trust.insecure(), f"127.0.0.1:{free_port()}", "router") as channel:
+        with pytest.raises(errors.Unavailable, match="router unavailable"):
+            await GrpcRouter(channel, wait_s=0.2).pick(CONV)
+
+
+class _NotYet(route_pb2_grpc.RouteServiceServicer):
+    """A router that has no serving replica for its first `refusals` picks (as one just started does)."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.calls = 0
+
+    async def PickReplica(self, request: route_pb2.PickReplicaRequest, context: grpc.aio.ServicerContext[
+            route_pb2.PickReplicaRequest, route_pb2.PickReplicaResponse]) -> route_pb2.PickReplicaResponse:
+        self.calls += 1
+        if self.calls <= self.refusals:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy replica: none of 2 replicas is serving")
+        return route_pb2.PickReplicaResponse(replica_id="engine-1", address="127.0.0.1:2", lease_id="l-1")
+
+    async def ReleaseLease(self, request: route_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext[
+            route_pb2.ReleaseLeaseRequest, route_pb2.ReleaseLeaseResponse]) -> route_pb2.ReleaseLeaseResponse:
+        return route_pb2.ReleaseLeaseResponse()
+
+    async def ListReplicas(self, request: route_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext[
+            route_pb2.ListReplicasRequest, route_pb2.ListReplicasResponse]) -> route_pb2.ListReplicasResponse:
+        return route_pb2.ListReplicasResponse()
+
+
+@asynccontextmanager
+async def fake_router(servicer: route_pb2_grpc.RouteServiceServicer) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    route_pb2_grpc.add_RouteServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def test_a_pick_is_asked_again_while_no_replica_serves_yet() -> None:
+    servicer = _NotYet(refusals=3)
+    async with fake_router(servicer) as address, open_channel(Trust.insecure(), address, "router") as channel:
+        got = await GrpcRouter(channel, wait_s=60).pick(CONV)
+        assert got.replica_id == "engine-1" and servicer.calls == 4
+        servicer.calls, servicer.refusals = 0, 1_000_000
+        with pytest.raises(errors.Unavailable, match="no healthy replica"):
+            await GrpcRouter(channel, wait_s=0.3).pick(CONV)  # still none when the wait is over: the turn fails
+        assert servicer.calls >= 2
+
+
+async def test_an_engine_nothing_listens_at_is_unreachable() -> None:
+    """The error the turn reroutes on (claimed.py): UNAVAILABLE before the engine's first message."""
+    channels = Channels(Trust.insecure())
+    generation = Generation(request_id="r", conversation=CONV, turn=None, owner=OwnerId("o"), prompt_token_ids=(1,),
+                            platform_prefix_tokens=0, max_tokens=1, temperature=0.0, top_p=1.0)
+    try:
+        with pytest.raises(EngineUnreachable):
+            async for _ in GrpcEngines(channels).generate(f"127.0.0.1:{free_port()}", generation, 5.0):
+                pass
+    finally:
+        await channels.close()
