@@ -236,6 +236,7 @@ class Attempt:
     ended: float
     outcome: str  # a final event name, or what went wrong: failed, broken, http_503, connect, disconnect...
     text: str
+    detail: str = ""  # a turn.failed event's message (why the mesh failed the attempt)
 
 
 @dataclass
@@ -330,7 +331,7 @@ class Load:
         if self.disconnect > 0:
             self.disconnect -= 1
             drop = True
-        outcome = "broken"
+        outcome, detail = "broken", ""
         try:
             async with client.stream("POST", f"/v1/conversations/{turn.conversation}/turns",
                                      json={"turn_id": turn.turn_id, "content": turn.content}) as resp:
@@ -350,12 +351,13 @@ class Load:
                                 break
                         elif event in FINALS or event == "turn.failed":
                             outcome = "failed" if event == "turn.failed" else event
+                            detail = str(data.get("message", "")) if event == "turn.failed" else ""
                             break
         except httpx.ConnectError:
             outcome = "connect"
         except httpx.HTTPError as err:
             outcome = type(err).__name__
-        return Attempt(started, time.monotonic(), outcome, "".join(text))
+        return Attempt(started, time.monotonic(), outcome, "".join(text), detail[:160])
 
 
 # ---- the audit --------------------------------------------------------------------------------------------------
@@ -440,6 +442,6 @@ def recovery(turns: list[Turn], fault_at: float, until: float, healthy_at: float
         "healthy_s": since(healthy_at, fault_at),
         "first_success_after_healthy_s": since(acked[0] if acked else None, healthy_at),
         "last_affected_after_healthy_s": since(acked[-1] if acked else None, healthy_at),
-        "slowest_attempts": [(round(a.started - fault_at, 2), round(a.ended - fault_at, 2), a.outcome)
+        "slowest_attempts": [(round(a.started - fault_at, 2), round(a.ended - fault_at, 2), a.outcome, a.detail)
                              for a in slowest.attempts] if slowest is not None else [],
     }

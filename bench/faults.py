@@ -5,7 +5,8 @@ Fault kinds (`FAULTS`): `kill -9` and restart, and SIGTERM and restart, of one p
 (engine-0, chat, store, router, moderation, gateway); a batch of clients disconnecting mid-stream; PostgreSQL
 restarted under load (a private cluster, `pg_ctlcluster restart -m fast`; PostgreSQL runs only); Redis, holding
 the gateway's limits, stopped and started (turns are refused 503 while it is down, fail closed, README). Each
-fault: inject, wait `--down-s`, restart, then `--settle-s` of load before the next.
+fault: inject, wait `--down-s`, restart, then `--settle-s` of load and until every turn the fault affected is
+acknowledged (at most 20 s) before the next, so no turn's figure spans two faults.
 
 Figures per run: turns attempted / acknowledged / retried and the audit's zeros (bench/fault_mesh.py); per fault
 the turns it affected, the time from the fault (or, for a restarted service with no peer, from its being healthy
@@ -40,10 +41,12 @@ from typing import Any
 
 import grpc
 
-from bench.fault_mesh import SERVICES, Audit, FaultMesh, Load, PrivatePostgres, Redis, audit, recovery
+from bench.fault_mesh import FINALS, SERVICES, Audit, FaultMesh, Load, PrivatePostgres, Redis, audit, recovery
 from chatmesh.mesh.channels import open_channel
+from chatmesh.mesh.up import MeshError
 from chatmesh.mesh.trust import Trust
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
+from tests.e2e.conftest import bind_failed
 
 # The process of each service kind a fault hits: engine-0 (the one with a metrics port and GetStats reached at
 # the standard address), the first chat process, the single store, router, moderation and gateway.
@@ -138,6 +141,16 @@ async def inject(kind: str, mesh: FaultMesh, load: Load, down_s: float, redis: R
             raise ValueError(f"unknown fault kind {kind!r}")
 
 
+async def settled(load: Load, since: float, timeout_s: float = 20.0) -> None:
+    """Waits until every turn with an attempt that failed since `since` is acknowledged (at most `timeout_s`), so
+    that the next fault starts on a recovered mesh and no turn's figure spans two faults."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(
+            t.acked_at is None and any(a.ended >= since and a.outcome not in FINALS for a in t.attempts)
+            for t in load.turns):
+        await asyncio.sleep(0.1)
+
+
 def crash_completions(load: Load, at: float) -> list[float]:
     """For a killed chat process: each turn whose stream broke at the crash, seconds from the crash to its
     acknowledgement (through the other chat process)."""
@@ -176,7 +189,14 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
     mesh = FaultMesh(root / "mesh", database_url=url, schema=schema, redis_url=redis.url)
     faults: list[dict[str, Any]] = []
     try:
-        await asyncio.to_thread(mesh.start)
+        try:
+            await asyncio.to_thread(mesh.start)
+        except MeshError:
+            if not bind_failed(mesh.root / "logs"):
+                raise
+            # a port picked free was taken before its service bound it: once more, on other ports
+            mesh = FaultMesh(root / "mesh-again", database_url=url, schema=schema, redis_url=redis.url)
+            await asyncio.to_thread(mesh.start)
         load = Load(mesh.url, conversations, turns_per_conversation=turns_per_conversation)
         await load.start()
         began = time.monotonic()
@@ -187,6 +207,7 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
                 continue
             injected.append(await inject(kind, mesh, load, down_s, redis, pg))
             await asyncio.sleep(settle_s)
+            await settled(load, injected[-1].at)
         if (left := min_load_s - (time.monotonic() - began)) > 0:
             await asyncio.sleep(left)
         seconds = time.monotonic() - began

@@ -4,6 +4,7 @@ service they skip with the reason, and with CHATMESH_REQUIRE_SERVICES=1 (CI) the
 from __future__ import annotations
 
 import os
+import random
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,11 +40,44 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+_EPHEMERAL = _ephemeral_ports()
+_PICKS = range(10000, _EPHEMERAL[0]) if _EPHEMERAL[0] - 10000 >= 4096 else range(0)
+_HANDED: set[int] = set()
+_RNG = random.SystemRandom()  # not the global generator, which a seeded test would make repeat across processes
+
+
 def free_port() -> int:
+    """A loopback port nothing is bound to, for a service a test starts. Drawn at random below the kernel's
+    ephemeral range (ip_local_port_range), so that between this pick and the service's bind no outgoing
+    connection of any process can take it as its source port (bind(0) hands out a port from that very range,
+    where a mesh starting up makes dozens of connections: a service once failed to start with 'cannot serve
+    metrics ... address in use'); never the same port twice in one process. Falls back to bind(0) when the
+    range leaves no room below it."""
+    for _ in range(200):
+        if not _PICKS:
+            break
+        port = _RNG.choice(_PICKS)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        bound: int = s.getsockname()[1]
+        return bound
 
 
 @pytest.fixture

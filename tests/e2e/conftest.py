@@ -25,7 +25,7 @@ from chatmesh.mesh import identity as ident
 from chatmesh.mesh import settings
 from chatmesh.mesh.config import Setting
 from chatmesh.mesh.identity import Identity
-from chatmesh.mesh.up import Mesh
+from chatmesh.mesh.up import Mesh, MeshError
 from tests.conftest import free_port
 from tests.trust import channel_as
 
@@ -57,10 +57,27 @@ def mesh_env(data_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+BIND_FAILURES = ("cannot bind", "cannot serve metrics", "address already in use")
+
+
+def bind_failed(log_dir: Path) -> bool:
+    """Whether a service of the mesh logging under `log_dir` failed to start for a port taken before it bound."""
+    return any(any(p in path.read_text(errors="replace") for p in BIND_FAILURES) for path in log_dir.glob("*.log"))
+
+
 def start_mesh(tmp: Path, **extra: str) -> Mesh:
-    mesh = Mesh(env=mesh_env(tmp / "data", **extra), log_dir=tmp / "logs", start_timeout_s=180)
-    mesh.start()
-    return mesh
+    """A started mesh; if a service could not bind its port (picked free, taken before the bind: rare since
+    free_port picks below the ephemeral range), once more on other ports."""
+    for attempt in range(2):
+        logs = tmp / ("logs" if attempt == 0 else f"logs-{attempt}")
+        mesh = Mesh(env=mesh_env(tmp / "data", **extra), log_dir=logs, start_timeout_s=180)
+        try:
+            mesh.start()
+            return mesh
+        except MeshError:
+            if attempt or not bind_failed(logs):
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
