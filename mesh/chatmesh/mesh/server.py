@@ -17,7 +17,7 @@ answered INTERNAL, never UNKNOWN. The same decorators count every RPC by method 
 (`chatmesh.mesh.metrics.RPC`), so each service has its calls by RPC and outcome with no code of its own.
 
 Tracing: with OTEL_EXPORTER_OTLP_ENDPOINT set, an RPC that arrives with a W3C trace context gets a server span
-(`chatmesh.mesh.tracing`); otherwise no interceptor is installed.
+(`chatmesh.mesh.tracing.serving`), started by the same decorators: no interceptor. Off, they test one boolean.
 
 Metrics: `serve(..., metrics_port=N)` serves the service's `metrics` registry (plus the RPC counts and process
 figures) at http://<listen host>:N/metrics while the service runs (`chatmesh.mesh.metrics`).
@@ -26,6 +26,7 @@ figures) at http://<listen host>:N/metrics while the service runs (`chatmesh.mes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import signal
 import time
@@ -89,6 +90,9 @@ def unary_errors(
     async def wrapper(self: S, request: Req, /, *args: P.args, **kwargs: P.kwargs) -> Resp:
         start, code = time.perf_counter(), "OK"
         try:
+            if tracing.ON:
+                with tracing.serving(self, method, _context_of(args, kwargs)):
+                    return await fn(self, request, *args, **kwargs)
             return await fn(self, request, *args, **kwargs)
         except (grpc.aio.AbortError, asyncio.CancelledError) as exc:
             code = _code_of(exc, args, kwargs)
@@ -103,6 +107,9 @@ def unary_errors(
     return wrapper
 
 
+_UNTRACED = contextlib.nullcontext()
+
+
 def stream_errors(
     fn: Callable[Concatenate[S, Req, P], AsyncIterator[Resp]],
 ) -> Callable[Concatenate[S, Req, P], AsyncIterator[Resp]]:
@@ -112,8 +119,9 @@ def stream_errors(
     async def wrapper(self: S, request: Req, /, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[Resp]:
         start, code = time.perf_counter(), "OK"
         try:
-            async for item in fn(self, request, *args, **kwargs):
-                yield item
+            with tracing.serving(self, method, _context_of(args, kwargs)) if tracing.ON else _UNTRACED:
+                async for item in fn(self, request, *args, **kwargs):
+                    yield item
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit) as exc:
             code = _code_of(exc, args, kwargs)
             raise
@@ -220,9 +228,9 @@ async def start_server(service: Service, listen: str, *, trust: Trust, health_po
     trust.check_address(listen, f"{service.name}: listening on")
     # The policy needs the registered names, the server its interceptors first: the policy is set just after.
     guard = authz.AuthzInterceptor(authz.Policy({}))
-    interceptors = [*([] if trust.tls is None else [guard]), *tracing.server_interceptors()]
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors or None)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=None if trust.tls is None else [guard])
     names = list(service.register(server))
+    tracing.served(names)
     if trust.tls is not None:
         guard.policy = policy_for(service, names, trust)
     health_servicer = AsyncHealthServicer()
