@@ -22,6 +22,11 @@ turned off; they are what the endpoint serves). Both sides run the mesh with mut
 
     .venv/bin/python -m bench.mesh_overhead --observability --conversations 50 --turns 4 --think-ms 300
 
+`--scrape-cost N` measures what one scrape costs each service: its CPU over N back-to-back GETs of its /metrics,
+less its CPU over as long idle (a mesh with metrics on, after a few turns), per scrape.
+
+    .venv/bin/python -m bench.mesh_overhead --scrape-cost 300
+
 `--security` compares, in one run, two meshes up side by side: one in plaintext (CHATMESH_MESH_PLAINTEXT: no TLS,
 no identities, no owner tokens) and one as `chatmesh up` runs it (mutual TLS on every hop, per-RPC
 authorization, owner tokens minted by the gateway and verified by chat, the store and the engine), the same
@@ -236,6 +241,40 @@ class _Scraper:
             self.proc.wait(10)
 
 
+def scrape_cost(args: argparse.Namespace) -> int:
+    """What one scrape of each service's /metrics costs it: CPU over `--scrape-cost` back-to-back GETs, less the
+    same service's CPU over as long idle, per scrape; the mesh as the observability bench runs it (metrics on)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = mesh_env(Path(tmp) / "data", **LIFTED, CHATMESH_MESH_PLAINTEXT="false",
+                       CHATMESH_OWNER_TOKEN_ADDRESS=f"127.0.0.1:{free_port()}")
+        mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
+        mesh.start()
+        try:
+            asyncio.run(through_edge(mesh.gateway_url, 8, 2))  # every series that turns create exists
+            rows = []
+            with httpx.Client(timeout=10) as client:
+                for name, url in mesh.metrics_urls.items():
+                    proc = mesh.procs[name]
+                    client.get(url)
+                    started, before = time.perf_counter(), cpu_seconds(proc.pid)
+                    size = sum(len(client.get(url).content) for _ in range(args.scrape_cost))
+                    wall, busy = time.perf_counter() - started, cpu_seconds(proc.pid) - before
+                    before = cpu_seconds(proc.pid)
+                    time.sleep(wall)
+                    idle = cpu_seconds(proc.pid) - before
+                    rows.append((name, size // args.scrape_cost, (busy - idle) / args.scrape_cost * 1e3))
+        finally:
+            mesh.stop()
+    total = sum(ms for _, _, ms in rows)
+    print("\n".join([
+        f"### One scrape of every /metrics ({datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"{os.cpu_count()} cores, {args.scrape_cost} GETs per service, load average {os.getloadavg()[0]:.1f})",
+        "", "| service | bytes | CPU per scrape (ms) |", "|---|---|---|",
+        *[f"| {name} | {size} | {ms:.2f} |" for name, size, ms in rows],
+        f"| all | | {total:.2f} |", ""]))
+    return 0
+
+
 MODES = {"off": "nothing (no metrics endpoints, no OTLP)", "metrics": "metrics only (scraped)",
          "tracing": "tracing only (OTLP)", "on": "metrics + tracing",
          "sampled": "metrics + tracing, 1 turn in 10 traced (OTEL_TRACES_SAMPLER)"}
@@ -249,6 +288,7 @@ def observability(args: argparse.Namespace) -> int:
     results: dict[str, list[tuple[list[float], float]]] = {m: [] for m in modes}
     spans: dict[str, int] = {m: 0 for m in modes}
     loads: list[float] = []
+    rates: list[float] = []  # turns per second of each measured load
     scraped_by = ""
     for r in range(args.rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:  # ABBA: no side always goes first
@@ -276,8 +316,10 @@ def observability(args: argparse.Namespace) -> int:
                     scraper = _Scraper(mesh, args.scrape_s, Path(tmp))
                     scraped_by = scraper.what if scraper.proc is not None else scraped_by
                     before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
+                    started = time.perf_counter()
                     edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
                                                     args.think_ms / 1000))
+                    rates.append(len(edge) / (time.perf_counter() - started))
                     # Spans leave in batches up to 5 s after their turn (BatchSpanProcessor's schedule delay):
                     # wait that out on both sides so the export's CPU is counted, then read the CPU times.
                     time.sleep(SETTLE_S)
@@ -310,7 +352,7 @@ def observability(args: argparse.Namespace) -> int:
         "",
         "Per round, TTFT p50 / CPU per turn (ms): " + "; ".join(
             f"{mode} " + ", ".join(f"{statistics.median(e) * 1e3:.2f} / {c * 1e3:.2f}" for e, c in results[mode])
-            for mode in modes) + ".",
+            for mode in modes) + f". Load: {statistics.mean(rates):.1f} turns/s.",
         "",
         f"Spans were received and decoded by an OTLP/gRPC receiver in a process of its own (per turn: the warm-up "
         f"turns included); every /metrics scraped each {args.scrape_s:g} s by {scraped_by or 'nothing'}. The "
@@ -406,9 +448,13 @@ def main() -> int:
     parser.add_argument("--modes", default="off,on",
                         help="with --observability: off first, then any of metrics, tracing, on, sampled "
                              "(comma-separated)")
+    parser.add_argument("--scrape-cost", type=int, default=0, metavar="N",
+                        help="instead: each service's CPU per scrape of its /metrics, over N scrapes")
     parser.add_argument("--scrape-s", type=float, default=1.0,
                         help="with --observability: seconds between scrapes of every /metrics")
     args = parser.parse_args()
+    if args.scrape_cost:
+        return scrape_cost(args)
     if args.observability:
         return observability(args)
     if args.security:
