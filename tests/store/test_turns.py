@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -181,6 +182,40 @@ async def test_concurrent_regenerates_of_one_reply_leave_one_current(store: Conv
         assert (record.reply.index, record.reply.content) == (f.reply.index, f.reply.content)
     [day] = await store.usage(OWNER)
     assert day.turns == 9
+
+
+async def test_a_regenerate_finished_by_another_replica_or_after_a_takeover(
+        make_store: Callable[..., ConversationStore], clock: FakeClock) -> None:
+    """A finish does not say whether its turn is a regenerate: a store replica that did not make the claim, and a
+    claim taken over after its lease expired, still store it as one (no user message, earlier replies
+    superseded), once."""
+    claimer, finisher = make_store(), make_store()
+    conv = await conversation(claimer)
+    first = await stored_turn(claimer, conv, "original")
+    regen = new_turn()
+    r = await claimer.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    assert isinstance(r, Claimed)
+    finished = await finisher.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated"))
+    assert not finished.already_finished and finished.reply.index == 2
+    again = await finisher.finish_turn(OWNER, conv, regen, r.lease_id, reply("other"))
+    assert again.already_finished and again.reply == finished.reply
+    taken_over = new_turn()
+    expired = await claimer.begin_turn(OWNER, conv, taken_over, content="", lease_holder="c", regenerates=regen,
+                                       lease_ttl_ms=1000)
+    assert isinstance(expired, Claimed)
+    clock.advance(1001)
+    r2 = await claimer.begin_turn(OWNER, conv, taken_over, content="", lease_holder="d", regenerates=regen)
+    assert isinstance(r2, Claimed) and r2.lease_id != expired.lease_id
+    with pytest.raises(FailedPrecondition):  # the expired claim's lease is gone
+        await claimer.finish_turn(OWNER, conv, taken_over, expired.lease_id, reply("late"))
+    assert (await claimer.finish_turn(OWNER, conv, taken_over, r2.lease_id, reply("third"))).reply.index == 3
+    messages = (await finisher.read_conversation(OWNER, conv)).messages
+    assert [(m.role, m.content, m.superseded) for m in messages] == [
+        (Role.USER, "hi", False), (Role.ASSISTANT, "original", True), (Role.ASSISTANT, "regenerated", True),
+        (Role.ASSISTANT, "third", False)]
+    assert (await finisher.read_conversation(OWNER, conv)).conversation.message_count == 4
+    [day] = await finisher.usage(OWNER)
+    assert day.turns == 3
 
 
 async def test_regenerate_needs_a_stored_turn(store: ConversationStore) -> None:

@@ -11,20 +11,26 @@ when a call here writes nothing it reads why.)
 - PostgreSQL (asyncpg, a raw connection from SQLAlchemy's pool, asyncpg's prepared-statement cache):
   the claim is one `INSERT .. SELECT .. ON CONFLICT DO NOTHING`, with the context read in the same statement
   (a CTE; the read sees the statement's snapshot); the read is one statement (conversation LEFT JOIN LATERAL
-  its newest messages); the finish is ONE statement, so one implicit transaction and one commit:
+  its newest messages); the finish is ONE statement, so one implicit transaction and one commit, written
+  twice: `PG_FINISH` for a plain turn, `PG_FINISH_REGENERATE` for a regenerate (the regenerate's guards and
+  supersede step cost a plain turn ~0.05 ms of server CPU when they were one statement):
       conv       SELECT .. FROM conversations .. FOR NO KEY UPDATE   -- lock order: conversation, then turn
       turn       UPDATE turns SET state = stored, indexes from conv .. WHERE lease_id = $lease AND state IN
-                 (received, running)  -- the guard, re-checked on the locked row; a regenerate also needs that
-                 no user message follows the one it answers, and that no finish committed since the
-                 statement's snapshot (its reads below must see every message: else nothing is written, and
-                 the retry runs the statement after taking the conversation's lock, so its snapshot follows)
+                 (received, running) AND regenerates_turn_id IS (NOT) NULL  -- the guard, re-checked on the
+                 locked row; a regenerate also needs that no user message follows the one it answers, and
+                 that no finish committed since the statement's snapshot (its reads below must see every
+                 message: else nothing is written, and the retry runs the statement after taking the
+                 conversation's lock, so its snapshot follows)
       advanced   UPDATE conversations SET message_count = message_count + 2 (a regenerate: + 1) .. WHERE
                  EXISTS (turn)
-      superseded UPDATE messages SET superseded = true: a regenerate's earlier replies to that user message
-      stored     INSERT INTO messages (user message unless a regenerate, reply) .. FROM turn
+      superseded (a regenerate) UPDATE messages SET superseded = true: the earlier replies to its user message
+      stored     INSERT INTO messages (the user message unless a regenerate, the reply) .. FROM turn
       metered    INSERT INTO usage_days .. FROM turn ON CONFLICT DO UPDATE (add)
   Either all of it happens or none (one statement); when the guard does not match (already finished, another
-  lease, a stale regenerate, unknown turn, a racing finish) nothing is written and the caller reads why.
+  lease, a stale regenerate, unknown turn, a racing finish) nothing is written and the caller reads why. A
+  FinishTurn does not say whether its turn is a regenerate: the regenerates this process claimed are
+  remembered by lease, and any other finish runs the plain statement, then (when it wrote nothing, e.g. a
+  regenerate another replica claimed or a takeover) the regenerate's.
 - SQLite (its own connections, each used by one worker thread; WAL, BEGIN IMMEDIATE for writes): each call's
   statements run together in one hop to a worker thread (aiosqlite hopped per statement and per cursor call);
   the finish runs the same guard and writes in one transaction (BEGIN IMMEDIATE: no finish races it).
@@ -190,46 +196,60 @@ PG_READ = _pg_read("$4::integer")
 PG_CONTEXT = _pg_read("conversations.summary_covers_through + 1")
 _PG_OWN = "{t}.owner_id = $1 AND {t}.conversation_id = $2"
 PG_LOCK_CONVERSATION = f"SELECT FROM conversations WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE"
-PG_FINISH = (
-    "WITH conv AS (SELECT conversations.message_count FROM conversations "
-    f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), "
-    "turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
-    "user_index = CASE WHEN turns.regenerates_turn_id IS NULL THEN (SELECT conv.message_count FROM conv) "
-    "ELSE turns.user_index END, reply_index = (SELECT conv.message_count FROM conv) "
-    "+ CASE WHEN turns.regenerates_turn_id IS NULL THEN 1 ELSE 0 END, "
-    "prompt_tokens = $11::bigint, cached_prompt_tokens = $12::bigint, output_tokens = $13::bigint, "
-    "updated_at_ms = $14::bigint FROM turns AS prev "
-    f"WHERE {_PG_OWN.format(t='turns')} AND turns.turn_id = $3 AND turns.lease_id = $4 "
-    "AND turns.state IN ('received', 'running') AND EXISTS (SELECT FROM conv) "
-    "AND (turns.regenerates_turn_id IS NULL OR ("
-    f"NOT EXISTS (SELECT FROM messages WHERE {_PG_OWN.format(t='messages')} "
-    "AND messages.message_index > turns.user_index AND messages.role = 'user') "
-    f"AND (SELECT conversations.message_count FROM conversations WHERE {_PG_OWN.format(t='conversations')}) "
-    "= (SELECT conv.message_count FROM conv))) "
-    f"AND {_PG_OWN.format(t='prev')} AND prev.turn_id = $3 "
-    "RETURNING turns.user_index, turns.reply_index, turns.regenerates_turn_id IS NOT NULL AS regenerate, "
-    "prev.content), "
-    "advanced AS (UPDATE conversations SET message_count = conversations.message_count "
-    "+ (SELECT CASE WHEN turn.regenerate THEN 1 ELSE 2 END FROM turn), updated_at_ms = $14::bigint "
-    f"WHERE {_PG_OWN.format(t='conversations')} AND EXISTS (SELECT FROM turn)), "
-    # The bound is NULL unless a regenerate is stored, so a plain finish's index scan ends at once (joining
-    # `turn` instead made the planner filter every message of the conversation: twice the server CPU per turn).
-    "superseded AS (UPDATE messages SET superseded = true "
-    f"WHERE {_PG_OWN.format(t='messages')} "
-    "AND messages.message_index > (SELECT turn.user_index FROM turn WHERE turn.regenerate) "
-    "AND messages.role = 'assistant' AND NOT messages.superseded), "
-    "stored AS (INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, status, "
-    "turn_id, created_at_ms, superseded) "
-    "SELECT $1, $2, turn.user_index, 'user', turn.content, $6::integer, $7::varchar, $3, $14::bigint, false "
-    "FROM turn WHERE NOT turn.regenerate UNION ALL "
-    "SELECT $1, $2, turn.reply_index, 'assistant', $8::text, $9::integer, $10::varchar, $3, $14::bigint, false "
-    "FROM turn), "
+_PG_CONV_LOCKED = ("WITH conv AS (SELECT conversations.message_count FROM conversations "
+                   f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), ")
+_PG_TURN_STORED = ("turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
+                   "{indexes}, prompt_tokens = $9::bigint, cached_prompt_tokens = $10::bigint, "
+                   "output_tokens = $11::bigint, updated_at_ms = $12::bigint FROM turns AS prev "
+                   f"WHERE {_PG_OWN.format(t='turns')} AND turns.turn_id = $3 AND turns.lease_id = $4 "
+                   "AND turns.state IN ('received', 'running') AND EXISTS (SELECT FROM conv) AND {kind} "
+                   f"AND {_PG_OWN.format(t='prev')} AND prev.turn_id = $3 "
+                   "RETURNING turns.user_index, turns.reply_index, prev.content), ")
+_PG_ADVANCED = ("advanced AS (UPDATE conversations SET message_count = conversations.message_count + {n}, "
+                f"updated_at_ms = $12::bigint WHERE {_PG_OWN.format(t='conversations')} "
+                "AND EXISTS (SELECT FROM turn)), ")
+_PG_REPLY = ("SELECT $1, $2, turn.reply_index, 'assistant', $6::text, $7::integer, $8::varchar, $3, $12::bigint, "
+             "false FROM turn")
+_PG_METERED = (
     "metered AS (INSERT INTO usage_days (owner_id, day, prompt_tokens, cached_prompt_tokens, output_tokens, turns) "
-    "SELECT $1, $15::varchar, $11::bigint, $12::bigint, $13::bigint, 1 FROM turn "
+    "SELECT $1, $13::varchar, $9::bigint, $10::bigint, $11::bigint, 1 FROM turn "
     "ON CONFLICT (owner_id, day) DO UPDATE SET prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens, "
     "cached_prompt_tokens = usage_days.cached_prompt_tokens + excluded.cached_prompt_tokens, "
     "output_tokens = usage_days.output_tokens + excluded.output_tokens, turns = usage_days.turns + 1) "
     "SELECT turn.reply_index FROM turn")
+_PG_STORED = ("stored AS (INSERT INTO messages (owner_id, conversation_id, message_index, role, content, "
+              "token_count, status, turn_id, created_at_ms, superseded) ")
+# A plain turn (no regenerate): its user message at message_count, its reply after it.
+PG_FINISH = (
+    _PG_CONV_LOCKED
+    + _PG_TURN_STORED.format(indexes="user_index = (SELECT conv.message_count FROM conv), "
+                             "reply_index = (SELECT conv.message_count + 1 FROM conv)",
+                             kind="turns.regenerates_turn_id IS NULL")
+    + _PG_ADVANCED.format(n=2)
+    + _PG_STORED + "SELECT $1, $2, turn.user_index, 'user', turn.content, $14::integer, $15::varchar, $3, "
+    "$12::bigint, false FROM turn UNION ALL " + _PG_REPLY + "), "
+    + _PG_METERED)
+# A regenerate: no user message; the reply at message_count; the earlier replies to its user message
+# superseded; only if no user message followed that one and no finish committed since the statement's snapshot
+# (its reads must see every message: the locked message_count equals the snapshot's).
+PG_FINISH_REGENERATE = (
+    _PG_CONV_LOCKED
+    + _PG_TURN_STORED.format(
+        indexes="reply_index = (SELECT conv.message_count FROM conv)",
+        kind="turns.regenerates_turn_id IS NOT NULL "
+        f"AND NOT EXISTS (SELECT FROM messages WHERE {_PG_OWN.format(t='messages')} "
+        "AND messages.message_index > turns.user_index AND messages.role = 'user') "
+        f"AND (SELECT conversations.message_count FROM conversations WHERE {_PG_OWN.format(t='conversations')}) "
+        "= (SELECT conv.message_count FROM conv)")
+    + _PG_ADVANCED.format(n=1)
+    # A scalar bound: joining `turn` made the planner filter every message of the conversation (ba49066).
+    + "superseded AS (UPDATE messages SET superseded = true "
+    f"WHERE {_PG_OWN.format(t='messages')} AND messages.message_index > (SELECT turn.user_index FROM turn) "
+    "AND messages.role = 'assistant' AND NOT messages.superseded), "
+    + _PG_STORED + _PG_REPLY + "), "
+    + _PG_METERED)
+# How many regenerate leases a PostgreSQL hot path remembers from its claims (a hint; see `finish`).
+REGENERATE_HINTS = 1024
 
 # The driver's errors that mean "the database is unreachable or shedding load" (answered UNAVAILABLE).
 PG_UNREACHABLE = (OSError, TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
@@ -249,6 +269,9 @@ class PostgresHotPath(HotPath):
         self._keep = keep
         self._idle: list[PoolProxiedConnection] = []
         self._closed = False
+        # Leases of the regenerates this process claimed, oldest first: their finish runs PG_FINISH_REGENERATE
+        # at once (a hint only: any other finish tries PG_FINISH first, see `finish`).
+        self._regenerates: dict[LeaseId, None] = {}
 
     async def _fetch(self, sql: str, *args: Any, serialized: bool = False) -> list[Any]:
         """`sql`'s rows; `serialized`: in one transaction, after the conversation's row lock ($1, $2), so the
@@ -298,6 +321,10 @@ class PostgresHotPath(HotPath):
 
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
+        if new.regenerates is not None:
+            self._regenerates[new.lease] = None  # remembered before the round trip: a lease is never reused
+            if len(self._regenerates) > REGENERATE_HINTS:
+                del self._regenerates[next(iter(self._regenerates))]
         if not context_limit:
             rows = await self._fetch(PG_CLAIM, owner, conversation, new.turn, new.fingerprint, new.content,
                                      new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms,
@@ -320,10 +347,22 @@ class PostgresHotPath(HotPath):
 
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                      v: FinishValues, serialized: bool = False) -> int | None:
-        rows = await self._fetch(PG_FINISH, owner, conversation, turn, lease, v.to_state, v.user_token_count,
-                                 v.user_status, v.reply_text, v.reply_token_count, v.reply_status, v.prompt_tokens,
-                                 v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day, serialized=serialized)
-        return int(rows[0][0]) if rows else None
+        """A plain turn's statement (the common case: no regenerate guards to evaluate), or a regenerate's;
+        the request does not say which the turn is, so a lease this process did not claim as a regenerate's
+        (another replica's claim, a takeover) tries the plain one first and, when it writes nothing, the
+        regenerate's. A turn refused by both is the caller's to explain."""
+        args = (owner, conversation, turn, lease, v.to_state, v.reply_text, v.reply_token_count, v.reply_status,
+                v.prompt_tokens, v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day)
+        if lease in self._regenerates:
+            rows = await self._fetch(PG_FINISH_REGENERATE, *args, serialized=serialized)
+        else:
+            rows = await self._fetch(PG_FINISH, *args, v.user_token_count, v.user_status, serialized=serialized)
+            if not rows:
+                rows = await self._fetch(PG_FINISH_REGENERATE, *args, serialized=serialized)
+        if not rows:
+            return None
+        self._regenerates.pop(lease, None)
+        return int(rows[0][0])
 
     async def close(self) -> None:
         """Hands the kept connections back to the engine's pool (before the engine is disposed)."""
