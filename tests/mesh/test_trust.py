@@ -148,6 +148,39 @@ async def test_a_service_without_a_rule_for_every_rpc_does_not_start(certs: Path
         await start_server(service, "127.0.0.1:0", trust=trust_of(certs, ident.ROUTER))
 
 
+async def test_a_handler_registered_beside_the_tables_is_refused_to_every_identity(certs: Path) -> None:
+    """The check is in the handlers the bootstrap is given (authz.Guard), not in front of the server: a method a
+    service's register hook adds with no rule (here a generic handler of a service outside its tables) is
+    refused, never served unchecked."""
+    served: list[bytes] = []
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        served.append(request)
+        return request
+
+    service = route_service()
+    register = service.register
+
+    def register_more(server: grpc.aio.Server) -> list[str]:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "extra.Extra", {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),))
+        return list(register(server))
+
+    service.register = register_more
+    running = await start_server(service, "127.0.0.1:0", trust=trust_of(certs, ident.ROUTER))
+    try:
+        for who in (ident.OPERATOR, ident.CHAT):
+            async with channels.open_channel(trust_of(certs, who), f"127.0.0.1:{running.port}", "router") as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await ch.unary_unary("/extra.Extra/Echo", None, None)(b"hello", timeout=5)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert err.value.details() == f"{who} may not call /extra.Extra/Echo"
+                assert await list_replicas(ch) == grpc.StatusCode.OK  # the tables' own RPCs still answer
+        assert served == []
+    finally:
+        await running.stop(service, 0)
+
+
 async def test_plaintext_is_refused_off_loopback() -> None:
     with pytest.raises(TrustRefused, match="loopback only"):
         await serve(route_service(), "0.0.0.0:0", 0, trust=Trust.insecure())

@@ -1,4 +1,4 @@
-"""Per-RPC authorization by workload identity: one table per service, checked in one interceptor.
+"""Per-RPC authorization by workload identity: one table per service, checked in one place per server.
 
 Each service declares its table next to its servicer (`Rules`: RPC name -> identity patterns allowed), and the
 bootstrap builds the `Policy` at start-up from it, the standard services every peer may call (health,
@@ -6,9 +6,10 @@ reflection) and the overrides of CHATMESH_MESH_AUTHZ_FILE. A registered RPC with
 service (fail closed: a new RPC cannot be reachable by accident). Patterns: an exact identity,
 `spiffe://chatmesh/client/*` for every internal client, `*` for every authenticated peer.
 
-The interceptor sees the method and metadata only, so it wraps the method's handler: the wrapper reads the
-peer's identity from the call's TLS session and answers PERMISSION_DENIED ("<identity> may not call <rpc>"),
-logged once per denied call with ids only, before the servicer runs. It also publishes who is calling
+The check sits in each method's handler (`Guard`: the bootstrap registers every servicer through
+`guarded(server, guard)`; not a server interceptor, whose path in gRPC Python costs more per call than the check):
+it reads the peer's identity from the call's TLS session and answers PERMISSION_DENIED ("<identity> may not call
+<rpc>"), logged once per denied call with ids only, before the servicer runs. It also publishes who is calling
 (`caller`), so checks that need the request itself (owner tokens, owner_guard.py) can name the caller and RPC.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,22 +110,26 @@ def _denied(who: Identity | None, method: str) -> str:
     return f"{who or 'a peer without a chatmesh identity'} may not call {method}"
 
 
-class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class Guard:
+    """The check in every method handler a server is given: `guarded(server, guard)` is the server to register
+    servicers on, and each RPC's handler, as gRPC finds it, comes back wrapped in the check.
+
+    Not a grpc.aio ServerInterceptor: an interceptor runs a coroutine chain per RPC to find the handler (and
+    wraps it again anyway, since it cannot see the peer), and gRPC Python's interceptor path is slow; here the
+    lookup is gRPC's own and the check is one function call in front of the servicer. The caller's identity is
+    read from each call's own TLS session (`identity.peer_identity`), never remembered across calls."""
+
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self._wrapped: dict[tuple[str, int], grpc.RpcMethodHandler[Any, Any]] = {}
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
 
-    async def intercept_service(  # type: ignore[override]  # gRPC passes None on for an unknown method
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
-            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler: grpc.RpcMethodHandler[Any, Any] | None = await continuation(handler_call_details)
-        if handler is None:
-            return handler  # unknown method: gRPC answers UNIMPLEMENTED
-        method = handler_call_details.method
-        key = (method, id(handler))
-        wrapped = self._wrapped.get(key)
-        if wrapped is None:
-            wrapped = self._wrapped[key] = self._wrap(handler, method)
+    def handler(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+        """`handler` with the check in front (made once per method and handler)."""
+        found = self._wrapped.get(method)
+        if found is not None and found[0] is handler:
+            return found[1]
+        wrapped = self._wrap(handler, method)
+        self._wrapped[method] = (handler, wrapped)
         return wrapped
 
     def _refusal(self, context: Any, method: str) -> str | None:
@@ -167,3 +172,54 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 yield item
 
         return checked
+
+
+class _GuardedHandlers(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], guard: Guard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None  # unknown method: gRPC answers UNIMPLEMENTED
+        return self._guard.handler(handler_call_details.method, handler)
+
+
+class _GuardedServer(grpc.aio.Server):
+    """A grpc.aio.Server whose handlers, however they are added, come with the guard's check. It is a
+    grpc.aio.Server (what gRPC's reflection looks at to pick its asyncio servicer); the rest is the server's."""
+
+    def __init__(self, server: grpc.aio.Server, guard: Guard) -> None:
+        self._server = server
+        self._guard = guard
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
+        self._server.add_generic_rpc_handlers([_GuardedHandlers(h, self._guard) for h in generic_rpc_handlers])
+
+    def add_registered_method_handlers(self, service_name: str,
+                                       method_handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
+        add = getattr(self._server, "add_registered_method_handlers")
+        add(service_name, {name: self._guard.handler(f"/{service_name}/{name}", h)
+                           for name, h in method_handlers.items()})
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._server.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        return self._server.add_secure_port(address, server_credentials)
+
+    async def start(self) -> None:
+        await self._server.start()
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self._server.stop(grace)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self._server.wait_for_termination(timeout)
+
+
+def guarded(server: grpc.aio.Server, guard: Guard) -> grpc.aio.Server:
+    """The server to register handlers on so that every RPC of theirs is checked by `guard` first (a method with
+    no rule in its policy is refused: fail closed)."""
+    return _GuardedServer(server, guard)

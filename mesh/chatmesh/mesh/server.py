@@ -226,16 +226,18 @@ async def start_server(service: Service, listen: str, *, trust: Trust, health_po
                        metrics_port: int = 0) -> Running:
     """Binds and starts `service` (its `start` hook first); every service reports SERVING."""
     trust.check_address(listen, f"{service.name}: listening on")
-    # The policy needs the registered names, the server its interceptors first: the policy is set just after.
-    guard = authz.AuthzInterceptor(authz.Policy({}))
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=None if trust.tls is None else [guard])
-    names = list(service.register(server))
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    # With TLS every handler is registered through the guard (authz.py), so every RPC is checked; the policy
+    # needs the registered names: it is set once they are known, before the server starts.
+    guard = authz.Guard(authz.Policy({}))
+    checked = server if trust.tls is None else authz.guarded(server, guard)
+    names = list(service.register(checked))
     tracing.served(names)
     if trust.tls is not None:
         guard.policy = policy_for(service, names, trust)
     health_servicer = AsyncHealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, checked)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], checked)
     port = server.add_insecure_port(listen) if trust.tls is None else \
         server.add_secure_port(listen, tls.server_credentials(trust.tls))
     if port == 0:
