@@ -31,7 +31,10 @@ less its CPU over as long idle (a mesh with metrics on, after a few turns), per 
 no identities, no owner tokens) and one as `chatmesh up` runs it (mutual TLS on every hop, per-RPC
 authorization, owner tokens minted by the gateway and verified by chat, the store and the engine), the same
 paced load sent to each in turn, `--rounds` times with the order swapped each round: TTFT through the edge and
-server CPU per turn, side by side.
+server CPU per turn, side by side. `--layers plain,tls,authz,full` adds the layers between, to tell their costs
+apart: mutual TLS with neither check, then with per-RPC authorization, then with owner tokens (the first two
+turn the checks off in the services' processes from bench/trust_off/, a bench-only switch); `base` with
+`--base-mesh REV` runs the full trust layer with REV's `chatmesh.mesh` (the bootstrap before a change), beside.
 
     .venv/bin/python -m bench.mesh_overhead --security --conversations 50 --turns 6 --think-ms 2000 --rounds 6
 """
@@ -64,7 +67,7 @@ from chatmesh.mesh.up import Mesh
 from chatmesh.model import template
 from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.tokenizer import load as load_tokenizer
-from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc, store_pb2, store_pb2_grpc
 from tests.conftest import free_port
 from tests.e2e.conftest import channel, mesh_env
 
@@ -373,59 +376,122 @@ LIFTED = {"CHATMESH_SIM_SPEED": "100000", "CHATMESH_MAX_REPLY_TOKENS": "48", "CH
           "CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR": "1000000000"}  # one local user drives every conversation
 
 
+LAYERS = {"plain": "plaintext", "tls": "mTLS only", "authz": "mTLS + authorization",
+          "full": "mTLS + owner tokens", "base": "mTLS + owner tokens, --base-mesh's bootstrap"}
+TRUST_OFF = {"tls": "authz,tokens", "authz": "tokens"}  # what bench/trust_off/sitecustomize.py turns off
+
+
+def _layer_env(layer: str, base_src: Path | None) -> dict[str, str]:
+    if layer == "plain":
+        return {"CHATMESH_MESH_PLAINTEXT": "true"}
+    env = {"CHATMESH_MESH_PLAINTEXT": "false"}
+    if layer in TRUST_OFF:
+        env["CHATMESH_BENCH_TRUST_OFF"] = TRUST_OFF[layer]
+    if layer == "base":
+        assert base_src is not None
+        env["CHATMESH_BENCH_MESH_SRC"] = str(base_src)
+    if layer in TRUST_OFF or layer == "base":
+        here = str(Path(__file__).parent / "trust_off")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _base_mesh(rev: str, tmp: Path) -> Path:
+    """`rev`'s chatmesh.mesh package, extracted under `tmp`."""
+    root = Path(__file__).parents[1]
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "mesh/chatmesh/mesh"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp / "mesh" / "chatmesh" / "mesh"
+
+
+async def _check_layer(mesh: Mesh, layer: str) -> None:
+    """The layer is what it says: a wrong identity (moderation) is refused the store iff authorization is on, and
+    chat without an owner token iff owner tokens are on."""
+    async def outcome(who: ident.Identity) -> str:
+        async with channel(mesh, "store", who) as ch:
+            try:
+                await store_pb2_grpc.StoreServiceStub(ch).ListOwnerConversations(
+                    store_pb2.ListOwnerConversationsRequest(owner_id="local"))
+                return "OK"
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+
+    expected = {"plain": ("OK", "OK"), "tls": ("OK", "OK"), "authz": ("PERMISSION_DENIED", "OK"),
+                "full": ("PERMISSION_DENIED", "UNAUTHENTICATED"), "base": ("PERMISSION_DENIED", "UNAUTHENTICATED")}[layer]
+    found = (await outcome(ident.MODERATION), await outcome(ident.CHAT))
+    if found != expected:
+        raise SystemExit(f"layer {layer}: moderation -> store, chat without a token -> store answered {found}, "
+                         f"expected {expected}")
+
+
 def security(args: argparse.Namespace) -> int:
-    """Plaintext vs mutual TLS + authorization + owner tokens: two meshes up at once, rounds interleaved."""
-    results: dict[str, list[tuple[list[float], dict[str, float]]]] = {"plaintext": [], "mTLS + owner tokens": []}
+    """Plaintext vs mutual TLS + authorization + owner tokens (`--layers`: and the layers between): the meshes up
+    at once, rounds interleaved."""
+    layers = args.layers.split(",")
+    if len(layers) < 2 or layers[0] != "plain" or not set(layers) <= set(LAYERS):
+        raise SystemExit(f"--layers: plain first, then any of {', '.join(list(LAYERS)[1:])}")
+    results: dict[str, list[tuple[list[float], dict[str, float]]]] = {layer: [] for layer in layers}
+    if "base" in layers and not args.base_mesh:
+        raise SystemExit("--layers base needs --base-mesh REV")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
+        base_src = _base_mesh(args.base_mesh, Path(tmp)) if "base" in layers else None
         meshes = {}
         try:
-            for mode in results:
-                env = mesh_env(Path(tmp) / mode / "data", **LIFTED,
-                               CHATMESH_MESH_PLAINTEXT="true" if mode == "plaintext" else "false")
-                meshes[mode] = Mesh(env=env, log_dir=Path(tmp) / mode / "logs", start_timeout_s=180)
-                meshes[mode].start()
-            for mesh in meshes.values():
+            for layer in results:
+                env = mesh_env(Path(tmp) / layer / "data", **LIFTED, **_layer_env(layer, base_src))
+                meshes[layer] = Mesh(env=env, log_dir=Path(tmp) / layer / "logs", start_timeout_s=180)
+                meshes[layer].start()
+            for layer, mesh in meshes.items():
+                asyncio.run(_check_layer(mesh, layer))
                 asyncio.run(through_edge(mesh.gateway_url, 4, 1))
             for r in range(args.rounds):
-                for mode in (list(meshes) if r % 2 == 0 else list(reversed(meshes))):
-                    mesh = meshes[mode]
+                order = layers[r % len(layers):] + layers[:r % len(layers)]  # each layer goes first in turn
+                for layer in (order if r % 2 == 0 else order[::-1]):
+                    mesh = meshes[layer]
                     before = {name: cpu_seconds(p.pid) for name, p in mesh.procs.items()}
                     edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
                                                     args.think_ms / 1000))
                     cpu = {name: (cpu_seconds(p.pid) - before[name]) / len(edge) for name, p in mesh.procs.items()}
-                    results[mode].append((edge, cpu))
+                    results[layer].append((edge, cpu))
+                    print(f"round {r + 1} {layer}: TTFT p50 {statistics.median(edge) * 1e3:.2f} ms, server CPU "
+                          f"{sum(cpu.values()) * 1e3:.2f} ms per turn, load {os.getloadavg()[0]:.1f}",
+                          file=sys.stderr, flush=True)
         finally:
             for mesh in meshes.values():
                 mesh.stop()
     rows = []
-    for mode, runs in results.items():
+    for layer, runs in results.items():
         ttfts = [t for edge, _ in runs for t in edge]
         p50s = [statistics.median(edge) * 1e3 for edge, _ in runs]
-        rows.append((mode, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3,
+        rows.append((layer, len(ttfts), statistics.median(ttfts) * 1e3, pct(ttfts, 0.95) * 1e3,
                      statistics.mean(sum(c.values()) for _, c in runs) * 1e3, p50s))
-    (_, _, off_p50, off_p95, off_cpu, off_rounds), (_, _, on_p50, on_p95, on_cpu, on_rounds) = rows
-    paired = statistics.median(b - a for a, b in zip(off_rounds, on_rounds))
-    by_service = {mode: {name: statistics.mean(c[name] for _, c in runs) * 1e3 for name in runs[0][1]}
-                  for mode, runs in results.items()}
-    off_cpu_s, on_cpu_s = by_service.values()
+    by_service = {layer: {name: statistics.mean(c[name] for _, c in runs) * 1e3 for name in runs[0][1]}
+                  for layer, runs in results.items()}
+    off = rows[0]
     lines = [
-        f"### mTLS + owner tokens on vs off ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"### Trust layers vs plaintext ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} cores, {platform.machine()}, {args.conversations} concurrent conversations x "
-        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds interleaved (order swapped "
-        f"each round), sim at ~0 step time, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after)",
+        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds interleaved (order changed "
+        f"each round), sim at ~0 step time, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        + (f", base: chatmesh.mesh at {args.base_mesh}" if "base" in layers else "") + ")",
         "",
-        "| mesh | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 per round (ms) |",
-        "|---|---|---|---|---|---|",
-        *[f"| {mode} | {n} | {p50:.2f} | {p95:.2f} | {cpu:.2f} | {', '.join(f'{x:.2f}' for x in rounds)} |"
-          for mode, n, p50, p95, cpu, rounds in rows],
-        f"| **on minus off** | | **{on_p50 - off_p50:+.2f}** ({on_p50 / off_p50:.3f}x; median of the rounds' "
-        f"differences {paired:+.2f}) | {on_p95 - off_p95:+.2f} | **{on_cpu - off_cpu:+.2f} "
-        f"({(on_cpu / off_cpu - 1) * 100:+.1f}%)** | |",
+        "| mesh | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 per round (ms) | "
+        "p50 minus plaintext (median of the rounds' differences) | CPU minus plaintext |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for layer, n, p50, p95, cpu_ms, rounds in rows:
+        vs = "" if layer == "plain" else (
+            f"**{p50 - off[2]:+.2f}** ({statistics.median(b - a for a, b in zip(off[5], rounds)):+.2f})")
+        cpu_vs = "" if layer == "plain" else f"{cpu_ms - off[4]:+.2f} ({(cpu_ms / off[4] - 1) * 100:+.1f}%)"
+        lines.append(f"| {LAYERS[layer]} | {n} | {p50:.2f} | {p95:.2f} | {cpu_ms:.2f} | "
+                     f"{', '.join(f'{x:.2f}' for x in rounds)} | {vs} | {cpu_vs} |")
+    lines += [
         "",
-        "Server CPU per turn by service, plaintext -> mTLS + owner tokens (ms): "
-        + ", ".join(f"{name} {off_cpu_s[name]:.2f} -> {on_cpu_s[name]:.2f} ({on_cpu_s[name] - off_cpu_s[name]:+.2f})"
-                    for name in sorted(off_cpu_s, key=lambda n: off_cpu_s[n] - on_cpu_s[n])),
+        "Server CPU per turn by service (ms), " + " / ".join(LAYERS[layer] for layer in layers) + ": "
+        + ", ".join(f"{name} " + " / ".join(f"{by_service[layer][name]:.2f}" for layer in layers)
+                    for name in sorted(by_service["plain"], key=lambda n: -by_service["plain"][n])),
         "",
     ]
     report(lines, args.append)
@@ -443,6 +509,11 @@ def main() -> int:
                         help="compare metrics + tracing on vs off instead (see the module docstring)")
     parser.add_argument("--security", action="store_true",
                         help="compare plaintext vs mutual TLS + owner tokens instead (see the module docstring)")
+    parser.add_argument("--layers", default="plain,full",
+                        help="with --security: plain first, then any of tls (mTLS only), authz (mTLS + authorization), "
+                             "full (+ owner tokens), base (full, with --base-mesh's chatmesh.mesh)")
+    parser.add_argument("--base-mesh", default="",
+                        help="with --security --layers ...,base: the commit whose chatmesh.mesh the base mesh runs")
     parser.add_argument("--rounds", type=int, default=2,
                         help="with --observability (modes, ABBA) or --security: alternating rounds")
     parser.add_argument("--modes", default="off,on",
