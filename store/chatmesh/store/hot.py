@@ -28,9 +28,10 @@ when a call here writes nothing it reads why.)
       metered    INSERT INTO usage_days .. FROM turn ON CONFLICT DO UPDATE (add)
   Either all of it happens or none (one statement); when the guard does not match (already finished, another
   lease, a stale regenerate, unknown turn, a racing finish) nothing is written and the caller reads why. A
-  FinishTurn does not say whether its turn is a regenerate: the regenerates this process claimed are
-  remembered by lease, and any other finish runs the plain statement, then (when it wrote nothing, e.g. a
-  regenerate another replica claimed or a takeover) the regenerate's.
+  FinishTurn does not say whether its turn is a regenerate: the leases of the regenerates this process
+  claimed (a takeover's too: the core takes over with the lease offered here first) are remembered, and any
+  other finish runs the plain statement, then (when it wrote nothing, e.g. a regenerate another replica
+  claimed) the regenerate's.
 - SQLite (its own connections, each used by one worker thread; WAL, BEGIN IMMEDIATE for writes): each call's
   statements run together in one hop to a worker thread (aiosqlite hopped per statement and per cursor call);
   the finish runs the same guard and writes in one transaction (BEGIN IMMEDIATE: no finish races it).
@@ -322,7 +323,8 @@ class PostgresHotPath(HotPath):
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
         if new.regenerates is not None:
-            self._regenerates[new.lease] = None  # remembered before the round trip: a lease is never reused
+            # Before the round trip: when the insert finds the record, the core may take it over with this lease.
+            self._regenerates[new.lease] = None
             if len(self._regenerates) > REGENERATE_HINTS:
                 del self._regenerates[next(iter(self._regenerates))]
         if not context_limit:
@@ -349,7 +351,7 @@ class PostgresHotPath(HotPath):
                      v: FinishValues, serialized: bool = False) -> int | None:
         """A plain turn's statement (the common case: no regenerate guards to evaluate), or a regenerate's;
         the request does not say which the turn is, so a lease this process did not claim as a regenerate's
-        (another replica's claim, a takeover) tries the plain one first and, when it writes nothing, the
+        (another replica's claim or takeover) tries the plain one first and, when it writes nothing, the
         regenerate's. A turn refused by both is the caller's to explain."""
         args = (owner, conversation, turn, lease, v.to_state, v.reply_text, v.reply_token_count, v.reply_status,
                 v.prompt_tokens, v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day)
