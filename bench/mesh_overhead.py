@@ -35,6 +35,8 @@ server CPU per turn, side by side. `--layers plain,tls,authz,full` adds the laye
 apart: mutual TLS with neither check, then with per-RPC authorization, then with owner tokens (the first two
 turn the checks off in the services' processes from bench/trust_off/, a bench-only switch); `base` with
 `--base-mesh REV` runs the full trust layer with REV's `chatmesh.mesh` (the bootstrap before a change), beside.
+`--together` loads every mesh at the same time in each round instead of one after another, so a drift in the
+shared machine's speed (CPU per turn of one mesh moves by 20% between rounds here) falls on all of them alike.
 
     .venv/bin/python -m bench.mesh_overhead --security --conversations 50 --turns 6 --think-ms 2000 --rounds 6
 """
@@ -425,6 +427,18 @@ async def _check_layer(mesh: Mesh, layer: str) -> None:
                          f"expected {expected}")
 
 
+def _record(results: dict[str, list[tuple[list[float], dict[str, float]]]], layer: str, r: int, edge: list[float],
+            cpu: dict[str, float]) -> None:
+    results[layer].append((edge, cpu))
+    print(f"round {r + 1} {layer}: TTFT p50 {statistics.median(edge) * 1e3:.2f} ms, server CPU "
+          f"{sum(cpu.values()) * 1e3:.2f} ms per turn, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
+async def _together(urls: list[str], args: argparse.Namespace) -> list[list[float]]:
+    return list(await asyncio.gather(*(through_edge(url, args.conversations, args.turns, args.think_ms / 1000)
+                                       for url in urls)))
+
+
 def security(args: argparse.Namespace) -> int:
     """Plaintext vs mutual TLS + authorization + owner tokens (`--layers`: and the layers between): the meshes up
     at once, rounds interleaved."""
@@ -447,6 +461,15 @@ def security(args: argparse.Namespace) -> int:
                 asyncio.run(_check_layer(mesh, layer))
                 asyncio.run(through_edge(mesh.gateway_url, 4, 1))
             for r in range(args.rounds):
+                if args.together:  # every mesh under the same load at the same time: the machine's drift is shared
+                    before_all = {layer: {name: cpu_seconds(p.pid) for name, p in meshes[layer].procs.items()}
+                                  for layer in layers}
+                    edges = asyncio.run(_together([meshes[layer].gateway_url for layer in layers], args))
+                    for layer, edge in zip(layers, edges):
+                        procs = meshes[layer].procs.items()
+                        cpu = {name: (cpu_seconds(p.pid) - before_all[layer][name]) / len(edge) for name, p in procs}
+                        _record(results, layer, r, edge, cpu)
+                    continue
                 order = layers[r % len(layers):] + layers[:r % len(layers)]  # each layer goes first in turn
                 for layer in (order if r % 2 == 0 else order[::-1]):
                     mesh = meshes[layer]
@@ -454,10 +477,7 @@ def security(args: argparse.Namespace) -> int:
                     edge = asyncio.run(through_edge(mesh.gateway_url, args.conversations, args.turns,
                                                     args.think_ms / 1000))
                     cpu = {name: (cpu_seconds(p.pid) - before[name]) / len(edge) for name, p in mesh.procs.items()}
-                    results[layer].append((edge, cpu))
-                    print(f"round {r + 1} {layer}: TTFT p50 {statistics.median(edge) * 1e3:.2f} ms, server CPU "
-                          f"{sum(cpu.values()) * 1e3:.2f} ms per turn, load {os.getloadavg()[0]:.1f}",
-                          file=sys.stderr, flush=True)
+                    _record(results, layer, r, edge, cpu)
         finally:
             for mesh in meshes.values():
                 mesh.stop()
@@ -473,8 +493,9 @@ def security(args: argparse.Namespace) -> int:
     lines = [
         f"### Trust layers vs plaintext ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} cores, {platform.machine()}, {args.conversations} concurrent conversations x "
-        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds interleaved (order changed "
-        f"each round), sim at ~0 step time, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        f"{args.turns} turns, think time {args.think_ms:.0f} ms, {args.rounds} rounds "
+        + ("with every mesh loaded at once" if args.together else "interleaved (order changed each round)")
+        + f", sim at ~0 step time, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
         + (f", base: chatmesh.mesh at {args.base_mesh}" if "base" in layers else "") + ")",
         "",
         "| mesh | turns | TTFT p50 (ms) | TTFT p95 (ms) | server CPU per turn (ms) | p50 per round (ms) | "
@@ -512,6 +533,8 @@ def main() -> int:
     parser.add_argument("--layers", default="plain,full",
                         help="with --security: plain first, then any of tls (mTLS only), authz (mTLS + authorization), "
                              "full (+ owner tokens), base (full, with --base-mesh's chatmesh.mesh)")
+    parser.add_argument("--together", action="store_true",
+                        help="with --security: load every mesh at the same time in each round (instead of in turn)")
     parser.add_argument("--base-mesh", default="",
                         help="with --security --layers ...,base: the commit whose chatmesh.mesh the base mesh runs")
     parser.add_argument("--rounds", type=int, default=2,
