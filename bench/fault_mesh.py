@@ -217,6 +217,11 @@ class FaultMesh:
     def all_replicas_serving(self) -> bool:
         return replicas_serving(self.mesh.trust(), self.mesh.cfg[settings.ROUTER_ADDRESS])
 
+    def log_lines(self, marker: str, prefix: str = "") -> int:
+        """Lines holding `marker` in the logs of the processes whose name starts with `prefix`."""
+        return sum(line.count(marker) for path in (self.root / "logs").glob(f"{prefix}*.log")
+                   for line in path.read_text(errors="replace").splitlines())
+
     def log_problems(self) -> list[str]:
         """Traceback and unretrieved-exception lines in every service's log ('name: line')."""
         out: list[str] = []

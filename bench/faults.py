@@ -169,6 +169,7 @@ class RunResult:
     seconds: float
     audit: Audit
     faults: list[dict[str, Any]]
+    rerouted: int = 0  # turns chat sent to another replica after theirs failed before its first event
 
 
 async def run(database: str, kinds: Sequence[str], root: Path, conversations: int, warmup_s: float,
@@ -222,7 +223,7 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
         result = await audit(mesh.url, load.turns, mesh)
         if not drained:
             result.examples.append("some clients did not finish their last turn within the drain timeout")
-        return RunResult(database, round(seconds, 1), result, faults)
+        return RunResult(database, round(seconds, 1), result, faults, mesh.log_lines("engine_rerouted", "chat"))
     finally:
         await asyncio.to_thread(mesh.stop)
         redis.stop()
@@ -304,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result = asyncio.run(run(db, kinds, Path(tmp) / db, args.conversations, warmup_s=3.0,
                                          down_s=args.down_s, settle_s=args.settle_s, min_load_s=args.seconds))
                 runs.append({"database": db, "seconds": result.seconds, **result.audit.row(),
-                             "log_problem_lines": result.audit.log_problems[:10],
+                             "rerouted": result.rerouted, "log_problem_lines": result.audit.log_problems[:10],
                              "examples": result.audit.examples[:10], "faults": result.faults})
                 print(json.dumps(runs[-1], indent=1), flush=True)
             out["runs"] = runs
