@@ -13,6 +13,7 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
@@ -31,6 +32,7 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.trust import TrustRefused
 from tests.conftest import need
 
 BLOCK = 32
@@ -49,15 +51,19 @@ def _skip(reason: str, server_missing: bool = False) -> NoReturn:
 
 
 @pytest.fixture(params=sorted(service.BACKENDS))
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+async def backend(request: pytest.FixtureRequest, mesh_certs: Path) -> AsyncIterator[Backend]:
     name: str = request.param
-    env = {**os.environ, **ENV, "CHATMESH_ENGINE": name}
+    # the data folder holds the test session's mesh certificates: triton's engine -> tritonserver hop runs mutual
+    # TLS with the engine's, as it does under `chatmesh up`
+    env = {**os.environ, **ENV, "CHATMESH_ENGINE": name, "CHATMESH_DATA_DIR": str(mesh_certs.parent)}
     try:
         built = service.build_backend(Config(env=env))
     except ModuleNotFoundError as err:
         if err.name is not None and service.BACKENDS[name].startswith(err.name):
             _skip(f"backend {name} has not landed ({err.name})")
         raise
+    except TrustRefused:
+        raise  # the test's own setup is wrong: never a skip
     except Exception as err:  # a missing model file or client library: say which, and skip
         _skip(f"backend {name} unavailable: {type(err).__name__}: {err}")
     try:
