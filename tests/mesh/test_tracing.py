@@ -123,6 +123,50 @@ def test_a_turns_spans_nest_and_encode_as_otlp(on: Collected) -> None:
     assert edge.start_time_unix_nano <= by_name["claim"].start_time_unix_nano <= edge.end_time_unix_nano
 
 
+def test_the_wire_encoding_is_the_protobuf_classes_own() -> None:
+    """`encode` writes protobuf's wire format by hand: it must be byte for byte what building the messages with
+    opentelemetry-proto's classes gives, for every field and attribute type it writes (and a seen attribute,
+    encoded from the memo, the same as a new one)."""
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    values: dict[str, tracing.Value] = {"s": "é" * 200, "empty": "", "t": True, "f": False, "zero": 0, "n": -5,
+                                        "big": 2**63 - 1, "least": -(2**63), "x": 2.5, "nx": -0.0}
+    remote = tracing.Span(int(TRACE, 16), 7, int(PARENT, 16), True, "vendor=x", True, "chatmesh.v1.S/M",
+                          tracing.SERVER, values, start_ns=1_700_000_000_123_456_789)
+    remote.error, remote.end_ns = "ValueError", remote.start_ns + 300
+    child = remote.child("claim", {"s": "é" * 200, "t": True}, start_ns=5)
+    child.end_ns = 2**64 - 1
+    root = tracing.Span(1, 2**64 - 1, 0, False, "", True, "", tracing.INTERNAL, None, start_ns=1)
+    root.end_ns = 2
+
+    def any_value(v: tracing.Value) -> AnyValue:
+        if isinstance(v, bool):
+            return AnyValue(bool_value=v)
+        return AnyValue(int_value=v) if isinstance(v, int) else \
+            AnyValue(double_value=v) if isinstance(v, float) else AnyValue(string_value=v)
+
+    def built(s: tracing.Span) -> trace_pb2.Span:
+        pb = trace_pb2.Span(trace_id=s.trace_id.to_bytes(16, "big"), span_id=s.span_id.to_bytes(8, "big"),
+                            name=s.name, kind=s.kind, start_time_unix_nano=s.start_ns,  # type: ignore[arg-type]
+                            end_time_unix_nano=s.end_ns, flags=0x301 if s.remote_parent else 0x101,
+                            trace_state=s.trace_state,
+                            attributes=[KeyValue(key=k, value=any_value(v)) for k, v in s.attributes.items()])
+        if s.parent_id:
+            pb.parent_span_id = s.parent_id.to_bytes(8, "big")
+        if s.error:
+            pb.status.code, pb.status.message = trace_pb2.Status.STATUS_CODE_ERROR, s.error
+        return pb
+
+    resource = Resource(attributes=[KeyValue(key="service.name", value=AnyValue(string_value="chatmesh-chat"))])
+    scope = InstrumentationScope(name="chatmesh")
+    spans = [remote, child, root]
+    expected = ExportTraceServiceRequest(resource_spans=[trace_pb2.ResourceSpans(
+        resource=resource, scope_spans=[trace_pb2.ScopeSpans(scope=scope, spans=[built(s) for s in spans])])])
+    for _ in range(2):  # the second time from the memo
+        assert tracing.encode(spans, resource, scope).SerializeToString() == expected.SerializeToString()
+        assert tracing.encode(spans, resource.SerializeToString(), scope.SerializeToString()) == expected
+
+
 def test_an_unsampled_caller_is_followed_not_recorded(on: Collected) -> None:
     root = tracing.start_root("POST", {"traceparent": f"00-{TRACE}-{PARENT}-00"})
     assert root is not None and not root.is_recording()
