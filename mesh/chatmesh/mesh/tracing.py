@@ -11,10 +11,11 @@ end, the batch processor's queue, then `encode_spans`) cost ~45 us of CPU per sp
 on the server than an untraced one: with ~18 spans per turn over six processes that was +15% server CPU and
 +4.7 ms p50 TTFT (BENCHMARKS.md, issue 20). Here a span is one small object (ids as integers, the start and end
 `time.time_ns()`, a dict of attributes) and the current span one `contextvars` variable; ended spans go on a
-deque that one background thread turns into OTLP protobuf (`ExportTraceServiceRequest`, opentelemetry-proto's
-classes) and sends with the SDK's own OTLP/gRPC exporter, so the export reads the exporter's usual settings
-(`OTEL_EXPORTER_OTLP_HEADERS`, `_INSECURE`, `_CERTIFICATE`, `_TIMEOUT`, `_COMPRESSION`, their `_TRACES_`
-forms) and retries as it does. What is kept from the OpenTelemetry specification:
+deque that one background thread turns into OTLP protobuf (written as protobuf's wire format here, parsed once
+into opentelemetry-proto's `ExportTraceServiceRequest`) and sends with the SDK's own OTLP/gRPC exporter, so
+the export reads the exporter's usual settings (`OTEL_EXPORTER_OTLP_HEADERS`, `_INSECURE`, `_CERTIFICATE`,
+`_TIMEOUT`, `_COMPRESSION`, their `_TRACES_` forms) and retries as it does. What is kept from the OpenTelemetry
+specification:
 - W3C Trace Context: `traceparent` (version 00; a malformed one is ignored, as the SDK's propagator does) and
   `tracestate` passed on unchanged; a child's span id is new at every hop;
 - the standard samplers by `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` (`always_on`, `always_off`,
