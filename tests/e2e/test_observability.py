@@ -179,6 +179,9 @@ def test_prometheus_reads_the_turns_sent(observed: Observed) -> None:
     assert cached > 0  # the second turn of each conversation hit the cache
     wait_for(prom, 'sum(chatmesh_gateway_turns_total{outcome="completed"})', len(turns))
     wait_for(prom, "sum(vllm:prefix_cache_hits_total)", cached)
+    # each target is scraped on its own schedule: wait until chat's and the store's latest scrapes hold every turn too
+    wait_for(prom, 'sum(chatmesh_chat_turns_total{outcome="stored"})', len(turns))
+    wait_for(prom, 'sum(chatmesh_store_claims_total{answer="claimed"})', len(turns))
     assert query(prom, "sum by (outcome) (chatmesh_gateway_turns_total)") == {"outcome=completed": len(turns)}
     assert query(prom, "sum(vllm:prefix_cache_queries_total)") == {"": prompt}
     hit_rate = query(prom, "sum(vllm:prefix_cache_hits_total) / sum(vllm:prefix_cache_queries_total)")
