@@ -19,6 +19,7 @@ class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
     REPLICA_STATE_SERVING: _ClassVar[ReplicaState]
     REPLICA_STATE_NOT_SERVING: _ClassVar[ReplicaState]
+    REPLICA_STATE_DRAINING: _ClassVar[ReplicaState]
 PICK_OUTCOME_UNSPECIFIED: PickOutcome
 PICK_OUTCOME_HOME: PickOutcome
 PICK_OUTCOME_SPILL: PickOutcome
@@ -26,6 +27,7 @@ PICK_OUTCOME_PLACED: PickOutcome
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_SERVING: ReplicaState
 REPLICA_STATE_NOT_SERVING: ReplicaState
+REPLICA_STATE_DRAINING: ReplicaState
 
 class PickReplicaRequest(_message.Message):
     __slots__ = ("conversation_id", "exclude_replica_ids")
@@ -36,20 +38,26 @@ class PickReplicaRequest(_message.Message):
     def __init__(self, conversation_id: _Optional[str] = ..., exclude_replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PickReplicaResponse(_message.Message):
-    __slots__ = ("replica_id", "address", "lease_id", "outcome", "home_replica_id", "lease_expires_at_ms")
+    __slots__ = ("replica_id", "address", "lease_id", "outcome", "home_replica_id", "lease_expires_at_ms", "source_replica_id", "source_address", "source_cached_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     HOME_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     lease_id: str
     outcome: PickOutcome
     home_replica_id: str
     lease_expires_at_ms: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., outcome: _Optional[_Union[PickOutcome, str]] = ..., home_replica_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ...) -> None: ...
+    source_replica_id: str
+    source_address: str
+    source_cached_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., outcome: _Optional[_Union[PickOutcome, str]] = ..., home_replica_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ..., source_replica_id: _Optional[str] = ..., source_address: _Optional[str] = ..., source_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -74,7 +82,7 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason", "cached_conversations")
+    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason", "cached_conversations", "serves_pulls", "receives_pulls")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +91,8 @@ class ReplicaStatus(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
+    SERVES_PULLS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVES_PULLS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -91,4 +101,6 @@ class ReplicaStatus(_message.Message):
     load: int
     reason: str
     cached_conversations: int
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ..., cached_conversations: _Optional[int] = ...) -> None: ...
+    serves_pulls: bool
+    receives_pulls: bool
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ..., cached_conversations: _Optional[int] = ..., serves_pulls: _Optional[bool] = ..., receives_pulls: _Optional[bool] = ...) -> None: ...

@@ -27,7 +27,9 @@ if _version_not_supported:
 
 class RouteServiceStub:
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     def __init__(self, channel):
@@ -55,7 +57,9 @@ class RouteServiceStub:
 
 class RouteServiceServicer:
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     def PickReplica(self, request, context):
@@ -107,7 +111,9 @@ def add_RouteServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class RouteService:
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     @staticmethod

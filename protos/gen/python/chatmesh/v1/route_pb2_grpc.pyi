@@ -28,7 +28,9 @@ GRPC_VERSION: str
 
 class RouteServiceStub:
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     @_typing.overload
@@ -45,7 +47,9 @@ class RouteServiceStub:
 @_typing.type_check_only
 class RouteServiceAsyncStub(RouteServiceStub):
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -58,7 +62,9 @@ class RouteServiceAsyncStub(RouteServiceStub):
 
 class RouteServiceServicer(metaclass=_abc_1.ABCMeta):
     """Picks the engine replica for a turn: where the engines report the conversation's prefix is cached (or
-    consistent hashing of the conversation id), under a bounded load. The router never sees prompt text.
+    consistent hashing of the conversation id), under a bounded load. When the turn moves off the replica that
+    caches its prefix, the pick can name that replica as the source to pull the prefix from instead of
+    prefilling it. The router never sees prompt text.
     """
 
     @_abc_1.abstractmethod
