@@ -39,7 +39,7 @@ EXPECTED: dict[str, dict[str, set[Identity]]] = {
         "DeleteOwnerData",
         "ExportOwnerData", "ReadUsage")}, "PurgeExpired": {OPERATOR}},
     "chatmesh.v1.GenerateService": {"Generate": {CHAT}, "Evict": {CHAT}, "GetStats": {ROUTER, CHAT, OPERATOR},
-                                    "WatchStats": {ROUTER, CHAT, OPERATOR}},
+                                    "WatchStats": {ROUTER, CHAT, OPERATOR}, "PullPrefix": {ident.ENGINE}},
     "chatmesh.v1.RouteService": {"PickReplica": {CHAT}, "ReleaseLease": {CHAT}, "ListReplicas": {CHAT, OPERATOR}},
     "chatmesh.v1.ModerateService": {"CheckInput": {CHAT}, "CheckOutput": {CHAT}, "CheckOutputBatch": {CHAT}},
     "chatmesh.v1.OwnerTokenService": {"IssueOwnerToken": {CLIENT}},

@@ -76,7 +76,7 @@ def engine_service(servicer: SlowEngine) -> Service:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
         return ["chatmesh.v1.GenerateService"]
 
-    every = {n: [ident.CHAT] for n in ("Generate", "Evict", "GetStats", "WatchStats")}
+    every = {n: [ident.CHAT] for n in ("Generate", "Evict", "GetStats", "WatchStats", "PullPrefix")}
     return Service("engine", register, authz={"chatmesh.v1.GenerateService": every})
 
 

@@ -78,6 +78,7 @@ AUTHZ = {"chatmesh.v1.GenerateService": {
     "Evict": [identity.CHAT],
     "GetStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
     "WatchStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
+    "PullPrefix": [identity.ENGINE],  # engine to engine only: a replica pulling a prefix before its prefill
 }}
 
 

@@ -8,6 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PullOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PULL_OUTCOME_UNSPECIFIED: _ClassVar[PullOutcome]
+    PULL_OUTCOME_PULLED: _ClassVar[PullOutcome]
+    PULL_OUTCOME_NOT_NEEDED: _ClassVar[PullOutcome]
+    PULL_OUTCOME_NOT_HELD: _ClassVar[PullOutcome]
+    PULL_OUTCOME_UNAVAILABLE: _ClassVar[PullOutcome]
+    PULL_OUTCOME_DEADLINE: _ClassVar[PullOutcome]
+    PULL_OUTCOME_CORRUPT: _ClassVar[PullOutcome]
+    PULL_OUTCOME_UNSUPPORTED: _ClassVar[PullOutcome]
+    PULL_OUTCOME_NO_ROOM: _ClassVar[PullOutcome]
+    PULL_OUTCOME_EVICTED: _ClassVar[PullOutcome]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -15,6 +28,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+PULL_OUTCOME_UNSPECIFIED: PullOutcome
+PULL_OUTCOME_PULLED: PullOutcome
+PULL_OUTCOME_NOT_NEEDED: PullOutcome
+PULL_OUTCOME_NOT_HELD: PullOutcome
+PULL_OUTCOME_UNAVAILABLE: PullOutcome
+PULL_OUTCOME_DEADLINE: PullOutcome
+PULL_OUTCOME_CORRUPT: PullOutcome
+PULL_OUTCOME_UNSUPPORTED: PullOutcome
+PULL_OUTCOME_NO_ROOM: PullOutcome
+PULL_OUTCOME_EVICTED: PullOutcome
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -22,7 +45,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id", "expected_model")
+    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id", "expected_model", "source_replica_id", "source_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +59,8 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     conversation_id: str
     turn_id: str
@@ -49,7 +74,9 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     owner_id: str
     expected_model: ModelIdentity
-    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    source_replica_id: str
+    source_address: str
+    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., source_replica_id: _Optional[str] = ..., source_address: _Optional[str] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("model_id", "tokenizer_digest")
@@ -70,14 +97,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[GenerateStarted, _Mapping]] = ..., delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class GenerateStarted(_message.Message):
-    __slots__ = ("replica_id", "cached_prompt_tokens", "host_cached_prompt_tokens")
+    __slots__ = ("replica_id", "cached_prompt_tokens", "host_cached_prompt_tokens", "pulled_prompt_tokens", "pull_outcome")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULL_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     cached_prompt_tokens: int
     host_cached_prompt_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    pulled_prompt_tokens: int
+    pull_outcome: PullOutcome
+    def __init__(self, replica_id: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ..., pulled_prompt_tokens: _Optional[int] = ..., pull_outcome: _Optional[_Union[PullOutcome, str]] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -168,7 +199,7 @@ class KvTierStats(_message.Message):
     def __init__(self, blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_free: _Optional[int] = ..., blocks_cached: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations", "model")
+    __slots__ = ("replica_id", "backend", "queue_depth", "running_sequences", "block_size", "device", "host", "hit_tokens", "miss_tokens", "host_hit_tokens", "device_evictions", "host_evictions", "preemptions", "generations", "model", "prefix_transfer", "draining")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +215,8 @@ class EngineStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     backend: str
     queue_depth: int
@@ -199,4 +232,92 @@ class EngineStats(_message.Message):
     preemptions: int
     generations: int
     model: ModelIdentity
-    def __init__(self, replica_id: _Optional[str] = ..., backend: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[_Union[KvTierStats, _Mapping]] = ..., host: _Optional[_Union[KvTierStats, _Mapping]] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., generations: _Optional[int] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ...) -> None: ...
+    prefix_transfer: PrefixTransferStats
+    draining: bool
+    def __init__(self, replica_id: _Optional[str] = ..., backend: _Optional[str] = ..., queue_depth: _Optional[int] = ..., running_sequences: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[_Union[KvTierStats, _Mapping]] = ..., host: _Optional[_Union[KvTierStats, _Mapping]] = ..., hit_tokens: _Optional[int] = ..., miss_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ..., preemptions: _Optional[int] = ..., generations: _Optional[int] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., prefix_transfer: _Optional[_Union[PrefixTransferStats, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class PrefixTransferStats(_message.Message):
+    __slots__ = ("serves", "receives", "layout", "kv_bytes_per_token", "pulled_tokens", "pulled_bytes", "pulls", "failed_pulls", "served_blocks", "served_bytes")
+    SERVES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PULLS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    serves: bool
+    receives: bool
+    layout: KvLayout
+    kv_bytes_per_token: int
+    pulled_tokens: int
+    pulled_bytes: int
+    pulls: int
+    failed_pulls: int
+    served_blocks: int
+    served_bytes: int
+    def __init__(self, serves: _Optional[bool] = ..., receives: _Optional[bool] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., kv_bytes_per_token: _Optional[int] = ..., pulled_tokens: _Optional[int] = ..., pulled_bytes: _Optional[int] = ..., pulls: _Optional[int] = ..., failed_pulls: _Optional[int] = ..., served_blocks: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("backend", "model", "block_size", "dtype", "block_bytes")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    model: ModelIdentity
+    block_size: int
+    dtype: str
+    block_bytes: int
+    def __init__(self, backend: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class PullPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "owner_id", "conversation_id", "block_hashes", "layout", "max_message_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner_id: str
+    conversation_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layout: KvLayout
+    max_message_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class PullPrefixResponse(_message.Message):
+    __slots__ = ("started", "chunk")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    started: PullPrefixStarted
+    chunk: KvBlockChunk
+    def __init__(self, started: _Optional[_Union[PullPrefixStarted, _Mapping]] = ..., chunk: _Optional[_Union[KvBlockChunk, _Mapping]] = ...) -> None: ...
+
+class PullPrefixStarted(_message.Message):
+    __slots__ = ("blocks", "block_bytes")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    block_bytes: int
+    def __init__(self, blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class KvBlockChunk(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[KvBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[KvBlock, _Mapping]]] = ...) -> None: ...
+
+class KvBlock(_message.Message):
+    __slots__ = ("block_hash", "payload", "digest")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    payload: bytes
+    digest: bytes
+    def __init__(self, block_hash: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...

@@ -55,6 +55,11 @@ class GenerateServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_generate__pb2.WatchStatsRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_generate__pb2.WatchStatsResponse.FromString,
                 _registered_method=True)
+        self.PullPrefix = channel.unary_stream(
+                '/chatmesh.v1.GenerateService/PullPrefix',
+                request_serializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -89,6 +94,20 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullPrefix(self, request, context):
+        """Streams the KV blocks of a cached prefix to another engine replica, which imports them instead of
+        prefilling them (engine identities only; the call carries the turn's owner token). The puller names the
+        blocks by the owner-salted chain hashes it computes from the turn's token ids: only blocks this replica
+        caches under that owner's salt are served, from its device or host tier, pinned for the transfer and no
+        longer. First a PullPrefixStarted saying how many of the named blocks follow (a hash this replica does not
+        hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
+        digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
+        ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +130,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.WatchStats,
                     request_deserializer=chatmesh_dot_v1_dot_generate__pb2.WatchStatsRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_generate__pb2.WatchStatsResponse.SerializeToString,
+            ),
+            'PullPrefix': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullPrefix,
+                    request_deserializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +246,33 @@ class GenerateService:
             '/chatmesh.v1.GenerateService/WatchStats',
             chatmesh_dot_v1_dot_generate__pb2.WatchStatsRequest.SerializeToString,
             chatmesh_dot_v1_dot_generate__pb2.WatchStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chatmesh.v1.GenerateService/PullPrefix',
+            chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.SerializeToString,
+            chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

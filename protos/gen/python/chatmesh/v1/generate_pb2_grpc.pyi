@@ -41,6 +41,16 @@ class GenerateServiceStub:
     """Returns the engine's current statistics."""
     WatchStats: _grpc.UnaryStreamMultiCallable[_generate_pb2.WatchStatsRequest, _generate_pb2.WatchStatsResponse]
     """Streams the engine's statistics at an interval, for the router and metrics."""
+    PullPrefix: _grpc.UnaryStreamMultiCallable[_generate_pb2.PullPrefixRequest, _generate_pb2.PullPrefixResponse]
+    """Streams the KV blocks of a cached prefix to another engine replica, which imports them instead of
+    prefilling them (engine identities only; the call carries the turn's owner token). The puller names the
+    blocks by the owner-salted chain hashes it computes from the turn's token ids: only blocks this replica
+    caches under that owner's salt are served, from its device or host tier, pinned for the transfer and no
+    longer. First a PullPrefixStarted saying how many of the named blocks follow (a hash this replica does not
+    hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
+    digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
+    ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+    """
 
 @_typing.type_check_only
 class GenerateServiceAsyncStub(GenerateServiceStub):
@@ -55,6 +65,16 @@ class GenerateServiceAsyncStub(GenerateServiceStub):
     """Returns the engine's current statistics."""
     WatchStats: _aio.UnaryStreamMultiCallable[_generate_pb2.WatchStatsRequest, _generate_pb2.WatchStatsResponse]  # type: ignore[assignment]
     """Streams the engine's statistics at an interval, for the router and metrics."""
+    PullPrefix: _aio.UnaryStreamMultiCallable[_generate_pb2.PullPrefixRequest, _generate_pb2.PullPrefixResponse]  # type: ignore[assignment]
+    """Streams the KV blocks of a cached prefix to another engine replica, which imports them instead of
+    prefilling them (engine identities only; the call carries the turn's owner token). The puller names the
+    blocks by the owner-salted chain hashes it computes from the turn's token ids: only blocks this replica
+    caches under that owner's salt are served, from its device or host tier, pinned for the transfer and no
+    longer. First a PullPrefixStarted saying how many of the named blocks follow (a hash this replica does not
+    hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
+    digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
+    ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+    """
 
 class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
     """One engine replica. Backends (sim, local, triton) share this contract."""
@@ -90,5 +110,21 @@ class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_generate_pb2.WatchStatsResponse], _abc.AsyncIterator[_generate_pb2.WatchStatsResponse]]:
         """Streams the engine's statistics at an interval, for the router and metrics."""
+
+    @_abc_1.abstractmethod
+    def PullPrefix(
+        self,
+        request: _generate_pb2.PullPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_generate_pb2.PullPrefixResponse], _abc.AsyncIterator[_generate_pb2.PullPrefixResponse]]:
+        """Streams the KV blocks of a cached prefix to another engine replica, which imports them instead of
+        prefilling them (engine identities only; the call carries the turn's owner token). The puller names the
+        blocks by the owner-salted chain hashes it computes from the turn's token ids: only blocks this replica
+        caches under that owner's salt are served, from its device or host tier, pinned for the transfer and no
+        longer. First a PullPrefixStarted saying how many of the named blocks follow (a hash this replica does not
+        hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
+        digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
+        ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+        """
 
 def add_GenerateServiceServicer_to_server(servicer: GenerateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
