@@ -257,6 +257,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     yield generate_pb2.WatchStatsResponse(stats=stats, residency=update)
             await asyncio.sleep(interval)
 
+    async def PullPrefix(self, request: generate_pb2.PullPrefixRequest,
+                         context: grpc.aio.ServicerContext[object, object]
+                         ) -> AsyncIterator[generate_pb2.PullPrefixResponse]:
+        if len(request.block_hashes) >= 0:  # always (the yield below only makes this an async generator)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica does not serve prefix pulls yet")
+        yield generate_pb2.PullPrefixResponse()
+
 
 def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure(), salt_secret: bytes = b""
                 ) -> Service:
