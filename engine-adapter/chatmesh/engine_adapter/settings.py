@@ -27,6 +27,15 @@ SIM_PRESET = Setting("CHATMESH_SIM_PRESET", "h100-fp8",
 SIM_SPEED = Setting("CHATMESH_SIM_SPEED", 1.0, "sim speed factor: 2 runs twice as fast as the modelled node", float)
 SIM_STEP_MS = Setting("CHATMESH_SIM_STEP_MS", 0.0,
                       "sim fixed step time in ms (tests stream slowly with it); 0: the roofline step time", float)
+SIM_REPLY_TOKENS = Setting(
+    "CHATMESH_SIM_REPLY_TOKENS", 400,
+    "sim's mean reply length in tokens (the reference workload's 400): a reply ends with the model's end-of-turn "
+    "token after a length drawn from [half, 1.5 x] by its seed and prompt; 0: replies run to max_tokens", int)
+SIM_REPLIES = Setting(
+    "CHATMESH_SIM_REPLIES", "",
+    "scripted sim replies (for tests): a JSON file, or the JSON itself, listing rules {\"when\": text, \"reply\": "
+    "text}; a prompt whose last message contains `when` is answered `reply` (special tokens' texts as those "
+    "tokens), then the end-of-turn token; the first matching rule wins, other prompts get sim's usual text", str)
 SIM_TEXT = Setting("CHATMESH_SIM_TEXT", "auto",
                    "sim token ids: tokenizer (the CHATMESH_MODEL profile's, needs its files), words (a built-in "
                    "word vocabulary; chat refuses to use it), auto (tokenizer when the model files are present)", str, choices=("auto", "tokenizer", "words"))

@@ -1,0 +1,110 @@
+"""The `sim` engine ends replies by itself (EOS after a length drawn per generation) and answers scripted
+prompts with scripted replies, so `completed`, `incomplete` and scripted text are reachable without a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from chatmesh.engine_adapter.backend import Delta, Finished, FinishReason, GenerateEvent, GenerateParams
+from chatmesh.engine_adapter.engine import EngineCore, VirtualClock
+from chatmesh.engine_adapter.executor import SamplingParams
+from chatmesh.engine_adapter.sim import build_sim, encode_script, parse_replies
+from chatmesh.engine_adapter.text import WordCodec
+from chatmesh.mesh.config import Config
+from chatmesh.model import assets
+from chatmesh.model.profile import ModelProfile, load_spec
+from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model.template import Role
+
+
+def _sim(codec: WordCodec | ModelProfile, **env: str) -> EngineCore:
+    return build_sim(Config(env={"CHATMESH_DEVICE_BLOCKS": "2048", "CHATMESH_HOST_BLOCKS": "0", **env}),
+                     codec=codec, clock=VirtualClock())
+
+
+async def _reply(core: EngineCore, prompt: tuple[int, ...], max_tokens: int = 2000, seed: int = 0
+                 ) -> tuple[list[int], str, Finished]:
+    events: list[GenerateEvent] = [e async for e in core.generate(GenerateParams(
+        prompt, max_tokens, cache_salt=b"o", sampling=SamplingParams(seed=seed)))]
+    last = events[-1]
+    assert isinstance(last, Finished)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), last
+
+
+@pytest.fixture(scope="module")
+def llama3() -> ModelProfile:
+    model_dir = Path(Config()[MODEL_DIR])
+    if not assets.LLAMA3_TOKENIZER.present(model_dir):
+        pytest.skip("Llama 3 tokenizer absent; run `chatmesh model fetch`")
+    return load_spec("llama3", model_dir)
+
+
+async def test_replies_end_at_a_drawn_length_the_same_for_the_same_seed() -> None:
+    codec = WordCodec()
+    core = _sim(codec, CHATMESH_SIM_REPLY_TOKENS="40")
+    await core.start()
+    try:
+        prompt = tuple(codec.encode("hello there how are you"))
+        lengths = set()
+        for seed in range(8):
+            tokens, _, fin = await _reply(core, prompt, seed=seed)
+            assert fin.reason is FinishReason.STOP and 20 <= len(tokens) <= 60  # [mean / 2, 1.5 x mean]
+            assert fin.usage.output_tokens == len(tokens) + 1  # the end token is sampled, not streamed
+            again, _, _ = await _reply(core, prompt, seed=seed)
+            assert again == tokens
+            lengths.add(len(tokens))
+        assert len(lengths) > 1  # drawn, not fixed
+        capped, _, fin = await _reply(core, prompt, max_tokens=5)
+        assert fin.reason is FinishReason.LENGTH and len(capped) == 5  # a cap below the draw: incomplete
+    finally:
+        await core.close()
+
+
+async def test_reply_tokens_zero_runs_to_max_tokens() -> None:
+    codec = WordCodec()
+    core = _sim(codec, CHATMESH_SIM_REPLY_TOKENS="0")
+    await core.start()
+    try:
+        tokens, _, fin = await _reply(core, tuple(codec.encode("hello")), max_tokens=700)
+        assert fin.reason is FinishReason.LENGTH and len(tokens) == 700
+    finally:
+        await core.close()
+
+
+async def test_a_scripted_rule_answers_the_prompt_whose_last_message_matches(llama3: ModelProfile,
+                                                                             tmp_path: Path) -> None:
+    rules = [{"when": "weather in Paris", "reply": "It is 22 °C and sunny in Paris."},
+             {"when": "22 °C", "reply": "<|python_tag|>never"}]  # matches only a last message holding "22 °C"
+    path = tmp_path / "replies.json"
+    path.write_text(json.dumps(rules))
+    core = _sim(llama3, CHATMESH_SIM_REPLIES=str(path))
+    await core.start()
+    try:
+        turn1 = [(Role.SYSTEM, "Be brief."), (Role.USER, "What is the weather in Paris?")]
+        tokens, text, fin = await _reply(core, llama3.render(turn1).token_ids)
+        assert text == "It is 22 °C and sunny in Paris." and fin.reason is FinishReason.STOP
+        assert tokens == llama3.encode(text)
+        # turn 2: the matching text is now in an earlier message only; the last one matches no rule
+        turn2 = [*turn1, (Role.ASSISTANT, text), (Role.USER, "Thanks!")]
+        _, other, fin = await _reply(core, llama3.render(turn2).token_ids)
+        assert "Paris" not in other and fin.reason is FinishReason.STOP and other
+        _, cut, fin = await _reply(core, llama3.render(turn1).token_ids, max_tokens=3)
+        assert fin.reason is FinishReason.LENGTH and text.startswith(cut)
+    finally:
+        await core.close()
+
+
+def test_scripts_spell_special_tokens_and_bad_scripts_are_refused(llama3: ModelProfile) -> None:
+    ids = encode_script(llama3, '<|python_tag|>{"name": "f"}')
+    assert ids[0] == llama3.tokenizer.special_tokens["<|python_tag|>"]
+    assert list(ids[1:]) == llama3.encode('{"name": "f"}')
+    assert parse_replies('[{"when": "a", "reply": "b"}]', llama3)[0].when == "a"
+    assert parse_replies("", llama3) == []
+    for bad in ('{"when": "a"}', "/nonexistent/replies.json",
+                '[{"when": "", "reply": "b"}]', '[{"reply": "b"}]', "[nope"):
+        with pytest.raises(ValueError, match="CHATMESH_SIM_REPLIES"):
+            parse_replies(bad, llama3)
