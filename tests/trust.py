@@ -69,12 +69,12 @@ class StreamOwnerTokens(_OwnerTokens, grpc.aio.UnaryStreamClientInterceptor):  #
 def channel_as(certs: Path, who: Identity, address: str, service: str, owner_tokens: bool = False
                ) -> grpc.aio.Channel:
     """A TLS channel to `service` at `address` presenting `who`'s certificate; with `owner_tokens`, every call
-    carries a valid token for the owner its request names."""
+    carries a valid token for the owner its request names, minted for `who` (its presenter)."""
     files = TlsFiles.in_folder(certs, who)
     pems = tls.parse_pems(files.ca.read_bytes(), files.cert.read_bytes(), files.key.read_bytes(), who)
     issuer = issuer_of(certs)
     def mint(owner: OwnerId) -> str:
-        return issuer.mint(owner).token
+        return issuer.mint(owner, presenter=who).token
 
     interceptors: list[Any] | None = [UnaryOwnerTokens(mint), StreamOwnerTokens(mint)] if owner_tokens else None
     return grpc.aio.secure_channel(address, tls.channel_credentials(pems),

@@ -40,8 +40,11 @@ class Mesh:
     chat: str
     engine: str
 
-    def token(self, owner: OwnerId, conversation: str | None = None) -> tuple[tuple[str, str], ...]:
-        minted = issuer_of(self.certs).mint(owner, ConversationId(conversation) if conversation else None)
+    def token(self, owner: OwnerId, conversation: str | None = None, presenter: Identity = ident.GATEWAY
+              ) -> tuple[tuple[str, str], ...]:
+        """What the gateway mints (for itself, or for an internal client that asked its OwnerTokenService)."""
+        minted = issuer_of(self.certs).mint(owner, ConversationId(conversation) if conversation else None,
+                                            presenter=presenter)
         return tokens.metadata_of(minted.token)
 
 
@@ -157,7 +160,8 @@ async def test_without_bobs_token_nothing_of_bobs_is_read_run_or_stored(mesh: Me
 async def test_an_internal_client_acts_for_a_user_with_a_token_and_other_services_may_not(mesh: Mesh) -> None:
     request = chat_pb2.CreateConversationRequest(owner_id=ALICE, title="from the reports service")
     async with channel_as(mesh.certs, ident.client("dev"), mesh.chat, "chat") as channel:
-        made = await chat_pb2_grpc.ChatServiceStub(channel).CreateConversation(request, metadata=mesh.token(ALICE))
+        made = await chat_pb2_grpc.ChatServiceStub(channel).CreateConversation(
+            request, metadata=mesh.token(ALICE, presenter=ident.client("dev")))
         assert made.conversation.title == "from the reports service"
     async with channel_as(mesh.certs, ident.STORE, mesh.chat, "chat") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as err:

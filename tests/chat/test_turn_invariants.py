@@ -200,7 +200,7 @@ async def test_prompt_n_plus_one_starts_with_prompt_n_plus_reply_n(cluster: Clus
     channels = Channels(cluster.mesh.trust(ident.CHAT))
     core = _core_for(cluster, channels)
     if not cluster.mesh.cfg[settings.MESH_PLAINTEXT]:  # the core acts for alice as chat does: with her token
-        tokens.current.set(issuer_of(cluster.mesh.certs).mint(OwnerId(OWNER)).token)
+        tokens.current.set(issuer_of(cluster.mesh.certs).mint(OwnerId(OWNER), presenter=ident.GATEWAY).token)
     assert isinstance(core.renderer, ProfileRenderer)
     tok = core.renderer.profile
     try:

@@ -1,6 +1,7 @@
 """Owner tokens at the store and the engine, over real gRPC and TLS, with chat's own certificate: without a
 token, with alice's token for bob, or with an expired, foreign-key or tampered token, bob's data is not read,
-charged or deleted; with bob's token it is."""
+charged or deleted; with bob's token it is. And the guard's other checks, at a ChatService that makes chat's
+calls to it: the presenter a token was minted for, its scopes, the conversation a bound token needs."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ import grpc
 import pytest
 
 from chatmesh.engine_adapter import service as engine_service
+from chatmesh.mesh import authz, pki, tokens
 from chatmesh.mesh import identity as ident
-from chatmesh.mesh import tokens
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.mesh.server import start_server
+from chatmesh.mesh.owner_guard import OwnerGuard
+from chatmesh.mesh.server import Service, start_server, unary_errors
 from chatmesh.store import service as store_service
-from chatmesh.v1 import generate_pb2, generate_pb2_grpc, store_pb2, store_pb2_grpc
+from chatmesh.v1 import chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, store_pb2, store_pb2_grpc
 from tests.mesh.conftest import events
 from tests.trust import channel_as, issuer_of, make_certs, trust_as
 
@@ -43,7 +45,9 @@ ALICE, BOB = OwnerId("alice"), OwnerId("bob")
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_certs(tmp_path_factory.mktemp("tokens") / "certs")
+    folder = make_certs(tmp_path_factory.mktemp("tokens") / "certs")
+    pki.ensure(folder, [ident.client("reports")])
+    return folder
 
 
 @pytest.fixture
@@ -63,7 +67,8 @@ async def mesh(certs: Path, tmp_path: Path) -> AsyncIterator[tuple[grpc.aio.Chan
 
 
 def token(certs: Path, owner: OwnerId, conversation: str | None = None, ttl_s: int = 300) -> str:
-    return issuer_of(certs).mint(owner, ConversationId(conversation) if conversation else None, ttl_s).token
+    return issuer_of(certs).mint(owner, ConversationId(conversation) if conversation else None, ttl_s,
+                                 presenter=ident.GATEWAY).token  # the gateway's; chat forwards it
 
 
 def md(tok: str | None) -> tuple[tuple[str, str], ...]:
@@ -141,8 +146,8 @@ async def test_expired_foreign_and_tampered_tokens_are_refused(
         certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel], tmp_path: Path) -> None:
     store = StoreStub(mesh[0])
     conv = await bobs_conversation(store, certs)
-    expired = issuer_of(certs).mint(BOB, now=1_000_000).token
-    foreign = issuer_of(make_certs(tmp_path / "other")).mint(BOB).token
+    expired = issuer_of(certs).mint(BOB, now=1_000_000, presenter=ident.GATEWAY).token
+    foreign = issuer_of(make_certs(tmp_path / "other")).mint(BOB, presenter=ident.GATEWAY).token
     tampered = _tampered(token(certs, ALICE))
     for bad, why in ((expired, "expired"), (foreign, "unknown key"), (tampered, "signature does not verify")):
         code, details = await refused(store.ReadConversation(store_pb2.ReadConversationRequest(
@@ -187,3 +192,115 @@ async def test_an_owner_refusal_is_logged_once_with_ids_and_never_the_token(
         "reason": "owner_mismatch", "caller": ident.CHAT, "rpc": "/chatmesh.v1.StoreService/ReadConversation",
         "owner_id": BOB, "conversation_id": conv}
     assert alices not in captured.getvalue() and alices.split(".")[2] not in captured.getvalue()
+
+
+class GuardedChat(chat_pb2_grpc.ChatServiceServicer):
+    """ChatService's owner check alone (the real chat makes the same `OwnerGuard` calls), answering empty."""
+
+    def __init__(self, guard: OwnerGuard) -> None:
+        self.guard = guard
+
+    @unary_errors
+    async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Any
+                             ) -> chat_pb2.ExportUserDataResponse:
+        self.guard.owner_wide(context, request)
+        return chat_pb2.ExportUserDataResponse(json="{}")
+
+    @unary_errors
+    async def GetTurn(self, request: chat_pb2.GetTurnRequest, context: Any) -> chat_pb2.GetTurnResponse:
+        self.guard.in_conversation(context, request)
+        return chat_pb2.GetTurnResponse()
+
+    @unary_errors
+    async def DeleteTurn(self, request: chat_pb2.DeleteTurnRequest, context: Any) -> chat_pb2.DeleteTurnResponse:
+        self.guard.in_conversation(context, request)
+        return chat_pb2.DeleteTurnResponse()
+
+    @unary_errors
+    async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Any) -> chat_pb2.StopTurnResponse:
+        self.guard.in_conversation(context, request)
+        return chat_pb2.StopTurnResponse()
+
+
+@pytest.fixture
+async def guarded_chat(certs: Path) -> AsyncIterator[str]:
+    trust = trust_as(certs, ident.CHAT)
+    assert trust.verifier is not None
+    servicer = GuardedChat(OwnerGuard(trust.verifier))  # type: ignore[abstract]  # four RPCs are called
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(servicer, server)
+        return ["chatmesh.v1.ChatService"]
+
+    everyone = [ident.GATEWAY, ident.ANY_CLIENT, ident.CHAT]
+    service = Service("chat", register, authz={"chatmesh.v1.ChatService": {
+        name: everyone for name in (m.rsplit("/", 1)[1] for m in authz.methods_of("chatmesh.v1.ChatService"))}})
+    running = await start_server(service, "127.0.0.1:0", trust=trust)
+    yield f"127.0.0.1:{running.port}"
+    await running.stop(service, 0)
+
+
+async def test_a_token_is_honoured_only_from_the_identity_it_was_minted_for_or_a_forwarder(
+        certs: Path, guarded_chat: str) -> None:
+    """The finding: owner tokens were bearer tokens, so one minted for client/dev worked from the gateway's (or
+    chat's) identity. A token names its presenter (`azp`); chat, which forwards its requests' tokens, is the only
+    other identity that may present it."""
+    issuer = issuer_of(certs)
+    request = chat_pb2.ExportUserDataRequest(owner_id=BOB)
+    dev, reports = ident.client("dev"), ident.client("reports")
+    cases = [(dev, dev, grpc.StatusCode.OK), (dev, ident.GATEWAY, grpc.StatusCode.PERMISSION_DENIED),
+             (dev, reports, grpc.StatusCode.PERMISSION_DENIED), (ident.GATEWAY, dev, grpc.StatusCode.PERMISSION_DENIED),
+             (ident.GATEWAY, ident.GATEWAY, grpc.StatusCode.OK), (dev, ident.CHAT, grpc.StatusCode.OK)]
+    for minted_for, presented_by, expected in cases:
+        tok = issuer.mint(BOB, presenter=minted_for).token
+        async with channel_as(certs, presented_by, guarded_chat, "chat") as channel:
+            try:
+                await chat_pb2_grpc.ChatServiceStub(channel).ExportUserData(request, metadata=md(tok), timeout=5)
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as err:
+                code, details = err.code(), err.details() or ""
+        assert code == expected, (minted_for, presented_by, code, details)
+        if code != grpc.StatusCode.OK:
+            assert details == f"the owner token was minted for {minted_for}; {presented_by} may not present it"
+
+
+async def test_a_scoped_token_opens_its_scopes_rpcs_only_and_a_bound_one_only_calls_naming_its_conversation(
+        certs: Path, guarded_chat: str) -> None:
+    issuer = issuer_of(certs)
+    dev = ident.client("dev")
+    conv, turn = str(uuid.uuid4()), str(uuid.uuid4())
+    read = md(issuer.mint(BOB, presenter=dev, scopes=("read",)).token)
+    turns = md(issuer.mint(BOB, presenter=dev, scopes=("turns",)).token)
+    async with channel_as(certs, dev, guarded_chat, "chat") as channel:
+        chat = chat_pb2_grpc.ChatServiceStub(channel)
+        assert (await chat.ExportUserData(chat_pb2.ExportUserDataRequest(owner_id=BOB), metadata=read)).json
+        await chat.GetTurn(chat_pb2.GetTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=turn), metadata=read)
+        code, details = await refused(chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
+            owner_id=BOB, conversation_id=conv, turn_id=turn), metadata=read))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and details == \
+            "the owner token's scopes (read) do not open /chatmesh.v1.ChatService/DeleteTurn"
+        await chat.StopTurn(chat_pb2.StopTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=turn),
+                            metadata=turns)
+        assert (await refused(chat.ExportUserData(chat_pb2.ExportUserDataRequest(owner_id=BOB),
+                                                  metadata=turns)))[0] == grpc.StatusCode.PERMISSION_DENIED
+    # chat forwarding a client's read token (a peer StopTurn) is not held to the client's scopes: chat checked
+    # them where the token entered
+    async with channel_as(certs, ident.CHAT, guarded_chat, "chat") as channel:
+        await chat_pb2_grpc.ChatServiceStub(channel).StopTurn(chat_pb2.StopTurnRequest(
+            owner_id=BOB, conversation_id=conv, turn_id=turn), metadata=read)
+
+
+async def test_generate_without_the_bound_conversation_is_refused(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel]) -> None:
+    """The finding: a conversation-bound token let Generate run without a conversation id, an oracle over the
+    owner's other conversations' cache. A bound token opens only calls naming its conversation."""
+    engine = EngineStub(mesh[1])
+    conv = str(uuid.uuid4())
+    bound = md(token(certs, BOB, conv))
+    code, details = await refused(engine.Generate(generate_pb2.GenerateRequest(
+        owner_id=BOB, prompt_token_ids=[1, 2, 3], max_tokens=4), metadata=bound).read())
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "must name it" in details
+    events = [r.WhichOneof("event") async for r in engine.Generate(generate_pb2.GenerateRequest(
+        owner_id=BOB, conversation_id=conv, prompt_token_ids=[1, 2, 3], max_tokens=4), metadata=bound)]
+    assert events[-1] == "finished"
+    assert (await engine.GetStats(generate_pb2.GetStatsRequest())).stats.generations == 1

@@ -27,7 +27,7 @@ import grpc
 from chatmesh.gateway.identity import Principal
 from chatmesh.mesh import authz, identity, logs, tokens
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.mesh.errors import InvalidArgument, PermissionDenied
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_owner_id
 from chatmesh.mesh.server import Running, Service, start_server, unary_errors
 from chatmesh.mesh.settings import OWNER_TOKEN_ADDRESS
@@ -74,7 +74,7 @@ class EdgeTokens:
         fresh_for = issuer.ttl_s - min(REUSE_S, issuer.ttl_s / 10)
         if minted is None or minted.claims.expires_at - at < fresh_for \
                 or minted.claims.key_id != issuer.keys.current().signing_key_id:
-            minted = issuer.mint(owner, conversation, now=at)
+            minted = issuer.mint(owner, conversation, now=at, presenter=identity.GATEWAY)
             if len(self._minted) >= REUSE_ENTRIES:
                 self._minted.clear()
             self._minted[key] = minted
@@ -93,9 +93,11 @@ class OwnerTokenServicer(owner_token_pb2_grpc.OwnerTokenServiceServicer):
         conversation = parse_conversation_id(request.conversation_id) if request.conversation_id else None
         if request.ttl_s < 0:
             raise InvalidArgument("ttl_s must not be negative (0: the gateway's CHATMESH_OWNER_TOKEN_TTL_S)")
-        minted = self.issuer.mint(owner, conversation, ttl_s=request.ttl_s or None)
         caller = authz.caller.get()
-        log.info("owner_token_issued", caller=caller.identity if caller else "", owner_id=owner,
+        if caller is None:  # the guard in front of every RPC names the caller; without it nobody may mint
+            raise PermissionDenied("owner tokens are issued to mesh identities only")
+        minted = self.issuer.mint(owner, conversation, ttl_s=request.ttl_s or None, presenter=caller.identity)
+        log.info("owner_token_issued", caller=caller.identity, owner_id=owner,
                  conversation_id=conversation or "", key_id=minted.claims.key_id,
                  expires_at=minted.claims.expires_at)
         return owner_token_pb2.IssueOwnerTokenResponse(

@@ -2,10 +2,13 @@
 
 An owner-scoped request names its owner in a field (`owner_id`); the field is believed only when the call carries
 an owner token (tokens.py) that verifies and is for that owner, and, if the token is bound to a conversation,
-for that conversation (owner-wide calls, such as export or delete-everything, need an owner-wide token). The
-guard raises typed core errors, which the bootstrap's one mapping turns into status codes: no token, or one
-that is expired, tampered with or signed by an unknown key -> Unauthenticated; a valid token for another owner
-or conversation -> PermissionDenied. Each refusal is logged once, with the caller's identity, the RPC and ids.
+for that conversation, named by the call (a bound token opens no call that names none; owner-wide calls, such
+as export or delete-everything, need an owner-wide token). The token must also be presented by the identity it
+was minted for (`azp`), or by a forwarder (`tokens.FORWARDERS`: chat, passing on its request's token); and
+where it enters the mesh, the RPC must be among its scopes. The guard raises typed core errors, which the
+bootstrap's one mapping turns into status codes: no token, or one that is expired, tampered with or signed by
+an unknown or retired key -> Unauthenticated; a valid token for another owner, conversation, presenter or RPC
+-> PermissionDenied. Each refusal is logged once, with the caller's identity, the RPC and ids.
 
 It also keeps the verified token as the request's `tokens.current`, so a service calling on for the owner (chat)
 forwards it without handling it. In plaintext (no verifier) the field is believed: the mesh's trust is off.
@@ -71,13 +74,18 @@ class OwnerGuard:
                 self._refuse("token_bound_to_conversation", owner, conversation)
                 raise PermissionDenied("the owner token is bound to one conversation; this call needs an "
                                        "owner-wide token")
-            if conversation is not None and claims.conversation != conversation:
+            if conversation is None:
+                self._refuse("conversation_missing", owner, None)
+                raise PermissionDenied("the owner token is bound to one conversation; this call must name it "
+                                       "(conversation_id)")
+            if claims.conversation != conversation:
                 self._refuse("conversation_mismatch", owner, conversation)
                 raise PermissionDenied(f"the owner token is not for conversation {conversation}")
         return owner
 
     def claims(self, context: Any) -> OwnerClaims:
-        """The verified token of this call (Unauthenticated without a valid one)."""
+        """The verified token of this call (Unauthenticated without a valid one), presented by the identity it
+        was minted for or a forwarder, and (presented by the former) opening this RPC; else PermissionDenied."""
         assert self.verifier is not None
         token = tokens.from_metadata(context.invocation_metadata())
         if token is None:
@@ -89,6 +97,15 @@ class OwnerGuard:
         except TokenRefused as err:
             self._refuse("token_refused", None, None, str(err))
             raise
+        presenter = authz.caller.get()
+        if presenter is None or (presenter.identity != claims.presenter and presenter.identity not in tokens.FORWARDERS):
+            self._refuse("wrong_presenter", claims.owner, None, f"minted for {claims.presenter}")
+            raise PermissionDenied(f"the owner token was minted for {claims.presenter}; "
+                                   f"{presenter.identity if presenter else 'this caller'} may not present it")
+        if presenter.identity == claims.presenter and not claims.opens(presenter.method.rsplit("/", 1)[-1]):
+            self._refuse("out_of_scope", claims.owner, None, f"scopes {','.join(claims.scopes or ())}")
+            raise PermissionDenied(f"the owner token's scopes ({', '.join(claims.scopes or ())}) do not open "
+                                   f"{presenter.method}")
         tokens.current.set(token)
         return claims
 

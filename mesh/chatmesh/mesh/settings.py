@@ -67,7 +67,8 @@ OWNER_TOKEN_KEYS_FILE = Setting("CHATMESH_OWNER_TOKEN_KEYS_FILE", "",
                                 "changes", str)
 OWNER_TOKEN_TTL_S = Setting("CHATMESH_OWNER_TOKEN_TTL_S", 900,
                             "lifetime of the owner tokens the gateway mints, seconds (longer than the longest turn: "
-                            "a turn's last store write carries the token its request came with)", int)
+                            "a turn's last store write carries the token its request came with); every verifier "
+                            "refuses a token that lives longer, so set it alike on every process", int)
 
 # The message size policy (chatmesh.mesh.message_size), shared by the gateway, chat, moderation and the store.
 MAX_MESSAGE_TOKENS = Setting("CHATMESH_MAX_MESSAGE_TOKENS", 128_000,

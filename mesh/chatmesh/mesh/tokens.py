@@ -8,9 +8,26 @@ charge or delete a user's data unless that user is behind the call.
 
 Format: a JWS in compact serialization (RFC 7515), `header.payload.signature`, base64url without padding:
 header `{"alg": "EdDSA", "kid": <key id>, "typ": "chatmesh-owner"}`, payload
-`{"sub": <owner id>, "cnv": <conversation id, when bound to one>, "iat": <unix s>, "exp": <unix s>}`, signed with
-Ed25519. Any JOSE library can decode one; only `alg` EdDSA is accepted (no algorithm confusion), `kid` picks the
-verification key.
+`{"sub": <owner id>, "azp": <the identity it was minted for>, "cnv": <conversation id, when bound to one>,
+"scp": [<scopes>, when limited], "pta": <prompt tokens a turn may use, when limited>, "iat": <unix s>,
+"exp": <unix s>}`, signed with Ed25519. Any JOSE library can decode one; only `alg` EdDSA is accepted (no
+algorithm confusion), `kid` picks the verification key.
+
+What a verifier refuses, besides a bad signature or an unknown key:
+- a lifetime (`exp - iat`) over the configured TTL (CHATMESH_OWNER_TOKEN_TTL_S, every process reads it), so a
+  stolen signing key cannot mint a token that outlives the key's retirement; `iat` more than `CLOCK_SKEW_S` in
+  the future, `exp` more than `CLOCK_SKEW_S` past;
+- a token of a key no longer in the key set, even one already verified and cached (a retired key is retired at
+  once, not when the cache forgets it);
+- (owner_guard.py) a token presented by anyone but its `azp` (the authorized party it was minted for, as in
+  OpenID Connect: the sender constraint of RFC 8705, by identity rather than by certificate thumbprint, so a
+  token survives its presenter's certificate rotation) or a mesh service that forwards a request's token (`FORWARDERS`: chat, to the store, the engine
+  and a peer chat process). A token minted for client/dev and replayed by the gateway's identity, or the
+  gateway's token replayed by client/dev, is refused.
+
+Scopes (`scp`, set on the tokens OwnerTokenService issues to internal clients, from their grant): which
+ChatService RPCs the token opens, by scope name (`SCOPES`) or RPC name. A token without `scp` (the gateway's own,
+for the user it authenticated) opens every RPC. Checked where the token enters the mesh (chat), by the guard.
 
 Keys: a JSON key set, `{"signing_key_id": "...", "keys": {"<kid>": {"public": "<b64url>", "private": "<b64url>"}}}`.
 Only the issuer (the gateway) holds private halves; verifiers hold a copy without them (`to_json(private=False)`),
@@ -39,16 +56,29 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh.errors import Unauthenticated
+from chatmesh.mesh.identity import Identity
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.reload import Watched
 
 METADATA_KEY = "chatmesh-owner-token"
 KEYS_FILE, PUBLIC_KEYS_FILE = "owner-token-keys.json", "owner-token-public-keys.json"  # under <data dir>/certs/
 TYP = "chatmesh-owner"
-CLOCK_SKEW_S = 30
+CLOCK_SKEW_S = 5  # how far a verifier's clock may be from the gateway's: iat in the future, exp in the past
 MAX_TOKEN_BYTES = 2048
 CACHE_ENTRIES = 8192
+# Identities that present tokens minted for others, forwarding the token a request arrived with: chat, to the
+# store, the engine and the peer chat process generating a turn (StopTurn). Every other presenter must be the
+# token's `azp`.
+FORWARDERS: tuple[Identity, ...] = (ident.CHAT,)
+# Scopes of the tokens internal clients get (their grant names them): the ChatService RPCs each opens.
+SCOPES: dict[str, frozenset[str]] = {
+    "read": frozenset({"GetConversation", "ListConversations", "GetUsage", "ExportUserData", "GetTurn",
+                       "AttachTurn"}),
+    "turns": frozenset({"CreateConversation", "SendTurn", "RegenerateTurn", "StopTurn", "AttachTurn", "GetTurn"}),
+    "delete": frozenset({"DeleteConversation", "DeleteTurn"}),
+}
 
 
 class TokenRefused(Unauthenticated):
@@ -144,12 +174,26 @@ def watch_keys(path: Path) -> Watched[KeySet]:
 @dataclass(frozen=True)
 class OwnerClaims:
     """What a verified token says: the owner, the conversation it is bound to (None: every conversation of the
-    owner), its expiry (unix seconds) and the key id that signed it."""
+    owner), its expiry (unix seconds), the key id that signed it, the identity it was minted for (`presenter`),
+    the scopes it is limited to (None: every RPC) and the prompt tokens a turn may use (None: the request's own
+    allowance)."""
 
     owner: OwnerId
     conversation: ConversationId | None
     expires_at: int
     key_id: str
+    presenter: Identity
+    scopes: tuple[str, ...] | None = None
+    prompt_allowance: int | None = None
+
+    def opens(self, rpc: str) -> bool:
+        """Whether the token's scopes include ChatService RPC `rpc` (its name, e.g. "SendTurn")."""
+        return self.scopes is None or any(s == rpc or rpc in SCOPES.get(s, ()) for s in self.scopes)
+
+
+def known_scope(scope: str) -> bool:
+    """A scope name of `SCOPES`, or the name of an RPC one of them opens."""
+    return scope in SCOPES or any(scope in rpcs for rpcs in SCOPES.values())
 
 
 @dataclass(frozen=True)
@@ -172,7 +216,9 @@ class Issuer:
                              f"the issuer needs the file with private keys)")
 
     def mint(self, owner: OwnerId, conversation: ConversationId | None = None, ttl_s: int | None = None,
-             now: float | None = None) -> Minted:
+             now: float | None = None, *, presenter: Identity, scopes: tuple[str, ...] | None = None,
+             prompt_allowance: int | None = None) -> Minted:
+        """A token for `owner` (in `conversation`) that only `presenter` (and the forwarders) may present."""
         keys = self.keys.current()
         private = keys.keys[keys.signing_key_id].private
         if private is None:
@@ -180,20 +226,27 @@ class Issuer:
         issued = int(time.time() if now is None else now)
         life = self.ttl_s if ttl_s is None else max(1, min(ttl_s, self.ttl_s))
         header = {"alg": "EdDSA", "kid": keys.signing_key_id, "typ": TYP}
-        payload: dict[str, object] = {"sub": owner, "iat": issued, "exp": issued + life}
+        payload: dict[str, object] = {"sub": owner, "azp": presenter, "iat": issued, "exp": issued + life}
         if conversation is not None:
             payload["cnv"] = conversation
+        if scopes is not None:
+            payload["scp"] = list(scopes)
+        if prompt_allowance is not None:
+            payload["pta"] = prompt_allowance
         signing_input = f"{_b64(json.dumps(header, separators=(',', ':')).encode())}." \
                         f"{_b64(json.dumps(payload, separators=(',', ':')).encode())}"
         token = f"{signing_input}.{_b64(private.sign(signing_input.encode()))}"
-        return Minted(token, OwnerClaims(owner, conversation, issued + life, keys.signing_key_id))
+        return Minted(token, OwnerClaims(owner, conversation, issued + life, keys.signing_key_id, presenter,
+                                         scopes, prompt_allowance))
 
 
 @dataclass
 class Verifier:
-    """Checks owner tokens against the key set's public keys (chat, store, engine)."""
+    """Checks owner tokens against the key set's public keys (chat, store, engine), and that none lives longer
+    than `max_ttl_s` (CHATMESH_OWNER_TOKEN_TTL_S)."""
 
     keys: Watched[KeySet]
+    max_ttl_s: int = 900
     _cache: dict[str, OwnerClaims] = field(default_factory=dict)
 
     def verify(self, token: str, now: float | None = None) -> OwnerClaims:
@@ -204,6 +257,9 @@ class Verifier:
             if len(self._cache) >= CACHE_ENTRIES:
                 self._cache.clear()
             self._cache[token] = claims
+        elif claims.key_id not in self.keys.current().keys:  # retired since it was cached
+            self._cache.pop(token, None)
+            raise TokenRefused(f"owner token is signed by a retired key ({claims.key_id[:40]!r})")
         if at > claims.expires_at + CLOCK_SKEW_S:
             raise TokenRefused(f"owner token expired {int(at - claims.expires_at)} s ago")
         return claims
@@ -233,16 +289,22 @@ class Verifier:
         except InvalidSignature:
             raise TokenRefused("owner token signature does not verify") from None
         try:
-            owner, expires, issued = payload["sub"], payload["exp"], payload["iat"]
-            conversation = payload.get("cnv")
+            owner, presenter, expires, issued = payload["sub"], payload["azp"], payload["exp"], payload["iat"]
+            conversation, scopes, allowance = payload.get("cnv"), payload.get("scp"), payload.get("pta")
         except (KeyError, TypeError):
-            raise TokenRefused("owner token is malformed (missing sub, iat or exp)") from None
-        if not isinstance(owner, str) or not isinstance(expires, int) or not isinstance(issued, int) \
-                or not (conversation is None or isinstance(conversation, str)):
+            raise TokenRefused("owner token is malformed (missing sub, azp, iat or exp)") from None
+        if not isinstance(owner, str) or not isinstance(presenter, str) or not isinstance(expires, int) \
+                or not isinstance(issued, int) or not (conversation is None or isinstance(conversation, str)) \
+                or not (scopes is None or (isinstance(scopes, list) and all(isinstance(x, str) for x in scopes))) \
+                or not (allowance is None or (isinstance(allowance, int) and allowance > 0)):
             raise TokenRefused("owner token is malformed (wrong claim types)")
         if issued > at + CLOCK_SKEW_S:
             raise TokenRefused("owner token is issued in the future (clock skew?)")
-        return OwnerClaims(OwnerId(owner), ConversationId(conversation) if conversation else None, expires, str(kid))
+        if expires - issued > self.max_ttl_s:
+            raise TokenRefused(f"owner token lives {expires - issued} s, longer than CHATMESH_OWNER_TOKEN_TTL_S "
+                               f"({self.max_ttl_s} s)")
+        return OwnerClaims(OwnerId(owner), ConversationId(conversation) if conversation else None, expires, str(kid),
+                           Identity(presenter), tuple(scopes) if scopes is not None else None, allowance)
 
 
 # ---- carrying a token through one request ------------------------------------------------------------------

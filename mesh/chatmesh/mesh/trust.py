@@ -67,7 +67,7 @@ class Trust:
 
     @classmethod
     def from_files(cls, files: TlsFiles, who: Identity, keys_file: Path | None,
-                   authz_file: Path | None = None) -> Trust:
+                   authz_file: Path | None = None, token_ttl_s: int = settings.OWNER_TOKEN_TTL_S.default) -> Trust:
         missing = [str(p) for p in (files.ca, files.cert, files.key) if not p.is_file()]
         if missing:
             raise TrustRefused(
@@ -84,7 +84,7 @@ class Trust:
                 raise TrustRefused(f"{who}: owner-token keys {keys_file} not found; run `chatmesh certs` or set "
                                    f"CHATMESH_OWNER_TOKEN_KEYS_FILE")
             try:
-                verifier = tokens.Verifier(tokens.watch_keys(keys_file))
+                verifier = tokens.Verifier(tokens.watch_keys(keys_file), token_ttl_s)
             except ValueError as err:
                 raise TrustRefused(str(err)) from None
         return cls(who, watched, verifier, authz_file)
@@ -96,7 +96,8 @@ class Trust:
         files = tls_files(cfg, who)
         keys = tokens.keys_file(cfg[settings.OWNER_TOKEN_KEYS_FILE], cfg[settings.DATA_DIR], issuer)
         authz = cfg[settings.MESH_AUTHZ_FILE]
-        return cls.from_files(files, who, keys, Path(authz).expanduser() if authz else None)
+        return cls.from_files(files, who, keys, Path(authz).expanduser() if authz else None,
+                              cfg[settings.OWNER_TOKEN_TTL_S])
 
     def check_address(self, address: str, what: str) -> None:
         """Refuses plaintext to or from anything but loopback."""
