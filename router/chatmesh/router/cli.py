@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity, follow, simulate
+from chatmesh.router import capacity, capacity_plot, follow, simulate
 
 
 def register(sub: Any) -> None:
@@ -33,7 +33,16 @@ def register(sub: Any) -> None:
                    help="per GPU for activations and runtime")
     g.add_argument("--decode-eff", type=float, default=h.decode_eff, help="achieved share of peak bandwidth")
     g.add_argument("--prefill-mfu", type=float, default=h.prefill_mfu, help="achieved share of peak FLOP/s")
-    g.add_argument("--max-batch", type=int, default=h.max_batch, help="sequences per decode step")
+    g.add_argument("--max-batch", type=int, default=h.max_batch,
+                   help="most sequences per decode step (the ITL target's); the KV room may hold fewer")
+    g.add_argument("--host-memory-gib", type=float, default=h.host_memory_bytes / capacity.GIB,
+                   help="host memory per node for the KV tier (a DGX H100 has 2 TB)")
+    g.add_argument("--host-link-gbs", type=float, default=h.host_link_bytes_s / 1e9,
+                   help="host-to-GPU bandwidth per GPU, GB/s (PCIe Gen5 x16, achieved)")
+    g.add_argument("--link-gbps", type=float, default=h.link_bytes_s * 8 / 1e9,
+                   help="a node's network links in total, Gb/s (8 x 400 Gb/s NICs)")
+    g.add_argument("--chunk-tokens", type=int, default=h.chunk_tokens,
+                   help="prefill chunk an aggregated step carries (for the ITL comparison)")
     g = p.add_argument_group("workload")
     g.add_argument("--conversations", type=int, default=w.conversations, help="open at peak")
     g.add_argument("--turn-gap-s", type=float, default=w.turn_gap_s, help="seconds between a user's turns")
@@ -42,6 +51,12 @@ def register(sub: Any) -> None:
     g.add_argument("--cached-share", type=float, default=w.cached_share, help="share of prompt tokens cached")
     g.add_argument("--target-util", type=float, default=w.target_util)
     g.add_argument("--spare-nodes", type=int, default=w.spare_nodes)
+    g = p.add_argument_group("what else to print")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="also size separate prefill and decode pools and the KV transfer between them")
+    g.add_argument("--contexts", metavar="LIST",
+                   help="sweep prompt lengths, comma-separated (4k,8k,32k,128k; k = 1,000 tokens)")
+    g.add_argument("--plots", metavar="DIR", help="with --contexts: write nodes_by_context.png to this folder")
     p.set_defaults(handler=_capacity)
 
     p = sub.add_parser("simulate", help="prefix-cache hit rate and load balance under random, modulo, consistent, "
@@ -102,7 +117,8 @@ def capacity_plan(args: argparse.Namespace) -> capacity.CapacityPlan:
     return capacity.plan(
         capacity.ModelShape(args.params, args.layers, args.kv_heads, args.head_dim),
         capacity.Hardware(gpu, precision, args.tp, args.gpus_per_node, args.reserved_gb * 1e9, args.decode_eff,
-                          args.prefill_mfu, args.max_batch),
+                          args.prefill_mfu, args.max_batch, args.host_memory_gib * capacity.GIB,
+                          args.host_link_gbs * 1e9, args.link_gbps * 1e9 / 8, args.chunk_tokens),
         capacity.Workload(args.conversations, args.turn_gap_s, args.prompt_tokens, args.output_tokens,
                           args.cached_share, args.target_util, args.spare_nodes),
     )
@@ -110,10 +126,21 @@ def capacity_plan(args: argparse.Namespace) -> capacity.CapacityPlan:
 
 def _capacity(args: argparse.Namespace) -> int:
     try:
-        print(capacity.render(capacity_plan(args)))
+        if args.plots and not args.contexts:
+            raise InvalidArgument("--plots draws the context sweep: give --contexts too")
+        p = capacity_plan(args)
+        contexts = [capacity.parse_tokens(c) for c in args.contexts.split(",") if c.strip()] if args.contexts else []
+        plans = capacity.sweep(contexts, p.model, p.hardware, p.workload) if args.contexts else []
     except InvalidArgument as err:
         print(f"chatmesh capacity: {err}", file=sys.stderr)
         return 2
+    print(capacity.render(p))
+    if args.disaggregate:
+        print(capacity.render_disaggregated(capacity.disaggregate(p)))
+    if plans:
+        print(capacity.render_sweep(plans))
+        if args.plots:
+            print(f"wrote {capacity_plot.plot_sweep(plans, Path(args.plots))}")
     return 0
 
 
