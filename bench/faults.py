@@ -247,11 +247,11 @@ async def heartbeat_cost(database: str, url: str, turns: int = 32, rounds: int =
     await upgrade(engine)
     core = ConversationStore(engine)
     owner = OwnerId(f"hb-{uuid.uuid4().hex[:8]}")
-    conv = (await core.insert_conversation(owner, "heartbeat")).conversation_id
+    conv = (await core.conversations.insert_conversation(owner, "heartbeat")).conversation_id
     leases = []
     for _ in range(turns):
         turn = TurnId(str(uuid.uuid4()))
-        claim = await core.begin_turn(owner, conv, turn, content="hi", lease_holder="bench", fingerprint="fp",
+        claim = await core.turns.begin_turn(owner, conv, turn, content="hi", lease_holder="bench", fingerprint="fp",
                                      lease_ttl_ms=1500)
         assert isinstance(claim, Claimed)
         leases.append((turn, claim.lease_id))
@@ -262,7 +262,7 @@ async def heartbeat_cost(database: str, url: str, turns: int = 32, rounds: int =
         text += "word " * 4
         for turn, lease in leases:
             s = time.perf_counter()
-            await core.update_turn_progress(owner, conv, turn, lease, text, 1 + len(text), lease_ttl_ms=1500)
+            await core.turns.update_turn_progress(owner, conv, turn, lease, text, 1 + len(text), lease_ttl_ms=1500)
             latencies.append(time.perf_counter() - s)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     await engine.dispose()

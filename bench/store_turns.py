@@ -46,8 +46,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
-from chatmesh.store.core import CONV, MSG, ConversationStore
-from chatmesh.store.db import SQLITE_MAX_POOL, make_engine
+from chatmesh.store.core import ConversationStore
+from chatmesh.store.db import make_engine
+from chatmesh.store.rows import CONV, MSG
+from chatmesh.store.sqlite import SQLITE_MAX_POOL
 from chatmesh.store.migrate import upgrade
 from chatmesh.store.values import Claimed, MessageStatus, Reply, Usage
 from chatmesh.v1 import common_pb2, store_pb2, store_pb2_grpc
@@ -105,17 +107,17 @@ async def cycle(store: ConversationStore, owner: OwnerId, conv: ConversationId,
     context_max_messages) and there is no separate read."""
     turn = TurnId(str(uuid.uuid4()))
     t0 = time.perf_counter()
-    claim = await store.begin_turn(owner, conv, turn, content=USER_TEXT, lease_holder="bench",
+    claim = await store.turns.begin_turn(owner, conv, turn, content=USER_TEXT, lease_holder="bench",
                                    context_messages=HISTORY if context else 0)
     t1 = time.perf_counter()
     assert isinstance(claim, Claimed)
     if context:
         assert claim.context is not None and len(claim.context.messages) == HISTORY
     else:
-        history = await store.read_conversation(owner, conv, max_messages=HISTORY)
+        history = await store.conversations.read_conversation(owner, conv, max_messages=HISTORY)
         assert len(history.messages) == HISTORY
     t2 = time.perf_counter()
-    await store.finish_turn(owner, conv, turn, claim.lease_id, REPLY)
+    await store.turns.finish_turn(owner, conv, turn, claim.lease_id, REPLY)
     t3 = time.perf_counter()
     if latencies is not None:
         record(latencies, t0, t1, t2, t3, context)

@@ -12,7 +12,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from chatmesh.store.core import ConversationStore, FieldLimits
+from chatmesh.store.core import ConversationStore
+from chatmesh.store.limits import FieldLimits
 from chatmesh.store.db import make_engine
 from chatmesh.store.migrate import upgrade
 from tests.conftest import POSTGRES_URL, need, port_open

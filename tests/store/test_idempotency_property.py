@@ -28,7 +28,7 @@ schedules = st.lists(st.tuples(st.lists(ops, min_size=1, max_size=6), st.boolean
 async def test_turns_are_stored_at_most_once(store: ConversationStore, clock: FakeClock,
                                              schedule: list[tuple[list[Op], bool]]) -> None:
     owner = OwnerId(f"prop-{uuid.uuid4().hex[:8]}")  # fresh per example, so a failed example leaves no trace
-    conv = (await store.insert_conversation(owner)).conversation_id
+    conv = (await store.conversations.insert_conversation(owner)).conversation_id
     turns = [TurnId(str(uuid.uuid4())) for _ in range(3)]
     leases: dict[int, list[LeaseId]] = {i: [] for i in range(3)}
     stored_by: Counter[int] = Counter()
@@ -36,14 +36,14 @@ async def test_turns_are_stored_at_most_once(store: ConversationStore, clock: Fa
     async def run(i: int, op: str) -> tuple[str, object]:
         turn = turns[i]
         if op == "begin":
-            return op, await store.begin_turn(owner, conv, turn, content=f"q{i}", lease_holder="p", lease_ttl_ms=TTL)
+            return op, await store.turns.begin_turn(owner, conv, turn, content=f"q{i}", lease_holder="p", lease_ttl_ms=TTL)
         if not leases[i]:
             return op, None
         try:
             if op == "finish":
                 reply = Reply(1, f"a{i}", 1, MessageStatus.COMPLETE, Usage(3, 1, 1))
-                return op, (await store.finish_turn(owner, conv, turn, leases[i][-1], reply)).already_finished
-            return op, await store.fail_turn(owner, conv, turn, leases[i][-1])
+                return op, (await store.turns.finish_turn(owner, conv, turn, leases[i][-1], reply)).already_finished
+            return op, await store.turns.fail_turn(owner, conv, turn, leases[i][-1])
         except FailedPrecondition:
             return op, "lease lost"
 
@@ -65,13 +65,13 @@ async def test_turns_are_stored_at_most_once(store: ConversationStore, clock: Fa
             clock.advance(TTL + 1)
 
     assert all(n <= 1 for n in stored_by.values())
-    history = await store.read_conversation(owner, conv)
+    history = await store.conversations.read_conversation(owner, conv)
     assert [m.index for m in history.messages] == list(range(len(history.messages)))
-    states = {i: (await store.read_turn(owner, conv, t)).state for i, t in enumerate(turns)
+    states = {i: (await store.turns.read_turn(owner, conv, t)).state for i, t in enumerate(turns)
               if leases[i] or stored_by[i]}
     stored = {turns[i] for i, s in states.items() if s in (TurnRecordState.STORED, TurnRecordState.STOPPED)}
     assert stored == {turns[i] for i in stored_by}
     by_turn = Counter((m.turn_id, m.role) for m in history.messages)
     assert by_turn == Counter({(t, r): 1 for t in stored for r in (Role.USER, Role.ASSISTANT)})
-    usage = await store.usage(owner)
+    usage = await store.lifecycle.usage(owner)
     assert sum(d.turns for d in usage) == len(stored)

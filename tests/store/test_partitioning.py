@@ -25,7 +25,7 @@ CTE = re.compile(r"\s*(\w+)\s+AS\s+\(", re.IGNORECASE)
 
 @contextmanager
 def recorded(engine: AsyncEngine, store: ConversationStore) -> Iterator[list[str]]:
-    """Every statement sent: SQLAlchemy's (its cursor events) and the hot path's (sent through the driver)."""
+    """Every statement sent: SQLAlchemy's (its cursor events) and the backend's (sent through the driver)."""
     statements: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
@@ -35,12 +35,12 @@ def recorded(engine: AsyncEngine, store: ConversationStore) -> Iterator[list[str
         statements.append("HOT " + " ".join(statement.split()))
 
     event.listen(engine.sync_engine, "before_cursor_execute", record)
-    store.hot.listeners.append(record_hot)
+    store.db.backend.listeners.append(record_hot)
     try:
         yield statements
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
-        store.hot.listeners.remove(record_hot)
+        store.db.backend.listeners.remove(record_hot)
 
 
 def strip(statement: str) -> str:
@@ -54,7 +54,7 @@ def parts(statement: str) -> list[str]:
     found, at = [], 5
     while (cte := CTE.match(statement, at)) is not None:
         depth, end = 1, cte.end()
-        while depth:  # the hot path's SQL has no parentheses inside string literals
+        while depth:  # the backends' SQL has no parentheses inside string literals
             depth += {"(": 1, ")": -1}.get(statement[end], 0)
             end += 1
         found.append(statement[cte.end():end - 1])
@@ -108,35 +108,35 @@ async def test_every_statement_of_a_turn_delete_and_export_is_owner_scoped(
         store: ConversationStore, engine: AsyncEngine) -> None:
     owner = OwnerId("alice")
     with recorded(engine, store) as statements:
-        conv = (await store.insert_conversation(owner, "t", "v1")).conversation_id
+        conv = (await store.conversations.insert_conversation(owner, "t", "v1")).conversation_id
         turn = TurnId(str(uuid.uuid4()))
-        claim = await store.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-1")
+        claim = await store.turns.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-1")
         assert isinstance(claim, Claimed)
-        await store.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-2")
-        await store.update_turn_progress(owner, conv, turn, claim.lease_id, "hel", 1)
-        await store.read_turn(owner, conv, turn)
+        await store.turns.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-2")
+        await store.turns.update_turn_progress(owner, conv, turn, claim.lease_id, "hel", 1)
+        await store.turns.read_turn(owner, conv, turn)
         reply = Reply(1, "hello", 1, MessageStatus.COMPLETE, Usage(5, 0, 1))
-        await store.finish_turn(owner, conv, turn, claim.lease_id, reply)
-        await store.finish_turn(owner, conv, turn, claim.lease_id, reply)
-        await store.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-2")
+        await store.turns.finish_turn(owner, conv, turn, claim.lease_id, reply)
+        await store.turns.finish_turn(owner, conv, turn, claim.lease_id, reply)
+        await store.turns.begin_turn(owner, conv, turn, content="hi", lease_holder="chat-2")
         regen = TurnId(str(uuid.uuid4()))
-        again = await store.begin_turn(owner, conv, regen, content="", lease_holder="c", regenerates=turn)
+        again = await store.turns.begin_turn(owner, conv, regen, content="", lease_holder="c", regenerates=turn)
         assert isinstance(again, Claimed)
-        await store.finish_turn(owner, conv, regen, again.lease_id, reply)
+        await store.turns.finish_turn(owner, conv, regen, again.lease_id, reply)
         failed = TurnId(str(uuid.uuid4()))
-        lost = await store.begin_turn(owner, conv, failed, content="x", lease_holder="c")
+        lost = await store.turns.begin_turn(owner, conv, failed, content="x", lease_holder="c")
         assert isinstance(lost, Claimed)
-        await store.fail_turn(owner, conv, failed, lost.lease_id)
-        await store.save_summary(owner, conv, "they greeted", 1, 3)
-        await store.read_conversation(owner, conv, max_messages=20)
-        with_context = await store.begin_turn(owner, conv, TurnId(str(uuid.uuid4())), content="more",
+        await store.turns.fail_turn(owner, conv, failed, lost.lease_id)
+        await store.conversations.save_summary(owner, conv, "they greeted", 1, 3)
+        await store.conversations.read_conversation(owner, conv, max_messages=20)
+        with_context = await store.turns.begin_turn(owner, conv, TurnId(str(uuid.uuid4())), content="more",
                                               lease_holder="c", context_messages=20)
         assert isinstance(with_context, Claimed) and with_context.context is not None
-        await store.list_conversations(owner)
-        await store.usage(owner)
-        await store.export_user_data(owner)
-        await store.delete_conversation(owner, conv)
-        await store.delete_user_data(owner)
+        await store.conversations.list_conversations(owner)
+        await store.lifecycle.usage(owner)
+        await store.lifecycle.export_user_data(owner)
+        await store.lifecycle.delete_conversation(owner, conv)
+        await store.lifecycle.delete_user_data(owner)
     touched = {m.group(2).lower() for s in statements for m in TABLE_REF.finditer(s)} & OWNER_TABLES
     assert touched == OWNER_TABLES
     assert len(statements) > 30

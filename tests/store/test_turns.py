@@ -33,12 +33,12 @@ def reply(text: str = "hello back", status: MessageStatus = MessageStatus.COMPLE
 
 
 async def conversation(store: ConversationStore, owner: OwnerId = OWNER) -> ConversationId:
-    return (await store.insert_conversation(owner, "t", "v1")).conversation_id
+    return (await store.conversations.insert_conversation(owner, "t", "v1")).conversation_id
 
 
 async def claim(store: ConversationStore, conv: ConversationId, turn: TurnId, content: str = "hi",
                 holder: str = "chat-1", **kw: object) -> Claim:
-    return await store.begin_turn(OWNER, conv, turn, content=content, lease_holder=holder, **kw)  # type: ignore[arg-type]
+    return await store.turns.begin_turn(OWNER, conv, turn, content=content, lease_holder=holder, **kw)  # type: ignore[arg-type]
 
 
 async def test_fifty_concurrent_claims_one_winner(store: ConversationStore) -> None:
@@ -48,7 +48,7 @@ async def test_fifty_concurrent_claims_one_winner(store: ConversationStore) -> N
     claimed = [o for o in outcomes if isinstance(o, Claimed)]
     assert len(claimed) == 1
     assert all(isinstance(o, InProgress) for o in outcomes if not isinstance(o, Claimed))
-    finished = await store.finish_turn(OWNER, conv, turn, claimed[0].lease_id, reply())
+    finished = await store.turns.finish_turn(OWNER, conv, turn, claimed[0].lease_id, reply())
     assert not finished.already_finished
     after = await asyncio.gather(*[claim(store, conv, turn) for _ in range(50)])
     assert all(isinstance(o, Done) and o.reply.content == "hello back" for o in after)
@@ -75,8 +75,8 @@ async def test_expired_lease_won_by_exactly_one_racer(store: ConversationStore, 
     assert len(winners) == 1 and winners[0].lease_id != first.lease_id
     assert all(isinstance(o, InProgress) for o in outcomes if not isinstance(o, Claimed))
     with pytest.raises(FailedPrecondition):  # the crashed holder's lease is gone
-        await store.finish_turn(OWNER, conv, turn, first.lease_id, reply())
-    assert not (await store.finish_turn(OWNER, conv, turn, winners[0].lease_id, reply())).already_finished
+        await store.turns.finish_turn(OWNER, conv, turn, first.lease_id, reply())
+    assert not (await store.turns.finish_turn(OWNER, conv, turn, winners[0].lease_id, reply())).already_finished
 
 
 async def test_finish_twice_is_a_noop_that_says_so(store: ConversationStore) -> None:
@@ -84,14 +84,14 @@ async def test_finish_twice_is_a_noop_that_says_so(store: ConversationStore) -> 
     turn = new_turn()
     c = await claim(store, conv, turn)
     assert isinstance(c, Claimed)
-    first, second = await asyncio.gather(store.finish_turn(OWNER, conv, turn, c.lease_id, reply()),
-                                         store.finish_turn(OWNER, conv, turn, c.lease_id, reply("other")))
+    first, second = await asyncio.gather(store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply()),
+                                         store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply("other")))
     assert sorted([first.already_finished, second.already_finished]) == [False, True]
     assert first.reply == second.reply
-    history = await store.read_conversation(OWNER, conv)
+    history = await store.conversations.read_conversation(OWNER, conv)
     assert [(m.index, m.role, m.content) for m in history.messages] == [
         (0, Role.USER, "hi"), (1, Role.ASSISTANT, first.reply.content)]
-    [day] = await store.usage(OWNER)
+    [day] = await store.lifecycle.usage(OWNER)
     assert day.turns == 1 and day.usage == Usage(10, 4, 2)
 
 
@@ -100,14 +100,14 @@ async def test_fail_releases_for_retry(store: ConversationStore) -> None:
     turn = new_turn()
     c = await claim(store, conv, turn)
     assert isinstance(c, Claimed)
-    assert await store.fail_turn(OWNER, conv, turn, c.lease_id, "engine lost")
-    assert not await store.fail_turn(OWNER, conv, turn, c.lease_id, "again")
-    assert (await store.read_turn(OWNER, conv, turn)).state is TurnRecordState.FAILED
-    assert (await store.read_conversation(OWNER, conv)).messages == []
+    assert await store.turns.fail_turn(OWNER, conv, turn, c.lease_id, "engine lost")
+    assert not await store.turns.fail_turn(OWNER, conv, turn, c.lease_id, "again")
+    assert (await store.turns.read_turn(OWNER, conv, turn)).state is TurnRecordState.FAILED
+    assert (await store.conversations.read_conversation(OWNER, conv)).messages == []
     retry = await claim(store, conv, turn)
     assert isinstance(retry, Claimed) and retry.lease_id != c.lease_id
-    await store.finish_turn(OWNER, conv, turn, retry.lease_id, reply())
-    assert len((await store.read_conversation(OWNER, conv)).messages) == 2
+    await store.turns.finish_turn(OWNER, conv, turn, retry.lease_id, reply())
+    assert len((await store.conversations.read_conversation(OWNER, conv)).messages) == 2
 
 
 async def test_progress_and_read_turn(store: ConversationStore, clock: FakeClock) -> None:
@@ -116,15 +116,15 @@ async def test_progress_and_read_turn(store: ConversationStore, clock: FakeClock
     c = await claim(store, conv, turn, lease_ttl_ms=1000)
     assert isinstance(c, Claimed)
     clock.advance(900)
-    p = await store.update_turn_progress(OWNER, conv, turn, c.lease_id, "hel", 2, lease_ttl_ms=1000)
+    p = await store.turns.update_turn_progress(OWNER, conv, turn, c.lease_id, "hel", 2, lease_ttl_ms=1000)
     assert p.held and p.lease_expires_at_ms == clock.now_ms + 1000
     clock.advance(500)  # past the first expiry, within the renewed one
     assert isinstance(await claim(store, conv, turn), InProgress)
-    record = await store.read_turn(OWNER, conv, turn)
+    record = await store.turns.read_turn(OWNER, conv, turn)
     assert (record.state, record.partial_text, record.event_sequence) == (TurnRecordState.RUNNING, "hel", 2)
-    assert not (await store.update_turn_progress(OWNER, conv, turn, LeaseId(str(uuid.uuid4())), "x", 3)).held
-    await store.finish_turn(OWNER, conv, turn, c.lease_id, reply("hello", MessageStatus.STOPPED))
-    record = await store.read_turn(OWNER, conv, turn)
+    assert not (await store.turns.update_turn_progress(OWNER, conv, turn, LeaseId(str(uuid.uuid4())), "x", 3)).held
+    await store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply("hello", MessageStatus.STOPPED))
+    record = await store.turns.read_turn(OWNER, conv, turn)
     assert record.state is TurnRecordState.STOPPED and record.reply is not None
     assert record.reply.status is MessageStatus.STOPPED and record.partial_text == ""
 
@@ -134,20 +134,20 @@ async def test_regenerate_supersedes_earlier_reply(store: ConversationStore) -> 
     first = new_turn()
     c = await claim(store, conv, first)
     assert isinstance(c, Claimed)
-    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("first answer"))
+    await store.turns.finish_turn(OWNER, conv, first, c.lease_id, reply("first answer"))
     regen = new_turn()
-    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="chat-1", regenerates=first)
+    r = await store.turns.begin_turn(OWNER, conv, regen, content="", lease_holder="chat-1", regenerates=first)
     assert isinstance(r, Claimed)
-    await store.finish_turn(OWNER, conv, regen, r.lease_id, reply("second answer"))
+    await store.turns.finish_turn(OWNER, conv, regen, r.lease_id, reply("second answer"))
     again = new_turn()
-    r2 = await store.begin_turn(OWNER, conv, again, content="", lease_holder="chat-1", regenerates=regen)
+    r2 = await store.turns.begin_turn(OWNER, conv, again, content="", lease_holder="chat-1", regenerates=regen)
     assert isinstance(r2, Claimed)
-    await store.finish_turn(OWNER, conv, again, r2.lease_id, reply("third answer"))
-    messages = (await store.read_conversation(OWNER, conv)).messages
+    await store.turns.finish_turn(OWNER, conv, again, r2.lease_id, reply("third answer"))
+    messages = (await store.conversations.read_conversation(OWNER, conv)).messages
     assert [(m.role, m.content, m.superseded) for m in messages] == [
         (Role.USER, "hi", False), (Role.ASSISTANT, "first answer", True),
         (Role.ASSISTANT, "second answer", True), (Role.ASSISTANT, "third answer", False)]
-    [day] = await store.usage(OWNER)
+    [day] = await store.lifecycle.usage(OWNER)
     assert day.turns == 3
 
 
@@ -155,7 +155,7 @@ async def stored_turn(store: ConversationStore, conv: ConversationId, answer: st
     turn = new_turn()
     c = await claim(store, conv, turn)
     assert isinstance(c, Claimed)
-    await store.finish_turn(OWNER, conv, turn, c.lease_id, reply(answer))
+    await store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply(answer))
     return turn
 
 
@@ -165,22 +165,22 @@ async def test_concurrent_regenerates_of_one_reply_leave_one_current(store: Conv
     conv = await conversation(store)
     first = await stored_turn(store, conv, "original")
     regens = [new_turn() for _ in range(8)]  # more than a finish's attempts
-    claims = [await store.begin_turn(OWNER, conv, t, content="", lease_holder="c", regenerates=first)
+    claims = [await store.turns.begin_turn(OWNER, conv, t, content="", lease_holder="c", regenerates=first)
               for t in regens]
     leases = [r.lease_id for r in claims if isinstance(r, Claimed)]
     assert len(leases) == len(regens)
-    finished = await asyncio.gather(*[store.finish_turn(OWNER, conv, t, lease, reply(f"again {i}"))
+    finished = await asyncio.gather(*[store.turns.finish_turn(OWNER, conv, t, lease, reply(f"again {i}"))
                                       for i, (t, lease) in enumerate(zip(regens, leases))])
     assert not any(f.already_finished for f in finished)
-    messages = (await store.read_conversation(OWNER, conv)).messages
+    messages = (await store.conversations.read_conversation(OWNER, conv)).messages
     assert [m.index for m in messages] == list(range(10))
     assert sorted(f.reply.index for f in finished) == list(range(2, 10))
     assert [m.superseded for m in messages[1:]] == [True] * 8 + [False]
     for t, f in zip(regens, finished):
-        record = await store.read_turn(OWNER, conv, t)
+        record = await store.turns.read_turn(OWNER, conv, t)
         assert record.state is TurnRecordState.STORED and record.reply is not None
         assert (record.reply.index, record.reply.content) == (f.reply.index, f.reply.content)
-    [day] = await store.usage(OWNER)
+    [day] = await store.lifecycle.usage(OWNER)
     assert day.turns == 9
 
 
@@ -193,28 +193,28 @@ async def test_a_regenerate_finished_by_another_replica_or_after_a_takeover(
     conv = await conversation(claimer)
     first = await stored_turn(claimer, conv, "original")
     regen = new_turn()
-    r = await claimer.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    r = await claimer.turns.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
     assert isinstance(r, Claimed)
-    finished = await finisher.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated"))
+    finished = await finisher.turns.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated"))
     assert not finished.already_finished and finished.reply.index == 2
-    again = await finisher.finish_turn(OWNER, conv, regen, r.lease_id, reply("other"))
+    again = await finisher.turns.finish_turn(OWNER, conv, regen, r.lease_id, reply("other"))
     assert again.already_finished and again.reply == finished.reply
     taken_over = new_turn()
-    expired = await claimer.begin_turn(OWNER, conv, taken_over, content="", lease_holder="c", regenerates=regen,
+    expired = await claimer.turns.begin_turn(OWNER, conv, taken_over, content="", lease_holder="c", regenerates=regen,
                                        lease_ttl_ms=1000)
     assert isinstance(expired, Claimed)
     clock.advance(1001)
-    r2 = await claimer.begin_turn(OWNER, conv, taken_over, content="", lease_holder="d", regenerates=regen)
+    r2 = await claimer.turns.begin_turn(OWNER, conv, taken_over, content="", lease_holder="d", regenerates=regen)
     assert isinstance(r2, Claimed) and r2.lease_id != expired.lease_id
     with pytest.raises(FailedPrecondition):  # the expired claim's lease is gone
-        await claimer.finish_turn(OWNER, conv, taken_over, expired.lease_id, reply("late"))
-    assert (await claimer.finish_turn(OWNER, conv, taken_over, r2.lease_id, reply("third"))).reply.index == 3
-    messages = (await finisher.read_conversation(OWNER, conv)).messages
+        await claimer.turns.finish_turn(OWNER, conv, taken_over, expired.lease_id, reply("late"))
+    assert (await claimer.turns.finish_turn(OWNER, conv, taken_over, r2.lease_id, reply("third"))).reply.index == 3
+    messages = (await finisher.conversations.read_conversation(OWNER, conv)).messages
     assert [(m.role, m.content, m.superseded) for m in messages] == [
         (Role.USER, "hi", False), (Role.ASSISTANT, "original", True), (Role.ASSISTANT, "regenerated", True),
         (Role.ASSISTANT, "third", False)]
-    assert (await finisher.read_conversation(OWNER, conv)).conversation.message_count == 4
-    [day] = await finisher.usage(OWNER)
+    assert (await finisher.conversations.read_conversation(OWNER, conv)).conversation.message_count == 4
+    [day] = await finisher.lifecycle.usage(OWNER)
     assert day.turns == 3
 
 
@@ -223,9 +223,9 @@ async def test_regenerate_needs_a_stored_turn(store: ConversationStore) -> None:
     pending = new_turn()
     assert isinstance(await claim(store, conv, pending), Claimed)
     with pytest.raises(FailedPrecondition):
-        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=pending)
+        await store.turns.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=pending)
     with pytest.raises(NotFound):
-        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=new_turn())
+        await store.turns.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=new_turn())
 
 
 async def test_bad_input_and_ownership(make_store: object, store: ConversationStore) -> None:
@@ -236,15 +236,15 @@ async def test_bad_input_and_ownership(make_store: object, store: ConversationSt
     with pytest.raises(InvalidArgument, match="limit of 10 bytes"):
         await claim(small, conv, new_turn(), "x" * 11)
     with pytest.raises(NotFound):  # another owner's conversation: not found, never a hint
-        await store.begin_turn(OwnerId("mallory"), conv, new_turn(), content="hi", lease_holder="c")
+        await store.turns.begin_turn(OwnerId("mallory"), conv, new_turn(), content="hi", lease_holder="c")
     with pytest.raises(NotFound):
-        await store.read_conversation(OwnerId("mallory"), conv)
+        await store.conversations.read_conversation(OwnerId("mallory"), conv)
     with pytest.raises(NotFound):
-        await store.delete_conversation(OwnerId("mallory"), conv)
+        await store.lifecycle.delete_conversation(OwnerId("mallory"), conv)
     with pytest.raises(NotFound):
         await claim(store, ConversationId(str(uuid.uuid4())), new_turn())
     with pytest.raises(InvalidArgument, match="title"):
-        await store.insert_conversation(OWNER, "t" * 201)
+        await store.conversations.insert_conversation(OWNER, "t" * 201)
 
 
 async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationStore, engine: AsyncEngine,
@@ -264,15 +264,15 @@ async def test_a_failed_finish_leaves_nothing_half_stored(store: ConversationSto
             await conn.execute(text("CREATE TRIGGER usage_fails BEFORE INSERT ON usage_days "
                                     "FOR EACH ROW EXECUTE FUNCTION usage_fails()"))
     with pytest.raises(Exception, match="disk full"):
-        await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
-    history = await store.read_conversation(OWNER, conv)
+        await store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply())
+    history = await store.conversations.read_conversation(OWNER, conv)
     assert history.messages == [] and history.conversation.message_count == 0
-    assert (await store.read_turn(OWNER, conv, turn)).state is TurnRecordState.RECEIVED
-    assert await store.usage(OWNER) == []
+    assert (await store.turns.read_turn(OWNER, conv, turn)).state is TurnRecordState.RECEIVED
+    assert await store.lifecycle.usage(OWNER) == []
     async with engine.begin() as conn:
         await conn.execute(text("DROP TRIGGER usage_fails" + ("" if backend.name == "sqlite" else " ON usage_days")))
-    assert not (await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())).already_finished
-    assert len((await store.read_conversation(OWNER, conv)).messages) == 2
+    assert not (await store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply())).already_finished
+    assert len((await store.conversations.read_conversation(OWNER, conv)).messages) == 2
 
 
 async def test_only_the_last_reply_can_be_regenerated(store: ConversationStore) -> None:
@@ -280,19 +280,19 @@ async def test_only_the_last_reply_can_be_regenerated(store: ConversationStore) 
     first = new_turn()
     c = await claim(store, conv, first, "one")
     assert isinstance(c, Claimed)
-    await store.finish_turn(OWNER, conv, first, c.lease_id, reply("r1"))
+    await store.turns.finish_turn(OWNER, conv, first, c.lease_id, reply("r1"))
     regen = new_turn()
-    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    r = await store.turns.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
     assert isinstance(r, Claimed)
     second = new_turn()  # a new message is stored while the regenerate runs
     c2 = await claim(store, conv, second, "two")
     assert isinstance(c2, Claimed)
-    await store.finish_turn(OWNER, conv, second, c2.lease_id, reply("r2"))
+    await store.turns.finish_turn(OWNER, conv, second, c2.lease_id, reply("r2"))
     with pytest.raises(FailedPrecondition, match="last user message"):
-        await store.finish_turn(OWNER, conv, regen, r.lease_id, reply("r1 again"))
+        await store.turns.finish_turn(OWNER, conv, regen, r.lease_id, reply("r1 again"))
     with pytest.raises(FailedPrecondition, match="last user message"):
-        await store.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=first)
-    assert [m.superseded for m in (await store.read_conversation(OWNER, conv)).messages] == [False] * 4
+        await store.turns.begin_turn(OWNER, conv, new_turn(), content="", lease_holder="c", regenerates=first)
+    assert [m.superseded for m in (await store.conversations.read_conversation(OWNER, conv)).messages] == [False] * 4
     with pytest.raises(InvalidArgument, match="lease_ttl_ms"):
         await claim(store, conv, new_turn(), lease_ttl_ms=10**18)
 
@@ -303,7 +303,7 @@ async def test_claim_with_context(store: ConversationStore, monkeypatch: pytest.
         t = new_turn()
         c = await claim(store, conv, t, f"q{i}")
         assert isinstance(c, Claimed) and c.context is None  # not asked for
-        await store.finish_turn(OWNER, conv, t, c.lease_id, reply(f"a{i}"))
+        await store.turns.finish_turn(OWNER, conv, t, c.lease_id, reply(f"a{i}"))
     turn = new_turn()
     first = await claim(store, conv, turn, "q3", context_messages=4)
     assert isinstance(first, Claimed) and first.context is not None
@@ -311,21 +311,21 @@ async def test_claim_with_context(store: ConversationStore, monkeypatch: pytest.
     assert [(m.index, m.content) for m in first.context.messages] == [(2, "q1"), (3, "a1"), (4, "q2"), (5, "a2")]
     again = await claim(store, conv, turn, "q3", context_messages=4)
     assert isinstance(again, InProgress)  # only a NEW claim carries context
-    assert await store.fail_turn(OWNER, conv, turn, first.lease_id)
-    await store.save_summary(OWNER, conv, "they asked q0 and q1", 2, 7)
+    assert await store.turns.fail_turn(OWNER, conv, turn, first.lease_id)
+    await store.conversations.save_summary(OWNER, conv, "they asked q0 and q1", 2, 7)
     retaken = await claim(store, conv, turn, "q3", context_messages=1000)  # a failed turn claimed again
     assert isinstance(retaken, Claimed) and retaken.context is not None
     assert retaken.context.summary is not None and retaken.context.summary.covers_through_index == 2
     assert [m.index for m in retaken.context.messages] == [3, 4, 5]  # only what follows the summary
-    await store.finish_turn(OWNER, conv, turn, retaken.lease_id, reply("a3"))
-    monkeypatch.setattr("chatmesh.store.core.MAX_CONTEXT_MESSAGES", 2)
+    await store.turns.finish_turn(OWNER, conv, turn, retaken.lease_id, reply("a3"))
+    monkeypatch.setattr("chatmesh.store.turns.MAX_CONTEXT_MESSAGES", 2)
     capped = await claim(store, conv, new_turn(), "q4", context_messages=50)
     assert isinstance(capped, Claimed) and capped.context is not None
     assert [m.content for m in capped.context.messages] == ["q3", "a3"]
     with pytest.raises(InvalidArgument, match="context_max_messages"):
         await claim(store, conv, new_turn(), "q5", context_messages=-1)
     with pytest.raises(NotFound):
-        await store.begin_turn(OwnerId("mallory"), conv, new_turn(), content="x", lease_holder="c",
+        await store.turns.begin_turn(OwnerId("mallory"), conv, new_turn(), content="x", lease_holder="c",
                                context_messages=5)
 
 
@@ -335,19 +335,19 @@ async def test_concurrent_finishes_in_one_conversation_keep_indexes_dense(store:
     claims = [await claim(store, conv, t, f"q-{t}") for t in turns]
     leases = [c.lease_id for c in claims if isinstance(c, Claimed)]
     assert len(leases) == len(turns)
-    finished = await asyncio.gather(*[store.finish_turn(OWNER, conv, t, lease, reply(f"a-{t}"))
+    finished = await asyncio.gather(*[store.turns.finish_turn(OWNER, conv, t, lease, reply(f"a-{t}"))
                                       for t, lease in zip(turns, leases)])
     assert not any(f.already_finished for f in finished)
-    history = await store.read_conversation(OWNER, conv)
+    history = await store.conversations.read_conversation(OWNER, conv)
     assert history.conversation.message_count == 24
     assert [m.index for m in history.messages] == list(range(24))
     for user, answer in zip(history.messages[::2], history.messages[1::2]):  # each turn's pair is adjacent
         assert (user.role, answer.role) == (Role.USER, Role.ASSISTANT) and user.turn_id == answer.turn_id
         assert (user.content, answer.content) == (f"q-{user.turn_id}", f"a-{user.turn_id}")
     for t, f in zip(turns, finished):
-        record = await store.read_turn(OWNER, conv, t)
+        record = await store.turns.read_turn(OWNER, conv, t)
         assert record.reply is not None and record.reply.index == f.reply.index
-    [day] = await store.usage(OWNER)
+    [day] = await store.lifecycle.usage(OWNER)
     assert day.turns == 12 and day.usage == Usage(120, 48, 24)
 
 
@@ -356,9 +356,9 @@ async def test_a_delete_racing_finishes_leaves_no_row(store: ConversationStore, 
     turns = [new_turn() for _ in range(6)]
     claims = [await claim(store, conv, t) for t in turns]
     outcomes = await asyncio.gather(
-        *[store.finish_turn(OWNER, conv, t, c.lease_id, reply()) for t, c in zip(turns, claims)
+        *[store.turns.finish_turn(OWNER, conv, t, c.lease_id, reply()) for t, c in zip(turns, claims)
           if isinstance(c, Claimed)],
-        store.delete_conversation(OWNER, conv), return_exceptions=True)
+        store.lifecycle.delete_conversation(OWNER, conv), return_exceptions=True)
     assert outcomes[-1] == [conv]
     assert all(isinstance(o, NotFound) or not isinstance(o, BaseException) for o in outcomes)
     async with engine.connect() as conn:
@@ -383,17 +383,17 @@ async def test_a_call_cancelled_mid_statement_leaves_the_store_usable(
         await conn.execute(text("CREATE TRIGGER usage_waits BEFORE INSERT ON usage_days "
                                 "FOR EACH ROW EXECUTE FUNCTION usage_waits()"))
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(store.finish_turn(OWNER, conv, turn, c.lease_id, reply()), 0.3)
+        await asyncio.wait_for(store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply()), 0.3)
     async with engine.begin() as conn:
         await conn.execute(text("DROP TRIGGER usage_waits ON usage_days"))
-    finished = await store.finish_turn(OWNER, conv, turn, c.lease_id, reply())
+    finished = await store.turns.finish_turn(OWNER, conv, turn, c.lease_id, reply())
     assert finished.reply.index == 1  # stored once, whether or not the cancelled statement had committed
-    for _ in range(3):  # the connections the hot path keeps still work
+    for _ in range(3):  # the connections the PostgreSQL backend keeps still work
         t = new_turn()
         again = await claim(store, conv, t, "next", context_messages=2)
         assert isinstance(again, Claimed) and again.context is not None
-        await store.finish_turn(OWNER, conv, t, again.lease_id, reply())
-    assert (await store.read_conversation(OWNER, conv)).conversation.message_count == 8
+        await store.turns.finish_turn(OWNER, conv, t, again.lease_id, reply())
+    assert (await store.conversations.read_conversation(OWNER, conv)).conversation.message_count == 8
 
 
 # PostgreSQL only: a SQLite finish takes the write lock (BEGIN IMMEDIATE) before it reads, so nothing commits
@@ -405,16 +405,16 @@ async def test_a_regenerate_refused_for_a_racing_finish_is_stored_after_the_lock
     conv = await conversation(store)
     first = await stored_turn(store, conv, "original")
     regen = new_turn()
-    r = await store.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
+    r = await store.turns.begin_turn(OWNER, conv, regen, content="", lease_holder="c", regenerates=first)
     assert isinstance(r, Claimed)
     sent: list[str] = []
-    store.hot.listeners.append(sent.append)
+    store.db.backend.listeners.append(sent.append)
     key = {"o": OWNER, "c": conv}
     async with engine.begin() as racer:  # holds the conversation while the finish's statement waits on it
         racer_pid = (await racer.execute(text("SELECT pg_backend_pid()"))).scalar_one()
         await racer.execute(text("SELECT 1 FROM conversations WHERE owner_id = :o AND conversation_id = :c "
                                  "FOR UPDATE"), key)
-        finishing = asyncio.create_task(store.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated")))
+        finishing = asyncio.create_task(store.turns.finish_turn(OWNER, conv, regen, r.lease_id, reply("regenerated")))
         async with engine.connect() as watch:
             for _ in range(200):
                 waiting = (await watch.execute(text(
@@ -432,11 +432,11 @@ async def test_a_regenerate_refused_for_a_racing_finish_is_stored_after_the_lock
         await racer.execute(text("UPDATE conversations SET message_count = 3 WHERE owner_id = :o "
                                  "AND conversation_id = :c"), key)
     finished = await finishing
-    store.hot.listeners.remove(sent.append)
+    store.db.backend.listeners.remove(sent.append)
     assert not finished.already_finished and finished.reply.index == 3
     kinds = ["lock" if s.startswith("SELECT FROM conversations") and s.endswith("FOR NO KEY UPDATE")
              else "finish" if s.startswith("WITH conv AS") else "other" for s in sent]
     assert kinds == ["finish", "lock", "finish"]  # refused (a finish committed after its snapshot), then stored
-    messages = (await store.read_conversation(OWNER, conv)).messages
+    messages = (await store.conversations.read_conversation(OWNER, conv)).messages
     assert [(m.content, m.superseded) for m in messages] == [
         ("hi", False), ("original", True), ("racing", True), ("regenerated", False)]

@@ -13,7 +13,8 @@ from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.commands import report_unread
 from chatmesh.mesh.config import Config
 from chatmesh.store import migrate, settings
-from chatmesh.store.core import ConversationStore, FieldLimits
+from chatmesh.store.core import ConversationStore
+from chatmesh.store.limits import FieldLimits
 from chatmesh.store.db import database_url, make_engine
 
 
@@ -57,7 +58,7 @@ async def _run(cfg: Config, action: str, revision: str | None) -> int:
         else:
             store = ConversationStore(engine, FieldLimits(retention_days=cfg[settings.RETENTION_DAYS]))
             try:
-                purged = await store.purge_expired()
+                purged = await store.lifecycle.purge_expired()
             finally:
                 await store.close()
             print(f"purged {len(purged.conversations)} conversations, {purged.abandoned_turns} abandoned turns")

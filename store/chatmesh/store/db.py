@@ -1,7 +1,8 @@
-"""Engines for the two backends, and the hot path that goes with each.
+"""The store's database: engines for the two backends, the backend (`chatmesh.store.backend`) that goes with
+each, and the transactions the SQLAlchemy statements run in.
 
-Both backends run the core's SQLAlchemy statements as they are; the turn cycle's claim, read and finish are
-the hot path's (`chatmesh.store.hot`), whose SQL is written once per backend. SQLite (embedded default): WAL,
+Both backends run the SQLAlchemy statements as they are; the turn cycle's claim, read and finish are the
+backend's (`postgres.py`, `sqlite.py`), whose SQL is written once per database. SQLite (embedded default): WAL,
 `synchronous=NORMAL`, a busy timeout, foreign keys on, and every write transaction opened with `BEGIN
 IMMEDIATE`, so a read-then-write takes the write lock up front instead of failing with SQLITE_BUSY when it
 upgrades. Work made of statements that are each atomic runs without a transaction (see `autocommit`).
@@ -12,20 +13,24 @@ CONFLICT DO NOTHING, UPDATE .. WHERE lease_id = :old, the finish's one data-modi
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, QueuePool
 
-from chatmesh.store.hot import HotPath, PostgresHotPath, SqliteHotPath, apply_pragmas
+from chatmesh.store.backend import Backend, unavailable
+from chatmesh.store.postgres import PostgresBackend
+from chatmesh.store.sqlite import SQLITE_BUSY_TIMEOUT_MS, SQLITE_MAX_POOL, SQLITE_PRAGMAS, SqliteBackend, apply_pragmas
 
-SQLITE_BUSY_TIMEOUT_MS = 30_000
-SQLITE_MAX_POOL = 4  # writers serialize on one lock; past a few connections they only wait on each other
 _BEGIN_OPTION = "chatmesh_sqlite_begin"
-SQLITE_PRAGMAS = (f"busy_timeout={SQLITE_BUSY_TIMEOUT_MS}", "journal_mode=WAL", "synchronous=NORMAL",
-                  "foreign_keys=ON")
+# SQLAlchemy's errors that mean the database cannot be reached or is shedding load (answered UNAVAILABLE).
+# asyncpg's refused or dropped connections surface as OSError / TimeoutError, not as SQLAlchemy errors.
+UNREACHABLE = (OperationalError, InterfaceError, OSError, TimeoutError)
 
 
 def database_url(configured: str, data_dir: str) -> str:
@@ -82,14 +87,45 @@ async def autocommit(conn: AsyncConnection) -> AsyncConnection:
     return await conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
-def hot_path(engine: AsyncEngine) -> HotPath:
-    """The turn cycle's one-round-trip-per-call claim, read and finish for this engine's database (see
-    `chatmesh.store.hot`)."""
+def backend_for(engine: AsyncEngine) -> Backend:
+    """The turn cycle's one-round-trip-per-call claim, read and finish for this engine's database."""
     if not is_sqlite(engine):
         pool = engine.pool
         size = pool.size() if isinstance(pool, QueuePool) else 1
-        return PostgresHotPath(engine, keep=max(1, size))  # the pool's overflow stays for everything else
+        return PostgresBackend(engine, keep=max(1, size))  # the pool's overflow stays for everything else
     path = engine.url.database
     if not path or path == ":memory:":
         raise ValueError("the embedded store needs a SQLite file, not an in-memory database")
-    return SqliteHotPath(path, SQLITE_MAX_POOL, SQLITE_PRAGMAS)
+    return SqliteBackend(path, SQLITE_MAX_POOL, SQLITE_PRAGMAS)
+
+
+class Database:
+    """One store database: the caller's engine, its backend, and the two ways SQLAlchemy statements run on it,
+    both answering UNAVAILABLE when the database cannot be reached."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.backend = backend_for(engine)
+
+    async def close(self) -> None:
+        """Closes what the store opened itself (SQLite's backend connections); the engine is the caller's."""
+        await self.backend.close()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[AsyncConnection]:
+        """One transaction (SQLite: BEGIN IMMEDIATE)."""
+        try:
+            async with self.engine.begin() as conn:
+                yield conn
+        except UNREACHABLE as err:
+            raise unavailable(err) from err
+
+    @asynccontextmanager
+    async def single(self) -> AsyncIterator[AsyncConnection]:
+        """A connection whose statements each commit alone (reads; the claim's takeover, an atomic
+        compare-and-swap; fail and progress, each one conditional UPDATE)."""
+        try:
+            async with self.engine.connect() as conn:
+                yield await autocommit(conn)
+        except UNREACHABLE as err:
+            raise unavailable(err) from err

@@ -26,7 +26,8 @@ from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScope
 from chatmesh.mesh.server import Service, unary_errors
 from chatmesh.mesh.trust import Trust
 from chatmesh.store import settings
-from chatmesh.store.core import ConversationStore, FieldLimits
+from chatmesh.store.core import ConversationStore
+from chatmesh.store.limits import FieldLimits
 from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
 from chatmesh.store.values import Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Purged, Reply
@@ -125,7 +126,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
         named = parse_conversation_id(request.conversation_id) if request.conversation_id else None
         owner = self._owner_wide(request, context) if named is None else \
             self.guard.owner(context, request.owner_id, named)
-        conv, created = await self.store.create_conversation(
+        conv, created = await self.store.conversations.create_conversation(
             owner, request.title, request.system_prompt_version, conversation=named,
             seed=[seed_of(m, f"messages[{i}]") for i, m in enumerate(request.messages)])
         return store_pb2.InsertConversationResponse(conversation=conversation_pb(conv), created=created)
@@ -134,14 +135,14 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def ReadConversation(self, request: store_pb2.ReadConversationRequest,
                                context: Context) -> store_pb2.ReadConversationResponse:
-        return history_pb(await self.store.read_conversation(
+        return history_pb(await self.store.conversations.read_conversation(
             *self._in_conversation(request, context),
             from_index=request.from_index, max_messages=request.max_messages))
 
     @unary_errors
     @completes
     async def BeginTurn(self, request: store_pb2.BeginTurnRequest, context: Context) -> store_pb2.BeginTurnResponse:
-        outcome = await self.store.begin_turn(
+        outcome = await self.store.turns.begin_turn(
             *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
@@ -160,7 +161,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
                       status=parse_status(request.reply_status, "reply_status", MessageStatus.COMPLETE),
                       usage=parse_usage(request.usage),
                       user_status=parse_status(request.user_status, "user_status", MessageStatus.COMPLETE))
-        finished = await self.store.finish_turn(
+        finished = await self.store.turns.finish_turn(
             *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), reply)
         return store_pb2.FinishTurnResponse(already_finished=finished.already_finished,
@@ -169,7 +170,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     @completes
     async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
-        released = await self.store.fail_turn(
+        released = await self.store.turns.fail_turn(
             *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
         return store_pb2.FailTurnResponse(released=released)
@@ -178,7 +179,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def UpdateTurnProgress(self, request: store_pb2.UpdateTurnProgressRequest,
                                  context: Context) -> store_pb2.UpdateTurnProgressResponse:
-        progress = await self.store.update_turn_progress(
+        progress = await self.store.turns.update_turn_progress(
             *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.partial_text,
             request.event_sequence, request.lease_ttl_ms)
@@ -188,7 +189,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @unary_errors
     @completes
     async def ReadTurn(self, request: store_pb2.ReadTurnRequest, context: Context) -> store_pb2.ReadTurnResponse:
-        turn = await self.store.read_turn(*self._in_conversation(request, context),
+        turn = await self.store.turns.read_turn(*self._in_conversation(request, context),
                                           parse_turn_id(request.turn_id))
         return turn_record_pb(turn)
 
@@ -196,7 +197,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def SaveSummary(self, request: store_pb2.SaveSummaryRequest,
                           context: Context) -> store_pb2.SaveSummaryResponse:
-        summary = await self.store.save_summary(
+        summary = await self.store.conversations.save_summary(
             *self._in_conversation(request, context), request.text,
             request.covers_through_index, request.token_count)
         return store_pb2.SaveSummaryResponse(summary=summary_pb(summary))
@@ -205,21 +206,21 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def ListOwnerConversations(self, request: store_pb2.ListOwnerConversationsRequest,
                                      context: Context) -> store_pb2.ListOwnerConversationsResponse:
-        convs = await self.store.list_conversations(self._owner_wide(request, context), request.page_size)
+        convs = await self.store.conversations.list_conversations(self._owner_wide(request, context), request.page_size)
         return store_pb2.ListOwnerConversationsResponse(conversations=[conversation_pb(c) for c in convs])
 
     @unary_errors
     @completes
     async def DeleteStoredConversation(self, request: store_pb2.DeleteStoredConversationRequest,
                                        context: Context) -> store_pb2.DeleteStoredConversationResponse:
-        evict = await self.store.delete_conversation(*self._in_conversation(request, context))
+        evict = await self.store.lifecycle.delete_conversation(*self._in_conversation(request, context))
         return store_pb2.DeleteStoredConversationResponse(evict_conversation_ids=evict)
 
     @unary_errors
     @completes
     async def DeleteStoredTurn(self, request: store_pb2.DeleteStoredTurnRequest,
                                context: Context) -> store_pb2.DeleteStoredTurnResponse:
-        evict, deleted = await self.store.delete_turn(*self._in_conversation(request, context),
+        evict, deleted = await self.store.lifecycle.delete_turn(*self._in_conversation(request, context),
                                                       parse_turn_id(request.turn_id))
         return store_pb2.DeleteStoredTurnResponse(evict_conversation_ids=evict, messages_deleted=deleted)
 
@@ -227,20 +228,20 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def DeleteOwnerData(self, request: store_pb2.DeleteOwnerDataRequest,
                               context: Context) -> store_pb2.DeleteOwnerDataResponse:
-        evict = await self.store.delete_user_data(self._owner_wide(request, context))
+        evict = await self.store.lifecycle.delete_user_data(self._owner_wide(request, context))
         return store_pb2.DeleteOwnerDataResponse(evict_conversation_ids=evict)
 
     @unary_errors
     @completes
     async def ExportOwnerData(self, request: store_pb2.ExportOwnerDataRequest,
                               context: Context) -> store_pb2.ExportOwnerDataResponse:
-        document = await self.store.export_user_data(self._owner_wide(request, context))
+        document = await self.store.lifecycle.export_user_data(self._owner_wide(request, context))
         return store_pb2.ExportOwnerDataResponse(json=json.dumps(document, ensure_ascii=False))
 
     @unary_errors
     @completes
     async def ReadUsage(self, request: store_pb2.ReadUsageRequest, context: Context) -> store_pb2.ReadUsageResponse:
-        days = await self.store.usage(self._owner_wide(request, context), request.days)
+        days = await self.store.lifecycle.usage(self._owner_wide(request, context), request.days)
         return store_pb2.ReadUsageResponse(days=[
             store_pb2.UsageDay(day=d.day, usage=usage_pb(d.usage), turns=d.turns) for d in days])
 
@@ -248,7 +249,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     @completes
     async def PurgeExpired(self, request: store_pb2.PurgeExpiredRequest,
                            context: Context) -> store_pb2.PurgeExpiredResponse:
-        purged = await self.store.purge_expired()
+        purged = await self.store.lifecycle.purge_expired()
         self.metrics.purge(purged)
         return store_pb2.PurgeExpiredResponse(
             purged=[store_pb2.OwnedConversation(owner_id=o, conversation_id=c) for o, c in purged.conversations],
@@ -259,7 +260,7 @@ async def purge_periodically(store: ConversationStore, interval_s: float, observ
     while True:
         await asyncio.sleep(interval_s)
         try:
-            purged = await store.purge_expired()
+            purged = await store.lifecycle.purge_expired()
             observed.purge(purged)
             if purged.conversations:
                 log.info("purged_conversations", conversation_ids=[c for _, c in purged.conversations])

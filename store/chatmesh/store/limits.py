@@ -1,0 +1,45 @@
+"""What the store accepts: the size limits of the fields it stores, and the checks that refuse a request past
+them with INVALID_ARGUMENT naming the field (before anything is written)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatmesh.mesh.errors import InvalidArgument
+
+MAX_LEASE_TTL_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class FieldLimits:
+    max_content_bytes: int = 1024 * 1024  # the message size policy's CHATMESH_MAX_MESSAGE_BYTES
+    lease_ttl_ms: int = 30_000
+    retention_days: int = 30
+    max_title_chars: int = 200
+    max_system_prompt_version_chars: int = 64
+    max_fingerprint_chars: int = 128
+    max_lease_holder_chars: int = 128
+
+    def check_text(self, field: str, text: str, *, required: bool) -> None:
+        if required and not text:
+            raise InvalidArgument(f"{field} must not be empty")
+        size = len(text.encode())
+        if size > self.max_content_bytes:
+            raise InvalidArgument(f"{field} is {size} bytes, over the limit of {self.max_content_bytes} "
+                                  f"bytes (CHATMESH_MAX_MESSAGE_BYTES)")
+
+    def ttl(self, lease_ttl_ms: int) -> int:
+        """The lease a request asks for (0: the default), checked."""
+        if not 0 <= lease_ttl_ms <= MAX_LEASE_TTL_MS:
+            raise InvalidArgument(f"lease_ttl_ms must be 0 (the default) to {MAX_LEASE_TTL_MS}, got {lease_ttl_ms}")
+        return lease_ttl_ms or self.lease_ttl_ms
+
+
+def check_len(field: str, text: str, limit: int) -> None:
+    if len(text) > limit:
+        raise InvalidArgument(f"{field} is {len(text)} characters, over the limit of {limit}")
+
+
+def check_count(field: str, value: int) -> None:
+    if value < 0:
+        raise InvalidArgument(f"{field} must not be negative, got {value}")
