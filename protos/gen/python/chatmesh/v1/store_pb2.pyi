@@ -256,7 +256,7 @@ class ReadConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ..., summary: _Optional[_Union[ConversationSummary, _Mapping]] = ..., message_count: _Optional[int] = ...) -> None: ...
 
 class BeginTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id", "context_max_messages")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id", "context_max_messages", "generation_options")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class BeginTurnRequest(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     REGENERATES_TURN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
@@ -275,7 +276,8 @@ class BeginTurnRequest(_message.Message):
     lease_ttl_ms: int
     regenerates_turn_id: str
     context_max_messages: int
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ..., context_max_messages: _Optional[int] = ...) -> None: ...
+    generation_options: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ..., context_max_messages: _Optional[int] = ..., generation_options: _Optional[str] = ...) -> None: ...
 
 class BeginTurnResponse(_message.Message):
     __slots__ = ("claimed", "in_progress", "done", "conflict")
@@ -290,14 +292,20 @@ class BeginTurnResponse(_message.Message):
     def __init__(self, claimed: _Optional[_Union[TurnClaimed, _Mapping]] = ..., in_progress: _Optional[_Union[TurnInProgress, _Mapping]] = ..., done: _Optional[_Union[TurnDone, _Mapping]] = ..., conflict: _Optional[_Union[TurnConflict, _Mapping]] = ...) -> None: ...
 
 class TurnClaimed(_message.Message):
-    __slots__ = ("lease_id", "lease_expires_at_ms", "context")
+    __slots__ = ("lease_id", "lease_expires_at_ms", "context", "generation_options", "resume_text", "taken_over")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     lease_expires_at_ms: int
     context: ReadConversationResponse
-    def __init__(self, lease_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ..., context: _Optional[_Union[ReadConversationResponse, _Mapping]] = ...) -> None: ...
+    generation_options: str
+    resume_text: str
+    taken_over: bool
+    def __init__(self, lease_id: _Optional[str] = ..., lease_expires_at_ms: _Optional[int] = ..., context: _Optional[_Union[ReadConversationResponse, _Mapping]] = ..., generation_options: _Optional[str] = ..., resume_text: _Optional[str] = ..., taken_over: _Optional[bool] = ...) -> None: ...
 
 class TurnInProgress(_message.Message):
     __slots__ = ("lease_holder", "lease_expires_at_ms")
@@ -354,18 +362,20 @@ class FinishTurnResponse(_message.Message):
     def __init__(self, already_finished: _Optional[bool] = ..., reply: _Optional[_Union[_common_pb2.Message, _Mapping]] = ...) -> None: ...
 
 class FailTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "lease_id", "reason")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "lease_id", "reason", "partial_text")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_TEXT_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
     lease_id: str
     reason: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    partial_text: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., reason: _Optional[str] = ..., partial_text: _Optional[str] = ...) -> None: ...
 
 class FailTurnResponse(_message.Message):
     __slots__ = ("released",)

@@ -147,7 +147,8 @@ class StoreServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FailTurn(self, request, context):
-        """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it.
+        """Marks a claimed turn failed and releases its lease; no message is stored (the reply shown so far stays with the
+        record for the next claim to continue), so a retry may claim it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,7 +44,9 @@ class StoreServiceStub:
     FinishTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.FinishTurnRequest, _store_pb2.FinishTurnResponse]
     """Stores the user message, the reply and the usage of a claimed turn, once, in one transaction."""
     FailTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.FailTurnRequest, _store_pb2.FailTurnResponse]
-    """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+    """Marks a claimed turn failed and releases its lease; no message is stored (the reply shown so far stays with the
+    record for the next claim to continue), so a retry may claim it.
+    """
     UpdateTurnProgress: _grpc.UnaryUnaryMultiCallable[_store_pb2.UpdateTurnProgressRequest, _store_pb2.UpdateTurnProgressResponse]
     """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2)."""
     ReadTurn: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReadTurnRequest, _store_pb2.ReadTurnResponse]
@@ -84,7 +86,9 @@ class StoreServiceAsyncStub(StoreServiceStub):
     FinishTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.FinishTurnRequest, _store_pb2.FinishTurnResponse]  # type: ignore[assignment]
     """Stores the user message, the reply and the usage of a claimed turn, once, in one transaction."""
     FailTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.FailTurnRequest, _store_pb2.FailTurnResponse]  # type: ignore[assignment]
-    """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+    """Marks a claimed turn failed and releases its lease; no message is stored (the reply shown so far stays with the
+    record for the next claim to continue), so a retry may claim it.
+    """
     UpdateTurnProgress: _aio.UnaryUnaryMultiCallable[_store_pb2.UpdateTurnProgressRequest, _store_pb2.UpdateTurnProgressResponse]  # type: ignore[assignment]
     """Records a running turn's reply so far and renews its lease, so another chat process can attach (I2)."""
     ReadTurn: _aio.UnaryUnaryMultiCallable[_store_pb2.ReadTurnRequest, _store_pb2.ReadTurnResponse]  # type: ignore[assignment]
@@ -151,7 +155,9 @@ class StoreServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.FailTurnRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.FailTurnResponse, _abc.Awaitable[_store_pb2.FailTurnResponse]]:
-        """Marks a claimed turn failed and releases its lease; nothing of the turn is stored, so a retry may claim it."""
+        """Marks a claimed turn failed and releases its lease; no message is stored (the reply shown so far stays with the
+        record for the next claim to continue), so a retry may claim it.
+        """
 
     @_abc_1.abstractmethod
     def UpdateTurnProgress(
