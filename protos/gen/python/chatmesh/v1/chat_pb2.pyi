@@ -124,14 +124,16 @@ class AttachTurnResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[TurnEvent, _Mapping]] = ...) -> None: ...
 
 class StopTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "release")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+    release: bool
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class StopTurnResponse(_message.Message):
     __slots__ = ("stopped",)
