@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from chatmesh.chat import context
 from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
-    OutputScreen, Pick, Replica, RouteLeaseId, Screening, TurnKey,
+    OutputScreen, Pick, Replica, ResumeRefused, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
@@ -45,6 +45,7 @@ class _Record:
     partial: str = ""
     reply: Message | None = None
     usage: Usage = Usage()
+    options: str = ""
 
 
 @dataclass
@@ -63,6 +64,8 @@ class FakeStore:
         self.down: set[str] = set()  # method names that answer Unavailable
         self.calls: list[str] = []
         self.renew_refused = False  # progress answers "not held" (another process took the turn over)
+        self.reclaims = 0  # claims of a record that failed or whose lease lapsed
+        self.finishes = 0  # replies stored
 
     def _enter(self, method: str) -> None:
         self.calls.append(method)
@@ -130,9 +133,19 @@ class FakeStore:
             if record.state in RECORD_ACTIVE and record.expires_ms > now:
                 return InProgress(record.holder, int(record.expires_ms))
             require_record_move(claim.key.turn, record.state, TurnRecordState.RECEIVED)
+            # claimed again: the record keeps its options and the reply shown so far, for the new attempt
+            lease = next(self.leases)
+            taken = record.state in RECORD_ACTIVE
+            record.state, record.content, record.lease, record.holder = (
+                TurnRecordState.RECEIVED, claim.content, lease, claim.lease_holder)
+            record.expires_ms = now + claim.lease_ttl_ms
+            self.reclaims += 1
+            return Claimed(lease, int(record.expires_ms), self._history(c) if claim.context_messages else None,
+                           record.options, record.partial, taken)
         lease = next(self.leases)
         self.records[claim.key] = _Record(TurnRecordState.RECEIVED, claim.fingerprint, claim.content, lease,
-                                          claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates)
+                                          claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates,
+                                          options=claim.options)
         return Claimed(lease, int(now + claim.lease_ttl_ms), self._history(c) if claim.context_messages else None)
 
     def _held(self, key: TurnKey, lease: LeaseId) -> _Record:
@@ -162,15 +175,17 @@ class FakeStore:
         stored = Message(len(c.messages), Role.ASSISTANT, reply.text, reply.token_count, reply.status, key.turn, now)
         c.messages.append(stored)
         record.state, record.reply, record.usage, record.partial = target, stored, reply.usage, ""
+        record.options = ""
+        self.finishes += 1
         return Finished(False, stored)
 
-    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
         self._enter("fail_turn")
         record = self._held(key, lease)
         if record.lease != lease or record.state not in RECORD_ACTIVE:
             return False
         require_record_move(key.turn, record.state, TurnRecordState.FAILED)
-        record.state, record.lease, record.partial, record.expires_ms = TurnRecordState.FAILED, None, "", 0
+        record.state, record.lease, record.partial, record.expires_ms = TurnRecordState.FAILED, None, shown, 0
         return True
 
     async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
@@ -285,11 +300,15 @@ class FakeEngine:
         self.unreachable: set[str] = set()  # addresses whose calls fail before any event (not connected)
         self.addresses: list[str] = []  # where each call went, unreachable ones included
         self.on_unreachable: Callable[[], None] | None = None  # called as an unreachable call fails
+        self.cancelled_turns: list[tuple[str, TurnId]] = []  # cancel_turn calls (a takeover's)
+        self.refuse_resume = False  # a backend that cannot continue a reply exactly (ResumeRefused)
 
     def generate(self, address: str, generation: Generation, timeout_s: float) -> AsyncGenerator[EngineEvent, None]:
         self.addresses.append(address)
         if address in self.unreachable:
             return self._unreachable(address)
+        if self.refuse_resume and generation.resumed_tokens:
+            return self._refused(address)
         self.generations.append(generation)
         return self._run(self.scripts.pop(0) if self.scripts else self.default)
 
@@ -299,6 +318,11 @@ class FakeEngine:
         for event in self.default.events[:0]:  # no event comes before the failure (an async generator, as a stream)
             yield event  # type: ignore[misc]
         raise EngineUnreachable(f"engine at {address} unavailable (UNAVAILABLE): failed to connect")
+
+    async def _refused(self, address: str) -> AsyncGenerator[EngineEvent, None]:
+        for event in self.default.events[:0]:
+            yield event  # type: ignore[misc]
+        raise ResumeRefused(f"engine at {address} cannot continue a sampled reply exactly")
 
     async def _run(self, script: Script) -> AsyncGenerator[EngineEvent, None]:
         self.running += 1
@@ -320,6 +344,10 @@ class FakeEngine:
     async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int:
         self.evicted.append((address, owner, conversation))
         return 1
+
+    async def cancel_turn(self, address: str, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> int:
+        self.cancelled_turns.append((address, turn))
+        return 0
 
 
 OUTAGE = Screening(blocked=True, category="moderation_unavailable", reason="moderation failed (UNAVAILABLE); failing "
@@ -367,9 +395,10 @@ class FakeModeration:
 class FakePeers:
     def __init__(self) -> None:
         self.stops: list[tuple[str, TurnKey]] = []
+        self.releases: list[tuple[str, TurnKey]] = []
 
-    async def stop(self, address: str, key: TurnKey) -> bool:
-        self.stops.append((address, key))
+    async def stop(self, address: str, key: TurnKey, release: bool = False) -> bool:
+        (self.releases if release else self.stops).append((address, key))
         return True
 
 

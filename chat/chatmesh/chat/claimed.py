@@ -17,13 +17,22 @@ writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.
     -> FAILED  on any error: FailTurn (nothing stored, the claim released for a retry); also a turn cut off by
                this process shutting down (`LiveTurn.handed_off`): its retry is generated elsewhere
 
-A takeover (`Job.resume`: the turn was taken over from a dead holder and its client already has part of the
-reply) continues that text: it is published first and its tokens follow the generation prompt, so the engine
-generates the rest, and the stored reply starts with what the client was sent.
+A turn claimed again (`Job.resume`: the record kept the reply an earlier attempt showed, its holder having died,
+been cut off by a shutdown, or failed mid-reply) continues that text with the options the record kept: the text
+is published first and its tokens follow the generation prompt (`Generation.resumed_tokens` of them), so the
+engine generates the rest, and the stored reply starts with what any client was sent. The engines draw each
+sampled token by seed and position, so the rest is what the first attempt would have generated (greedy or
+sampled); a backend that cannot continue a sampled reply exactly refuses it (`ResumeRefused`) and the turn fails
+retryable with the shown text dropped, so its retry generates afresh rather than splice. The bill covers the reply
+once: output tokens are the resumed ones plus the new, prompt tokens the prompt without the resumed reply.
 
 A heartbeat writes the reply so far to the turn record and renews the lease every `progress_interval_s`, so
 other chat processes can follow the turn and take it over if this one dies; when a renewal says the lease is no
-longer ours (another process took the turn over), the stream is stopped and nothing is stored (`LeaseLost`).
+longer ours (another process took the turn over), the stream is stopped at once, its engine sequence cancelled
+and nothing is stored (`LeaseLost`).
+
+A failure keeps the reply shown so far with the record (`fail_turn(shown=...)`) for the retry to continue; a turn
+released because its client was shown nothing (`LiveTurn.released`, or nothing published yet) keeps nothing.
 
 Every exit frees the engine sequence and the router lease (I5): the engine stream is closed in a `finally`
 (closing it cancels the RPC, which cancels the sequence), the lease is released in another, and the turn is
@@ -43,7 +52,9 @@ from chatmesh.chat.admission import Admission, judged
 from chatmesh.chat.context import Rendered
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, LiveTurn, Started, Stopped, TurnEventKind
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
-from chatmesh.chat.ports import EngineFinished, EngineUnreachable, FinishReason, Generation, Pick, Ports, TurnKey
+from chatmesh.chat.ports import (
+    EngineFinished, EngineUnreachable, FinishReason, Generation, Pick, Ports, ResumeRefused, TurnKey,
+)
 from chatmesh.chat.prompt import Prompts
 from chatmesh.chat.stream import Ending, OutputBlocked, StoppedHere, StopString, StreamCut, Tally, relay
 from chatmesh.mesh import errors, logs
@@ -70,8 +81,9 @@ class Job:
     lease: LeaseId  # the store's turn lease
     admission: Admission
     view: History | None  # the prompt's context read with the claim; None: read it
-    options: TurnOptions = DEFAULT_TURN  # how to generate this reply
-    resume: str = ""  # reply text a client of a taken-over turn already has: the reply continues it
+    options: TurnOptions = DEFAULT_TURN  # how to generate this reply (the record's, for a turn claimed again)
+    resume: str = ""  # reply text an earlier attempt showed (the record kept it): the reply continues it
+    taken_over: bool = False  # claimed from a holder whose lease lapsed: its sequences are cancelled first
 
 
 class ClaimedTurn:
@@ -99,7 +111,7 @@ class ClaimedTurn:
             self.machine.advance(TurnState.FAILED)
             final = Failed(message=str(err), retryable=isinstance(err, errors.Unavailable))
             if not isinstance(err, LeaseLost):
-                await self._fail(type(err).__name__)
+                await self._fail(type(err).__name__, "" if isinstance(err, ResumeRefused) else None)
         except Exception as err:  # a bug must still leave the turn failed, not half stored
             log.error("turn_crashed", conversation_id=turn.conversation, turn_id=turn.turn, exc_info=err)
             self.machine.advance(TurnState.FAILED)
@@ -140,12 +152,12 @@ class ClaimedTurn:
                                            self.job.regenerates, options.instructions,
                                            options.max_reply_tokens(self.opt.limits.reply_tokens))
             await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
-            if self.job.resume:  # a takeover: the reply continues the text its client already has
-                rendered = Rendered(rendered.token_ids + self.prompts.renderer.continuation(self.job.resume),
-                                    rendered.platform_prefix_tokens)
+            resumed: tuple[int, ...] = ()
+            if self.job.resume:  # claimed again: the reply continues the text an earlier attempt showed
+                resumed = self.prompts.renderer.continuation(self.job.resume)
                 await self.live.publish(Delta(self.job.resume))
             self.machine.advance(TurnState.QUEUED)
-            return await self._stream(rendered, user_tokens)
+            return await self._stream(rendered, resumed, user_tokens)
         finally:
             await self._release()
 
@@ -176,24 +188,38 @@ class ClaimedTurn:
             await self._release()
             self.pick = await self.router.pick(generation.conversation, tried)
 
-    async def _stream(self, rendered: Rendered, user_tokens: int) -> TurnEventKind:
+    async def _stream(self, rendered: Rendered, resumed: tuple[int, ...], user_tokens: int) -> TurnEventKind:
         owner, conv, turn = self.job.key
-        resumed = self.prompts.count_tokens(self.job.resume) if self.job.resume else 0
-        cap = self.job.options.max_reply_tokens(self.opt.limits.reply_tokens)
+        options = self.job.options
+        cap = options.max_reply_tokens(self.opt.limits.reply_tokens)
+        prompt_tokens = len(rendered.token_ids)
         generation = Generation(
-            request_id=turn, conversation=conv, turn=turn, owner=owner, prompt_token_ids=rendered.token_ids,
+            request_id=turn, conversation=conv, turn=turn, owner=owner, prompt_token_ids=rendered.token_ids + resumed,
             platform_prefix_tokens=rendered.platform_prefix_tokens,
-            max_tokens=max(1, cap - resumed),
-            temperature=self.opt.temperature if self.job.options.temperature is None else self.job.options.temperature,
-            top_p=self.opt.top_p if self.job.options.top_p is None else self.job.options.top_p,
-            seed=self.job.options.seed or 0)
-        ending, tally, pick = await self._relay(generation)
+            max_tokens=max(1, cap - len(resumed)),
+            temperature=self.opt.temperature if options.temperature is None else options.temperature,
+            top_p=self.opt.top_p if options.top_p is None else options.top_p,
+            seed=options.seed or 0, resumed_tokens=len(resumed))
+        ending: Ending
+        if resumed and len(resumed) >= cap:  # the earlier attempt reached the cap and died before storing it
+            ending, tally, pick = EngineFinished(FinishReason.LENGTH, 0), Tally(prompt_tokens), self.pick
+            assert pick is not None
+            self.machine.advance(TurnState.PREFILL)
+        else:
+            ending, tally, pick = await self._relay(generation)
         if self.live.lease_lost:
             raise LeaseLost(f"turn {turn} was taken over by another chat process")
         if self.live.handed_off and isinstance(ending, StoppedHere):
+            if self.live.released or not self.live.text:
+                raise errors.Unavailable(f"turn {turn} was released: its client went away before any of the reply "
+                                         "reached it; retry with the same turn id")
             raise errors.Unavailable(f"chat process {self.opt.instance_id} is shutting down; retry turn {turn} "
                                      "with the same turn id")
-        usage, text, output = tally.usage, self.live.text, tally.output_tokens + resumed
+        # One bill for the reply, across attempts: the resumed tokens were the prompt's tail here, but they are
+        # reply the turn generated (once, by an earlier attempt), so they count as output, not as prompt.
+        output = tally.output_tokens + len(resumed)
+        usage = Usage(prompt_tokens, min(tally.cached_tokens, prompt_tokens), output)
+        text = self.live.text
 
         async def store(to: TurnState, status: MessageStatus) -> None:
             await self._end(to, lambda: self._finish(user_tokens, text, output, status, usage))
@@ -238,9 +264,13 @@ class ClaimedTurn:
         await self.store.finish_turn(self.job.key, self.job.lease, Reply(
             user_token_count=user_tokens, text=reply, token_count=reply_tokens, status=status, usage=usage))
 
-    async def _fail(self, reason: str) -> None:
+    async def _fail(self, reason: str, shown: str | None = None) -> None:
+        """Releases the claim, keeping the reply its clients were shown (`shown`, default: all published; none
+        for a turn released because its client saw nothing) for the retry to continue."""
+        if shown is None:
+            shown = "" if self.live.released else self.live.text
         with contextlib.suppress(errors.CoreError):
-            await self.store.fail_turn(self.job.key, self.job.lease, reason)
+            await self.store.fail_turn(self.job.key, self.job.lease, reason, shown)
 
     async def _heartbeat(self) -> None:
         """Writes the reply so far and renews the turn's lease, so other processes can follow or take over."""

@@ -142,7 +142,8 @@ class GrpcStore:
             resp = await _owned(self.stub.BeginTurn, store_pb2.BeginTurnRequest(
                 owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint,
                 content=claim.content, lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
-                regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages))
+                regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages,
+                generation_options=claim.options))
         return wire.claim_of(resp, whole_context)
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
@@ -155,9 +156,10 @@ class GrpcStore:
                 user_status=wire.STATUS_PB[reply.user_status]))
         return wire.finished_of(resp)
 
-    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool:
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
         resp = await _owned(self.stub.FailTurn, store_pb2.FailTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease, reason=reason))
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease, reason=reason,
+            partial_text=shown))
         return resp.released
 
     async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
@@ -396,9 +398,9 @@ class GrpcPeers:
     def __init__(self, channels: Channels):
         self.channels = channels
 
-    async def stop(self, address: str, key: TurnKey) -> bool:
+    async def stop(self, address: str, key: TurnKey, release: bool = False) -> bool:
         stub = chat_pb2_grpc.ChatServiceStub(self.channels.get(address, "chat"))
         resp = await call(f"chat process at {address}", stub.StopTurn(chat_pb2.StopTurnRequest(
-            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn), timeout=5,
+            owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, release=release), timeout=5,
             metadata=tokens.forwarded()))
         return resp.stopped

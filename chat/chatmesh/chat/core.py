@@ -94,6 +94,10 @@ class ChatCore:
     async def stop(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> bool:
         return await self.turns.stop(TurnKey(owner, conv, turn))
 
+    async def release(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> bool:
+        """The turn's client went away having been shown nothing: released for its retry, not stored stopped."""
+        return await self.turns.release(TurnKey(owner, conv, turn))
+
     async def next_prompt(self, owner: OwnerId, conv: ConversationId, new_message: str) -> context.Rendered:
         """The prompt the next turn with `new_message` would send (no summarising side effect)."""
         return await self.prompts.next_prompt(owner, conv, new_message)

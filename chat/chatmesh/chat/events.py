@@ -103,7 +103,11 @@ class LiveTurn:
         self._changed = asyncio.Condition()
         self.stop_requested = asyncio.Event()
         self.lease_lost = False  # set when another process took the turn over
-        self.handed_off = False  # set when this process shuts down: the turn is released, not stopped
+        # set when the turn is released, not stopped: this process shuts down, or its client went away having been
+        # shown nothing; it fails retryable, keeping what was shown for the retry to continue
+        self.handed_off = False
+        self.released = False  # its client's edge said the client was shown nothing (Turns.release)
+        self.attached = 0  # streams following it besides its own caller's (retries, attaches in this process)
 
     async def publish(self, kind: TurnEventKind) -> None:
         async with self._changed:

@@ -1,8 +1,20 @@
-"""The chat core's settings, resolved once at start-up (`service.build` reads them from the configuration)."""
+"""The chat core's settings, resolved once at start-up (`service.build` reads them from the configuration), and a
+turn's own options.
+
+A turn's options are part of its record (issue 33): the first claim stores them, as JSON the store keeps without
+reading it (`TurnOptions.to_json`), and every attempt that claims the turn afterwards (a retry after a failure, a
+takeover from a holder whose lease lapsed) generates with the stored ones (`TurnOptions.from_json`), never with
+its own or the defaults, so a reply continued elsewhere is sampled as it began. A turn sent without a seed gets
+one at its first claim when it samples (`with_seed`): the engines draw a sampled token by seed and position, so
+the seed is what lets a continuation draw the tokens the first attempt would have drawn.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from chatmesh.chat.context import PromptLimits
 from chatmesh.mesh.message_size import MessageSize
@@ -41,6 +53,48 @@ class TurnOptions:
 
     def max_reply_tokens(self, cap: int) -> int:
         return min(self.max_tokens, cap) if self.max_tokens > 0 else cap
+
+    def with_seed(self, default_temperature: float) -> TurnOptions:
+        """These options with a seed when they sample (temperature > 0, theirs or the configured default): the
+        caller's, or a fresh random one (63 bits, so every wire type holds it). Greedy decoding needs none."""
+        sampled = (self.temperature if self.temperature is not None else default_temperature) > 0
+        return replace(self, seed=secrets.randbits(63)) if sampled and self.seed is None else self
+
+    def to_json(self) -> str:
+        """The options as the turn record keeps them (compact; only what differs from the defaults)."""
+        out: dict[str, Any] = {}
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.seed is not None:
+            out["seed"] = self.seed
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.max_tokens:
+            out["max_tokens"] = self.max_tokens
+        if self.instructions:
+            out["instructions"] = self.instructions
+        return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+
+    @staticmethod
+    def from_json(text: str) -> TurnOptions:
+        """Options a turn record kept (`to_json`); unknown keys are ignored (a newer chat process wrote them)."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("turn options: expected a JSON object")
+
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            return float(value) if isinstance(value, (int, float)) else None
+
+        seed = data.get("seed")
+        stop = data.get("stop", [])
+        return TurnOptions(
+            temperature=number("temperature"), top_p=number("top_p"),
+            seed=seed if isinstance(seed, int) else None,
+            stop=tuple(s for s in stop if isinstance(s, str)) if isinstance(stop, list) else (),
+            max_tokens=int(data.get("max_tokens", 0) or 0), instructions=str(data.get("instructions", "") or ""))
 
 
 DEFAULT_TURN = TurnOptions()

@@ -42,6 +42,7 @@ class ClaimRequest:
     lease_ttl_ms: int
     regenerates: TurnId | None
     context_messages: int  # a new claim also returns the summary and this many messages after it
+    options: str = ""  # the turn's options as JSON (options.TurnOptions.to_json): kept by a new record
 
 
 class StorePort(Protocol):
@@ -65,7 +66,10 @@ class StorePort(Protocol):
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished: ...
 
-    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str) -> bool: ...
+    async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
+        """Releases the claim; `shown` (the reply its clients were shown, "" for none) stays with the record, so
+        the next claim continues it (`Claimed.resume_text`)."""
+        ...
 
     async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
                                    lease_ttl_ms: int) -> Progress: ...
@@ -129,6 +133,10 @@ class Generation:
     temperature: float
     top_p: float
     seed: int = 0
+    # The last `resumed_tokens` prompt tokens are reply a client was already shown (a turn taken over): the engine
+    # continues that reply, sampling as if it had generated them; a backend that cannot continue it exactly refuses
+    # (`ResumeRefused`) rather than splice.
+    resumed_tokens: int = 0
 
 
 class FinishReason(enum.Enum):
@@ -162,6 +170,11 @@ EngineEvent = EngineStarted | EngineDelta | EngineFinished
 class EngineUnreachable(errors.Unavailable):
     """The replica could not be reached (or went away) before it sent anything for the generation: no prompt was
     admitted and no token sampled, so the turn may go to another replica as it is."""
+
+
+class ResumeRefused(errors.Unavailable):
+    """The replica cannot continue a reply exactly (`Generation.resumed_tokens` with sampling its backend cannot
+    reproduce): nothing was generated; the turn is failed retryable, its shown text dropped, never spliced."""
 
 
 class EnginePort(Protocol):
@@ -206,7 +219,9 @@ class ModerationPort(Protocol):
 class PeerPort(Protocol):
     """Other chat processes: a stop reaching the wrong process is forwarded to the one generating the turn."""
 
-    async def stop(self, address: str, key: TurnKey) -> bool: ...
+    async def stop(self, address: str, key: TurnKey, release: bool = False) -> bool:
+        """Stops (or, with `release`, releases: `Turns.release`) the turn in the process at `address`."""
+        ...
 
 
 @dataclass(frozen=True)

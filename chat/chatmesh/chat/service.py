@@ -186,7 +186,9 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
 
     @unary_errors
     async def StopTurn(self, request: chat_pb2.StopTurnRequest, context: Ctx) -> chat_pb2.StopTurnResponse:
-        stopped = await self.core.stop(*self._in(request, context), parse_turn_id(request.turn_id))
+        owner, conv = self._in(request, context)
+        turn = parse_turn_id(request.turn_id)
+        stopped = await (self.core.release(owner, conv, turn) if request.release else self.core.stop(owner, conv, turn))
         return chat_pb2.StopTurnResponse(stopped=stopped)
 
     @stream_errors

@@ -11,6 +11,11 @@ of the state machine (`chatmesh.mesh.turn`), driven here for every attempt:
     in progress  -> ATTACHED: follow the holder's stored progress (follow.py); if the holder dies, its lease
                     lapses and this retry takes the turn over as a new attempt, which continues the reply from
                     the text already sent (the client never gets it twice, and nothing contradicts it)
+
+A turn claimed again (after a failure, or taken over from a lapsed lease) is generated with the options its
+record kept from the first claim (`options.py`), and continues the reply its record kept (`Claimed.resume_text`:
+the holder's last progress, or what a failed attempt showed), so a retry that reaches the store after the lease
+lapsed continues rather than regenerates, whatever its client was sent.
     conflict     -> REJECTED, as is bad input and a regenerate with nothing to regenerate
 
 Two guards the OpenAI-compatible surface asks for (it continues conversations its clients do not name): a send
@@ -23,8 +28,11 @@ messages are input-checked with the new message (they reach the model in its pro
 them blocked blocks the turn, as blocked new input would (the seed stays stored, the reply is BLOCKED).
 
 Either way: one generation, one bill. The caller going away stops a turn it owns (I5: the partial reply the
-user saw is stored as stopped). A stop reaching a process that does not generate the turn is forwarded to the
-one that does (the lease holder records `name@address`).
+user saw is stored as stopped), except when its client was shown nothing: nothing published yet, or its edge
+says its client saw none of it (`release`: a stream cut at the response headers). Such a turn is released, not
+stored, so its retry generates it instead of replaying an empty stopped reply; and when a retry already follows
+it in this process it goes on for that retry. A stop or a release reaching a process that does not generate the
+turn is forwarded to the one that does (the lease holder records `name@address`).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from typing import assert_never
 from chatmesh.chat.admission import Admission
 from chatmesh.chat.claimed import ClaimedTurn, Job
 from chatmesh.chat.events import LiveTurn, TurnEvent, replay
-from chatmesh.chat.follow import NOTHING, Delivered, StoredFollower, continuing
+from chatmesh.chat.follow import NOTHING, Delivered, StoredFollower, agrees, continuing
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import ClaimRequest, Ports, TurnKey
 from chatmesh.chat.prompt import Prompts
@@ -75,6 +83,31 @@ def validate_content(content: str, size: MessageSize) -> str:
         raise errors.InvalidArgument("content must be a non-empty string")
     size.check_bytes(content)
     return content
+
+
+def stored_options(kept: str, own: TurnOptions) -> TurnOptions:
+    """The options a claimed turn generates with: those its record kept (the first attempt's), else its own."""
+    return TurnOptions.from_json(kept) if kept else own
+
+
+def continued(delivered: str, left: str) -> str:
+    """The reply text a new attempt continues: what the record kept of earlier attempts (`left`), or what this
+    retry's client was already sent when that is longer and agrees with it. When the two disagree the record
+    wins; the client that has the other text is then told to retry (`follow.continuing`), never spliced."""
+    return delivered if len(delivered) > len(left) and agrees(left, delivered) else left
+
+
+async def attached(live: LiveTurn, after: int) -> AsyncIterator[TurnEvent]:
+    """A retry or an attach following a turn generated in this process (closed with the caller's stream, so the
+    live turn counts its watchers right)."""
+    stream = live.follow(after, replayed=True)
+    live.attached += 1
+    try:
+        async for event in stream:
+            yield event
+    finally:
+        live.attached -= 1
+        await stream.aclose()
 
 
 @contextlib.contextmanager
@@ -147,7 +180,7 @@ class Turns:
             raise errors.InvalidArgument("after_sequence must be >= 0")
         machine.advance(TurnState.ATTACHED)
         if (live := self.live.get(key)) is not None:
-            async for event in live.follow(after, replayed=True):
+            async for event in attached(live, after):
                 yield event
             return
         async for event in self._follow_stored(key, after, None):
@@ -159,14 +192,34 @@ class Turns:
         if live is not None and live.final is None:
             live.stop_requested.set()
             return True
+        return await self._forward(key, release=False)
+
+    async def release(self, key: TurnKey) -> bool:
+        """The edge's client of this turn went away having been shown none of its reply: unless another stream
+        follows the turn (a retry already attached), it is released rather than stopped, so nothing is stored and
+        the retry generates it (an empty stopped reply would be replayed). Forwarded like a stop. True when a
+        turn was released or left running for its other follower."""
+        live = self.live.get(key)
+        if live is not None and live.final is None:
+            live.released = True
+            if not live.attached:  # only its own caller's stream follows it, and that is going away
+                live.handed_off = True
+                live.stop_requested.set()
+            return True
+        return await self._forward(key, release=True)
+
+    async def _forward(self, key: TurnKey, release: bool) -> bool:
+        """A stop or release for a turn generated elsewhere, sent to its lease holder; False once it ended."""
         record = await self.store.read_turn(key)
         if record.state not in RECORD_ACTIVE:
             return False
         _, _, address = record.lease_holder.partition("@")
         if not address or address == self.opt.advertise_address or self.ports.peers is None:
+            if release:
+                return False  # nobody reachable generates it: the caller's own cancel ends it where it runs
             raise errors.FailedPrecondition(f"turn {key.turn} is generating in chat process "
                                             f"{record.lease_holder!r}, which this process cannot reach")
-        return await self.ports.peers.stop(address, key)
+        return await self.ports.peers.stop(address, key, release=release)
 
     def drain(self) -> None:
         """Shutdown began: turns cut off by it (their RPC cancelled at the end of the grace) are released as
@@ -213,27 +266,32 @@ class Turns:
                           seeded: tuple[str, ...] = ()) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
-            async for event in live.follow(0, replayed=True):
+            async for event in attached(live, 0):
                 yield event
             return
+        # The options a new record keeps (with a seed when they sample, so a continuation samples alike); a turn
+        # claimed again generates with the ones its record kept instead.
+        options = options.with_seed(self.opt.temperature)
         admission = Admission(self.ports.router, self.ports.moderation, key.conversation,
                               content if regenerates is None else None, seeded)
         try:
             with ending_on_error(machine):
                 claim = await self.store.begin_turn(ClaimRequest(
                     key=key, fingerprint=fp, content=content, lease_holder=self.lease_holder,
-                    lease_ttl_ms=self.opt.lease_ttl_ms, regenerates=regenerates, context_messages=CONTEXT_MESSAGES))
+                    lease_ttl_ms=self.opt.lease_ttl_ms, regenerates=regenerates, context_messages=CONTEXT_MESSAGES,
+                    options=options.to_json()))
         except BaseException:
             await asyncio.shield(admission.discard())
             raise
         if not isinstance(claim, Claimed):
             await admission.discard()
         match claim:
-            case Claimed(lease_id=lease, context=view):
+            case Claimed(lease_id=lease, context=view, options=kept, resume_text=left, taken_over=taken):
                 if expect_last is not None:
                     await self._expect(machine, key, lease, admission, view, expect_last)
-                async for event in self._own(machine, Job(key, content, regenerates, lease, admission, view,
-                                                          options, resume)):
+                job = Job(key, content, regenerates, lease, admission, view, stored_options(kept, options),
+                          continued(resume, left), taken)
+                async for event in self._own(machine, job):
                     yield event
             case Done(reply=reply, usage=usage):
                 machine.advance(TurnState.REPLAYED)
@@ -241,7 +299,7 @@ class Turns:
                     yield event
             case InProgress():
                 machine.advance(TurnState.ATTACHED)
-                async for event in self._follow_stored(key, 0, (content, regenerates, fp)):
+                async for event in self._follow_stored(key, 0, (content, regenerates, fp, options)):
                     yield event
             case Conflicted():
                 machine.advance(TurnState.REJECTED)
@@ -277,8 +335,12 @@ class Turns:
             async for event in stream:
                 yield event
         except (asyncio.CancelledError, GeneratorExit):
-            live.handed_off = self.draining
-            live.stop_requested.set()
+            # The caller went away. A client shown nothing (its edge said so, or nothing was published yet) and
+            # a turn cut by this process's shutdown are released for the retry; any other is stopped where the
+            # user was (I5). A released turn another stream follows goes on for it.
+            if not (live.released and live.attached):
+                live.handed_off = live.handed_off or self.draining or live.released or not live.text
+                live.stop_requested.set()
             raise
         finally:
             await stream.aclose()
@@ -286,7 +348,7 @@ class Turns:
     def _forget(self, key: TurnKey) -> None:
         self.live.pop(key, None)
 
-    async def _follow_stored(self, key: TurnKey, after: int, retry: tuple[str, TurnId | None, str] | None
+    async def _follow_stored(self, key: TurnKey, after: int, retry: tuple[str, TurnId | None, str, TurnOptions] | None
                              ) -> AsyncIterator[TurnEvent]:
         """Follows a turn generated by another process; with `retry` (the caller has the turn's content), a
         lapsed or failed claim is taken over: a new attempt, claimed and generated here."""
@@ -296,7 +358,7 @@ class Turns:
         if not follower.take_over:
             return
         assert retry is not None
-        content, regenerates, fp = retry
-        async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp,
+        content, regenerates, fp, options = retry
+        async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp, options,
                                          delivered=follower.delivered):
             yield event

@@ -90,6 +90,14 @@ class Claimed:
     lease_expires_at_ms: int
     context: History | None = None
     """With `context_messages` > 0: the conversation, its summary and the newest messages after it."""
+    options: str = ""
+    """The turn's generation options as its first claim stored them (the caller's JSON, opaque to the store);
+    "" when the record holds none (a new claim: the caller's own)."""
+    resume_text: str = ""
+    """The reply an earlier attempt at this turn left (its clients may have been shown it): the new attempt
+    continues it. "" for a new turn, or one released with nothing shown."""
+    taken_over: bool = False
+    """The claim took the turn from a holder whose lease lapsed (that holder may still be generating)."""
 
 
 @dataclass(frozen=True)

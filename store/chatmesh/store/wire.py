@@ -193,7 +193,9 @@ def claim_of(r: store_pb2.BeginTurnResponse, context: typing.Callable[[store_pb2
     """BeginTurn's answer; `context` decides what of a claim's prompt context the caller keeps."""
     match r.WhichOneof("outcome"):
         case "claimed":
-            return Claimed(LeaseId(r.claimed.lease_id), r.claimed.lease_expires_at_ms, context(r.claimed))
+            c = r.claimed
+            return Claimed(LeaseId(c.lease_id), c.lease_expires_at_ms, context(c), c.generation_options,
+                           c.resume_text, c.taken_over)
         case "in_progress":
             return InProgress(r.in_progress.lease_holder, r.in_progress.lease_expires_at_ms)
         case "done":
