@@ -121,6 +121,11 @@ class EngineStats:
     host_evictions: int = 0
     preemptions: int = 0
     generations: int = 0
+    # why sequences wait (scheduler.py, "Why the queue waits"); queue_depth - these two wait for a step's budget
+    waiting_kv: int = 0  # behind a head whose blocks do not fit the device KV room: admission is memory-bound
+    waiting_batch: int = 0  # behind a full batch (max_batch running)
+    kv_stall_steps: int = 0  # since start: steps that ended with sequences waiting for KV room
+    batch_stall_steps: int = 0  # ... for a batch slot
 
 
 @dataclass(frozen=True)

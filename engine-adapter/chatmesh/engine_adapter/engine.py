@@ -42,7 +42,7 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager
 from chatmesh.engine_adapter.executor import BlockCopy, Executor, SeqWork, StepResult
-from chatmesh.engine_adapter.scheduler import Scheduler, SchedulerConfig, Seq, SeqState, Step
+from chatmesh.engine_adapter.scheduler import Scheduler, SchedulerConfig, Seq, SeqState, Step, Waiting
 from chatmesh.engine_adapter.text import TextCodec
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import Unavailable
@@ -218,7 +218,10 @@ class EngineCore:
             host=TierStats(b.host_total, b.host_used, b.host_free, b.host_used),
             hit_tokens=c.hit_tokens, miss_tokens=c.miss_tokens, host_hit_tokens=c.host_hit_tokens,
             device_evictions=b.device_evictions, host_evictions=b.host_evictions, preemptions=c.preemptions,
-            generations=c.generations)
+            generations=c.generations,
+            waiting_kv=c.queue_depth if c.waiting_reason is Waiting.KV_MEMORY else 0,
+            waiting_batch=c.queue_depth if c.waiting_reason is Waiting.BATCH_SLOTS else 0,
+            kv_stall_steps=c.kv_stall_steps, batch_stall_steps=c.batch_stall_steps)
 
     def residency(self, since: int) -> Residency:
         return Residency.of(self.blocks.residency.changes(since))

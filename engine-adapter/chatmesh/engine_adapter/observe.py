@@ -12,6 +12,12 @@ The first three latency histograms are also exported under OpenTelemetry's GenAI
 (`gen_ai_server_time_to_first_token_seconds`, `gen_ai_server_time_per_output_token_seconds`,
 `gen_ai_server_request_duration_seconds`). Aliases are rendered from the same numbers at scrape time.
 
+Memory-bound admission (so `chatmesh capacity`'s KV-limited batch can be checked on a live replica):
+`chatmesh_engine_waiting_by_reason{reason}` splits the waiting gauge by why the queue's head waits (kv_memory,
+batch_slots, step_budget; scheduler.py) and `chatmesh_engine_admission_stalls_total{reason}` counts the steps that
+ended with sequences waiting for KV room or for a batch slot. Running sequences stuck under max_batch while
+kv_memory stalls climb is the planner's "KV memory binds".
+
 Costs: gauges and since-start counters are read from `Backend.stats()` when scraped (nothing per token); the
 per-generation histograms are updated once per streamed Delta, which the engine coalesces to one per flush
 interval: a Delta of n tokens is one `observe(gap / n, n)` for inter-token latency. Step figures (time, prefill
@@ -80,6 +86,19 @@ class _Stats(Collector):
         yield evictions
         yield from counter(("chatmesh_engine_preemptions", "vllm:num_preemptions"),
                            "running sequences preempted for memory (recomputed later)", s.preemptions)
+        waiting = GaugeMetricFamily("chatmesh_engine_waiting_by_reason",
+                                    "sequences waiting for admission, by why the queue's head waits (kv_memory: its "
+                                    "blocks do not fit the device KV room; batch_slots: max_batch run; step_budget: "
+                                    "the step's token budget is spent)", labels=["reason"])
+        waiting.add_metric(["kv_memory"], s.waiting_kv)
+        waiting.add_metric(["batch_slots"], s.waiting_batch)
+        waiting.add_metric(["step_budget"], max(0, s.queue_depth - s.waiting_kv - s.waiting_batch))
+        stalls = CounterMetricFamily("chatmesh_engine_admission_stalls",
+                                     "engine steps that ended with sequences waiting, by reason (kv_memory: admission "
+                                     "is memory-bound; batch_slots: bound by max_batch)", labels=["reason"])
+        stalls.add_metric(["kv_memory"], s.kv_stall_steps)
+        stalls.add_metric(["batch_slots"], s.batch_stall_steps)
+        yield from (waiting, stalls)
         info = GaugeMetricFamily("chatmesh_engine_info", "this replica: its id, backend and block size",
                                  labels=["replica", "backend", "block_size"])
         info.add_metric([s.replica_id, s.backend, str(s.block_size)], 1)

@@ -14,6 +14,13 @@ Admission. At most `max_batch` sequences run; the rest wait in a FIFO of at most
 `add` raises ResourceExhausted). Admission takes the prompt's cached prefix from the block manager, so only the
 uncached tail is prefilled, and stops at the first prompt that does not fit.
 
+Why the queue waits (`waiting_reason`, set by every schedule()): the head was not admitted because its first
+chunk's blocks do not fit in the device tier (KV_MEMORY: free plus evictable blocks are too few, the batch is
+memory-bound, as `chatmesh capacity` predicts at long contexts), because `max_batch` sequences run (BATCH_SLOTS),
+or because this step's token budget is spent (STEP_BUDGET: it goes in a later step). Every waiting sequence is
+counted under its head's reason (FIFO: they wait behind it), and `stall_steps` counts, per reason, the steps
+that ended with sequences waiting: the since-start signal a scrape cannot miss between two gauges.
+
 Preemption by recompute. When a running sequence needs a block and none is free or evictable, the most
 recently admitted sequence is preempted: its blocks are released (full ones stay cached, so the re-prefill is
 mostly a prefix hit), and it goes back to the head of the queue with every token it has produced so far.
@@ -66,6 +73,15 @@ def _work(seq_id: int, token_ids: list[int], start_pos: int, block_table: list[i
 
 _new = object.__new__
 _setattr = object.__setattr__
+
+
+class Waiting(enum.Enum):
+    """Why the head of the admission queue is not running after a step (module doc)."""
+
+    NONE = "none"  # nothing waits
+    KV_MEMORY = "kv_memory"
+    BATCH_SLOTS = "batch_slots"
+    STEP_BUDGET = "step_budget"
 
 
 class SeqState(enum.Enum):
@@ -122,6 +138,9 @@ class SchedulerCounters:
     host_hit_tokens: int
     preemptions: int
     generations: int
+    waiting_reason: Waiting = Waiting.NONE
+    kv_stall_steps: int = 0  # steps that ended with sequences waiting for KV room
+    batch_stall_steps: int = 0  # ... for a batch slot
 
 
 class Scheduler:
@@ -138,6 +157,8 @@ class Scheduler:
         self._cancelled: list[Seq] = []
         self.hit_tokens = self.miss_tokens = self.host_hit_tokens = 0
         self.preemptions = self.generations = 0
+        self.waiting_reason = Waiting.NONE
+        self.stall_steps = dict.fromkeys(Waiting, 0)
 
     def add(self, params: GenerateParams) -> Seq:
         """Queues a generation; ResourceExhausted when the admission queue is full."""
@@ -164,7 +185,8 @@ class Scheduler:
 
     def counters(self) -> SchedulerCounters:
         return SchedulerCounters(len(self.waiting), len(self.running), self.hit_tokens, self.miss_tokens,
-                                 self.host_hit_tokens, self.preemptions, self.generations)
+                                 self.host_hit_tokens, self.preemptions, self.generations, self.waiting_reason,
+                                 self.stall_steps[Waiting.KV_MEMORY], self.stall_steps[Waiting.BATCH_SLOTS])
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -224,6 +246,12 @@ class Scheduler:
             work.append(_work(seq.seq_id, seq.tokens[c:c + n], c, seq.table, c + n == len(seq.tokens),
                               seq.sampling))
             budget -= n
+        if not self.waiting:
+            self.waiting_reason = Waiting.NONE
+        else:  # the loop above ended on its condition, or broke on a head that does not fit
+            self.waiting_reason = (Waiting.BATCH_SLOTS if len(self.running) >= self.cfg.max_batch
+                                   else Waiting.STEP_BUDGET if budget <= 0 else Waiting.KV_MEMORY)
+            self.stall_steps[self.waiting_reason] += 1
         step.copies = self.blocks.take_copies()
         return step
 
