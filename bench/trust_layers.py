@@ -169,7 +169,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp) / "certs"
         pki.ensure(certs, [ident.CHAT, ident.STORE])
-        issuer = tokens.Issuer(tokens.watch_keys(certs / pki.TOKEN_KEYS_FILE), 900)
+        issuer = tokens.Issuer(tokens.watch_keys(pki.private_keys_file(certs)), 900)
         token = issuer.mint(OWNER, presenter=ident.GATEWAY).token  # chat forwards the gateway's
         servers = {m: Server(m, certs) for m in MODES}
         results: dict[str, dict[str, list[float]]] = {

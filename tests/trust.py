@@ -33,7 +33,7 @@ def trust_as(certs: Path, who: Identity) -> Trust:
 
 
 def issuer_of(certs: Path, ttl_s: int = 900) -> tokens.Issuer:
-    return tokens.Issuer(tokens.watch_keys(certs / pki.TOKEN_KEYS_FILE), ttl_s)
+    return tokens.Issuer(tokens.watch_keys(pki.private_keys_file(certs)), ttl_s)
 
 
 def _with_token(details: Any, token: str | None) -> Any:
@@ -88,7 +88,7 @@ def gateway_env(certs: Path) -> dict[str, str]:
     stem = ident.file_stem(ident.GATEWAY)
     return {"CHATMESH_MESH_CA_FILE": str(certs / pki.CA_FILE), "CHATMESH_MESH_CERT_FILE": str(certs / f"{stem}.pem"),
             "CHATMESH_MESH_KEY_FILE": str(certs / f"{stem}-key.pem"),
-            "CHATMESH_OWNER_TOKEN_KEYS_FILE": str(certs / pki.TOKEN_KEYS_FILE), "CHATMESH_OWNER_TOKEN_ADDRESS": ""}
+            "CHATMESH_OWNER_TOKEN_KEYS_FILE": str(pki.private_keys_file(certs)), "CHATMESH_OWNER_TOKEN_ADDRESS": ""}
 
 
 class OwnerChecked:

@@ -10,6 +10,10 @@
   PodDisruptionBudget;
 - secrets: the secrets a service guards (mesh/secrets_guard.py), database URLs and passwords come from Secrets,
   never a literal; every CHATMESH_* name is a setting chatmesh declares;
+- keys apart (issue 30): no workload mounts or reads the mesh CA's Secret (cert-manager alone holds its key);
+  the owner-token signing keys reach the gateway alone; each `chatmesh-tls-<service>` only that service's pods;
+  every Secret volume holding a private key is mounted without read access for other users (defaultMode), since
+  a service refuses a key every user may read (mesh/trust.py);
 - network: every set of pods is selected by a NetworkPolicy of its own (not only the namespace-wide deny), for
   ingress and, for chatmesh's pods, egress; `hops()` derives what the policies allow, for the test to compare
   with the design's hops.
@@ -149,6 +153,47 @@ def secrets(objs: list[Obj]) -> list[str]:
     return out
 
 
+CA_SECRET = "chatmesh-mesh-ca"
+SIGNING_KEYS = "chatmesh-owner-token-keys"
+PRIVATE_SECRETS = ("chatmesh-tls-", SIGNING_KEYS, CA_SECRET)
+
+
+def _secret_uses(w: Obj) -> Iterator[tuple[str, Obj | None]]:
+    """(Secret name, its volume or None for an env reference) of every Secret a workload's pods reach."""
+    spec = pod_spec(w)
+    for v in spec.get("volumes", []):
+        if "secret" in v:
+            yield v["secret"]["secretName"], v
+        for source in v.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                yield source["secret"]["name"], None
+    for c in _containers(w):
+        for var in c.get("env", []):
+            if ref := var.get("valueFrom", {}).get("secretKeyRef"):
+                yield ref["name"], None
+        for source in c.get("envFrom", []):
+            if "secretRef" in source:
+                yield source["secretRef"]["name"], None
+
+
+def keys_apart(objs: list[Obj]) -> list[str]:
+    out = []
+    for w in workloads(objs):
+        served = {serve_target(c) for c in _containers(w, init=False)} - {None}
+        for name, volume in _secret_uses(w):
+            if name == CA_SECRET:
+                out.append(f"{_name(w)}: reaches {CA_SECRET}, the CA's key (only cert-manager may)")
+            elif name == SIGNING_KEYS and served != {"gateway"}:
+                out.append(f"{_name(w)}: reaches {SIGNING_KEYS}, the owner-token signing keys (the gateway's alone)")
+            elif name.startswith("chatmesh-tls-") and served != {name.removeprefix("chatmesh-tls-")}:
+                out.append(f"{_name(w)}: reaches {name}, another identity's certificate and key")
+            if name.startswith(PRIVATE_SECRETS) and volume is not None \
+                    and volume["secret"].get("defaultMode", 0o644) & 0o007:
+                out.append(f"{_name(w)}: volume {volume['name']} ({name}) lets every user read its private key "
+                           f"(defaultMode {volume['secret'].get('defaultMode', 0o644):o})")
+    return out
+
+
 def _policies(objs: list[Obj]) -> list[Obj]:
     return [o for o in objs if o["kind"] == "NetworkPolicy"]
 
@@ -167,7 +212,7 @@ def network_coverage(objs: list[Obj]) -> list[str]:
 
 def all_problems(objs: list[Obj]) -> list[str]:
     return [*images(objs), *probes(objs), *resources(objs), *drain(objs), *availability(objs), *secrets(objs),
-            *network_coverage(objs)]
+            *keys_apart(objs), *network_coverage(objs)]
 
 
 # ---- the hops the NetworkPolicies allow --------------------------------------------------------------------

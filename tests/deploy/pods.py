@@ -37,6 +37,7 @@ import httpx
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from chatmesh.mesh import pki
 from chatmesh.model import settings as model_settings
 from tests.deploy.containerfile import CONTAINERFILE, stages
 from tests.deploy.manifests import Obj, Pod, command, container_env, find, pod_spec, workloads
@@ -78,7 +79,7 @@ def make_secrets(objs: list[Obj], certs: Path) -> SecretFiles:
     """Every Secret the manifests reference, with the keys they read (see the module header)."""
     owner = find(objs, "Cluster", "chatmesh-pg")["spec"]["bootstrap"]["initdb"]["owner"]
     known: SecretFiles = {
-        "chatmesh-owner-token-keys": {"owner-token-keys.json": (certs / "owner-token-keys.json").read_bytes()},
+        "chatmesh-owner-token-keys": {"owner-token-keys.json": pki.private_keys_file(certs).read_bytes()},
         "chatmesh-owner-token-public-keys": {
             "owner-token-public-keys.json": (certs / "owner-token-public-keys.json").read_bytes()},
         "chatmesh-pg-app": {"username": owner.encode(), "password": random_secrets.token_hex(16).encode()},
@@ -143,10 +144,10 @@ def environment(workload: Obj, container: Obj, pod_name: str, ip: str, secret_fi
         folder = root / m["mountPath"].lstrip("/")
         folder.mkdir(parents=True, exist_ok=True)
         mounts.append(m["mountPath"])
-        if "secret" in volumes[m["name"]]:
-            for key, data in secret_files[volumes[m["name"]]["secret"]["secretName"]].items():
+        if "secret" in (volume := volumes[m["name"]]):
+            for key, data in secret_files[volume["secret"]["secretName"]].items():
                 (folder / key).write_bytes(data)
-                (folder / key).chmod(0o600)
+                (folder / key).chmod(volume["secret"].get("defaultMode", 0o644))  # the kubelet's default
     image_env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}  # another image's: only where to find its command
     if ours(container):
         image_env, folder = image()

@@ -179,6 +179,18 @@ CASES = {
     "a pod no policy covers": (lambda o: find(o, "NetworkPolicy", "moderation")["spec"].update(
         podSelector={"matchLabels": {"app.kubernetes.io/name": "moderatoin"}}),
         "Deployment/moderation: no NetworkPolicy of its own for egress", "lint"),
+    "the signing keys in chat": (lambda o: pod_spec(find(o, "Deployment", "chat"))["volumes"].append(
+        {"name": "stolen", "secret": {"secretName": "chatmesh-owner-token-keys", "defaultMode": 0o440}}),
+        "Deployment/chat: reaches chatmesh-owner-token-keys", "lint"),
+    "the CA's key in the store": (lambda o: _containers_of(o, "store")[0]["env"].append(
+        {"name": "CA_KEY", "valueFrom": {"secretKeyRef": {"name": "chatmesh-mesh-ca", "key": "tls.key"}}}),
+        "Deployment/store: reaches chatmesh-mesh-ca", "lint"),
+    "another service's key": (lambda o: pod_spec(find(o, "Deployment", "router"))["volumes"].append(
+        {"name": "other", "secret": {"secretName": "chatmesh-tls-store", "defaultMode": 0o440}}),
+        "Deployment/router: reaches chatmesh-tls-store", "lint"),
+    "a key every user may read": (lambda o: next(v for v in pod_spec(find(o, "Deployment", "gateway"))["volumes"]
+                                                 if v["name"] == "owner-tokens")["secret"].pop("defaultMode"),
+                                  "lets every user read its private key (defaultMode 644)", "lint"),
     "a probe on the mTLS port": (lambda o: _containers_of(o, "store")[0]["readinessProbe"].update(
         grpc={"port": 50052}), "Deployment/store store: readinessProbe is not a gRPC probe", "lint"),
 }
@@ -201,3 +213,14 @@ def test_an_extra_hop_is_seen(rendered: dict[str, list[Obj]]) -> None:
                                "ports": [{"protocol": "TCP", "port": 50052}]})
 
     assert lint.hops(mutate(rendered["sim"], open_store), NAMESPACES) - DESIGN_HOPS == {("gateway", "store", 50052)}
+
+
+def test_the_signing_keys_reach_the_gateway_alone_and_the_cas_key_no_pod(rendered: dict[str, list[Obj]]) -> None:
+    """Issue 30: the keys the manifests keep apart, named (the lint rule `keys_apart` refuses the rest)."""
+    for objs in rendered.values():
+        reach = {w["metadata"]["name"]: {name for name, _ in lint._secret_uses(w)} for w in workloads(objs)}
+        assert [w for w, names in reach.items() if lint.SIGNING_KEYS in names] == ["gateway"]
+        assert [w for w, names in reach.items() if lint.CA_SECRET in names] == []
+        for service in ("gateway", "chat", "store", "router", "moderation", "engine"):
+            assert [w for w, names in reach.items() if f"chatmesh-tls-{service}" in names] == [service]
+        assert find(objs, "Certificate", "chatmesh-mesh-ca")["spec"]["secretName"] == lint.CA_SECRET

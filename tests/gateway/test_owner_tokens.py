@@ -135,8 +135,9 @@ def test_a_conversations_requests_within_a_minute_share_one_token_and_it_always_
         tmp_path: Path) -> None:
     from chatmesh.gateway.owner_tokens import REUSE_S, EdgeTokens
 
-    pki.ensure(tmp_path, identities=[])
-    issuer = tokens.Issuer(tokens.watch_keys(tmp_path / pki.TOKEN_KEYS_FILE), 900)
+    certs = tmp_path / "certs"
+    pki.ensure(certs, identities=[])
+    issuer = tokens.Issuer(tokens.watch_keys(pki.private_keys_file(certs)), 900)
     edge = EdgeTokens(issuer)
     alice, bob = OwnerId("alice"), OwnerId("bob")
     conv, other = ConversationId(str(uuid.uuid4())), ConversationId(str(uuid.uuid4()))
@@ -147,9 +148,9 @@ def test_a_conversations_requests_within_a_minute_share_one_token_and_it_always_
                 edge.token(issuer, bob, conv, now=t0)}) == 4  # each owner and conversation its own
     later = edge.token(issuer, alice, conv, now=t0 + REUSE_S + 1)
     assert later != first
-    claims = verifier(tmp_path).verify(later, now=t0 + REUSE_S + 1)
+    claims = verifier(certs).verify(later, now=t0 + REUSE_S + 1)
     assert claims.expires_at - (t0 + REUSE_S + 1) >= 900 - REUSE_S - 1
-    kid = pki.rotate_token_key(tmp_path)  # a new signing key: tokens of the old one are not handed out again
+    kid = pki.rotate_token_key(certs)  # a new signing key: tokens of the old one are not handed out again
     issuer.keys.current(force=True)
     rotated = edge.token(issuer, alice, conv, now=t0 + REUSE_S + 2)
-    assert rotated != later and verifier(tmp_path).verify(rotated, now=t0 + REUSE_S + 2).key_id == kid
+    assert rotated != later and verifier(certs).verify(rotated, now=t0 + REUSE_S + 2).key_id == kid

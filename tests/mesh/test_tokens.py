@@ -20,8 +20,8 @@ CONV = ConversationId("6c0d3f8e-3f5b-4a53-9d7e-2a4b1c6e9f01")
 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
-    pki.ensure(tmp_path, identities=[])
-    return tmp_path
+    pki.ensure(tmp_path / "certs", identities=[])
+    return tmp_path / "certs"
 
 
 class _Issuer(Issuer):
@@ -35,7 +35,7 @@ class _Issuer(Issuer):
 
 
 def issuer(folder: Path, ttl_s: int = 60) -> _Issuer:
-    return _Issuer(tokens.watch_keys(folder / pki.TOKEN_KEYS_FILE), ttl_s)
+    return _Issuer(tokens.watch_keys(pki.private_keys_file(folder)), ttl_s)
 
 
 def verifier(folder: Path, max_ttl_s: int = 60) -> Verifier:
@@ -45,7 +45,7 @@ def verifier(folder: Path, max_ttl_s: int = 60) -> Verifier:
 def forge(folder: Path, claims: dict[str, object]) -> str:
     """A token with any claims, signed with the real signing key (what a holder of the gateway's key file can
     make)."""
-    keys = KeySet.from_json((folder / pki.TOKEN_KEYS_FILE).read_bytes())
+    keys = KeySet.from_json(pki.private_keys_file(folder).read_bytes())
     private = keys.keys[keys.signing_key_id].private
     assert private is not None
     signing_input = f"{_segment({'alg': 'EdDSA', 'kid': keys.signing_key_id, 'typ': 'chatmesh-owner'})}." \
@@ -108,7 +108,7 @@ def test_a_tampered_owner_does_not_verify(folder: Path) -> None:
 
 def test_a_token_of_an_unknown_key_or_another_algorithm_is_refused(folder: Path, tmp_path_factory: pytest.TempPathFactory
                                                                   ) -> None:
-    other = tmp_path_factory.mktemp("other")
+    other = tmp_path_factory.mktemp("other") / "certs"
     pki.ensure(other, identities=[])
     with pytest.raises(TokenRefused, match="unknown key"):
         verifier(folder).verify(issuer(other).mint(ALICE).token)
@@ -122,7 +122,7 @@ def test_a_token_of_an_unknown_key_or_another_algorithm_is_refused(folder: Path,
 def test_rotation_keeps_old_tokens_valid_until_their_key_is_retired(folder: Path) -> None:
     v, old_issuer = verifier(folder), issuer(folder)
     old = old_issuer.mint(ALICE).token
-    old_kid = KeySet.from_json((folder / pki.TOKEN_KEYS_FILE).read_bytes()).signing_key_id
+    old_kid = KeySet.from_json(pki.private_keys_file(folder).read_bytes()).signing_key_id
     new_kid = pki.rotate_token_key(folder)
     new = issuer(folder).mint(BOB)
     assert new.claims.key_id == new_kid != old_kid
@@ -141,7 +141,7 @@ def test_a_retired_keys_token_is_refused_even_from_the_cache(folder: Path) -> No
     v = verifier(folder)
     old = issuer(folder).mint(ALICE).token
     assert v.verify(old).owner == ALICE  # now cached
-    old_kid = KeySet.from_json((folder / pki.TOKEN_KEYS_FILE).read_bytes()).signing_key_id
+    old_kid = KeySet.from_json(pki.private_keys_file(folder).read_bytes()).signing_key_id
     pki.rotate_token_key(folder, retire=[old_kid])
     v.keys.current(force=True)  # the verifier's next look at its file (at most a second later)
     with pytest.raises(TokenRefused, match="retired key"):

@@ -1,9 +1,12 @@
-"""The mesh's trust layer over real gRPC and real TLS: refused connections, identity rules, the health-only port,
-certificate rotation under an open stream (server and client side), plaintext refused off loopback."""
+"""The mesh's trust layer over real gRPC and real TLS: refused connections (one test per outsider's class:
+plaintext, no certificate, a foreign CA, expired or not yet valid, wrong or missing SPIFFE id), identity rules,
+the health-only port, certificate rotation under an open stream (server and client side), plaintext refused off
+loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import socket
 import ssl
@@ -14,6 +17,9 @@ from typing import Any
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.mesh import channels, pki
@@ -256,3 +262,45 @@ async def test_a_denied_call_is_logged_once_with_ids_only(certs: Path, router: R
     assert denied[0]["caller"] == "spiffe://chatmesh/engine"
     assert denied[0]["rpc"] == "/chatmesh.v1.RouteService/ListReplicas"
     assert set(denied[0]) <= {"event", "caller", "rpc", "peer", "level", "timestamp", "service", "logger"}, denied[0]
+
+
+def _client_cert(ca: pki.Authority, uris: list[str], start: datetime.datetime, days: float
+                 ) -> tuple[bytes, bytes]:
+    """A client certificate of the mesh's CA naming `uris`, valid from `start` for `days` (an outsider's try)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "probe")]))
+               .issuer_name(ca.cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    if uris:
+        builder = builder.add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris]),
+                                        critical=True)
+    cert = builder.sign(ca.key, hashes.SHA256())
+    return cert.public_bytes(serialization.Encoding.PEM), key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+async def test_expired_not_yet_valid_and_wrong_spiffe_id_certificates_of_the_mesh_ca_are_refused(
+        certs: Path, router: Running) -> None:
+    """Certificates the mesh's own CA signed: out of their validity window the handshake fails; in it, naming no
+    identity of this trust domain (another trust domain, none at all, two at once) the call is denied by name."""
+    ca = pki.load_authority(certs)
+    assert ca is not None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    address, name = f"127.0.0.1:{router.port}", [("grpc.ssl_target_name_override", "router.chatmesh")]
+    cases: list[tuple[str, list[str], datetime.datetime, float, grpc.StatusCode]] = [
+        ("expired", [ident.OPERATOR], now - datetime.timedelta(days=10), 1, grpc.StatusCode.UNAVAILABLE),
+        ("not yet valid", [ident.OPERATOR], now + datetime.timedelta(days=1), 10, grpc.StatusCode.UNAVAILABLE),
+        ("another trust domain", ["spiffe://other/operator"], now - datetime.timedelta(minutes=5), 1,
+         grpc.StatusCode.PERMISSION_DENIED),
+        ("no SPIFFE id", [], now - datetime.timedelta(minutes=5), 1, grpc.StatusCode.PERMISSION_DENIED),
+        ("two identities", [ident.OPERATOR, ident.CHAT], now - datetime.timedelta(minutes=5), 1,
+         grpc.StatusCode.PERMISSION_DENIED),
+        ("a made-up service", ["spiffe://chatmesh/billing"], now - datetime.timedelta(minutes=5), 1,
+         grpc.StatusCode.PERMISSION_DENIED),
+    ]
+    for what, uris, start, days, expected in cases:
+        cert, key = _client_cert(ca, uris, start, days)
+        credentials = grpc.ssl_channel_credentials((certs / pki.CA_FILE).read_bytes(), key, cert)
+        async with grpc.aio.secure_channel(address, credentials, name) as channel:
+            assert await list_replicas(channel) == expected, what

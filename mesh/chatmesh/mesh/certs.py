@@ -1,4 +1,6 @@
-"""`chatmesh certs`: the development PKI for an operator (the same files `chatmesh up` makes), and grpcurl flags.
+"""`chatmesh certs`: the development PKI for an operator (the same files `chatmesh up` makes, laid out as pki.py
+says: the CA in <data>/ca/, every identity's pair in <data>/certs/, the signing keys in <data>/gateway/), and
+grpcurl flags.
 
     chatmesh certs [--data-dir D]                   make what is missing or due under D/certs/ (pki.py)
     chatmesh certs --client reports                 also a certificate for spiffe://chatmesh/client/reports
@@ -51,9 +53,10 @@ def _certs(args: argparse.Namespace) -> int:
     if args.rotate_token_key or args.retire_token_key:
         kid = pki.rotate_token_key(folder, args.retire_token_key) if args.rotate_token_key else \
             pki.retire_token_keys(folder, args.retire_token_key)
-        print(f"owner tokens are signed with key {kid} ({folder / pki.TOKEN_KEYS_FILE})")
+        print(f"owner tokens are signed with key {kid} ({pki.private_keys_file(folder)})")
     chat, engine = cfg[settings.CHAT_ADDRESS], cfg[settings.ENGINE_ADDRESS]
-    print(f"""certificates in {folder} (CA {folder / pki.CA_FILE})
+    print(f"""certificates in {folder} (the CA's key in {pki.ca_folder(folder)}, read by this command only; the
+owner-token signing keys in {pki.private_keys_file(folder).parent}, read by the gateway only)
 grpcurl as the operator (-authority names the service whose certificate to expect):
   TLS="{grpcurl_tls(folder)}"
   grpcurl $TLS -authority {ident.server_name("chat")} {chat} list

@@ -62,9 +62,9 @@ HEALTH_PORT = Setting("CHATMESH_HEALTH_PORT", 0,
                       "service's listen host (0: off)", int)
 OWNER_TOKEN_KEYS_FILE = Setting("CHATMESH_OWNER_TOKEN_KEYS_FILE", "",
                                 "JSON key set of owner tokens (Ed25519; the gateway's copy holds private keys, "
-                                "verifiers' only public ones) (empty: <CHATMESH_DATA_DIR>/certs/owner-token-keys.json "
-                                "for the gateway, owner-token-public-keys.json for the others); reloaded when it "
-                                "changes", str)
+                                "verifiers' only public ones) (empty: <CHATMESH_DATA_DIR>/gateway/owner-token-keys.json "
+                                "for the gateway, <CHATMESH_DATA_DIR>/certs/owner-token-public-keys.json for the "
+                                "others); reloaded when it changes", str)
 OWNER_TOKEN_TTL_S = Setting("CHATMESH_OWNER_TOKEN_TTL_S", 900,
                             "lifetime of the owner tokens the gateway mints, seconds (longer than the longest turn: "
                             "a turn's last store write carries the token its request came with); every verifier "

@@ -63,7 +63,7 @@ from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.reload import Watched
 
 METADATA_KEY = "chatmesh-owner-token"
-KEYS_FILE, PUBLIC_KEYS_FILE = "owner-token-keys.json", "owner-token-public-keys.json"  # under <data dir>/certs/
+KEYS_FILE, PUBLIC_KEYS_FILE = "owner-token-keys.json", "owner-token-public-keys.json"  # <data>/gateway/, <data>/certs/
 TYP = "chatmesh-owner"
 CLOCK_SKEW_S = 5  # how far a verifier's clock may be from the gateway's: iat in the future, exp in the past
 MAX_TOKEN_BYTES = 2048
@@ -332,9 +332,9 @@ def from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | N
 
 
 def keys_file(explicit: str, data_dir: str, issuer: bool) -> Path:
-    """CHATMESH_OWNER_TOKEN_KEYS_FILE, or the development copy under <data dir>/certs/: the file with private
-    keys for the issuer (gateway), the public-only one for verifiers."""
+    """CHATMESH_OWNER_TOKEN_KEYS_FILE, or the development files (pki.py): the private keys in <data dir>/gateway/
+    for the issuer (the gateway), the public-only copy in <data dir>/certs/ for verifiers."""
     if explicit:
         return Path(explicit).expanduser()
-    name = KEYS_FILE if issuer else PUBLIC_KEYS_FILE
-    return Path(os.path.expanduser(data_dir)) / "certs" / name
+    data = Path(os.path.expanduser(data_dir))
+    return data / "gateway" / KEYS_FILE if issuer else data / "certs" / PUBLIC_KEYS_FILE

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chatmesh.mesh import identity as ident
-from chatmesh.mesh import settings, tls, tokens
+from chatmesh.mesh import pki, settings, tls, tokens
 from chatmesh.mesh.tls import Pems, TlsFiles
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import FailedPrecondition
@@ -78,6 +78,7 @@ class Trust:
             watched = tls.watch(files, expect=who)
         except ValueError as err:
             raise TrustRefused(str(err)) from None
+        _kept_private(who, files.key)
         verifier = None
         if keys_file is not None:
             if not keys_file.is_file():
@@ -87,6 +88,8 @@ class Trust:
                 verifier = tokens.Verifier(tokens.watch_keys(keys_file), token_ttl_s)
             except ValueError as err:
                 raise TrustRefused(str(err)) from None
+            if any(k.private is not None for k in verifier.keys.current().keys.values()):
+                _kept_private(who, keys_file)
         return cls(who, watched, verifier, authz_file)
 
     @classmethod
@@ -105,6 +108,13 @@ class Trust:
             raise TrustRefused(
                 f"{what} {address} in plaintext refused: CHATMESH_MESH_PLAINTEXT serves and dials loopback only; "
                 f"use mutual TLS (CHATMESH_MESH_CERT_FILE, ...) for any other address")
+
+
+def _kept_private(who: Identity, key: Path) -> None:
+    """Refuses to start with a private key every user of the machine may read (pki.check_private)."""
+    why = pki.check_private(key)
+    if why is not None:
+        raise TrustRefused(f"{who}: refusing a private key others can read: {why}")
 
 
 def tls_files(cfg: Config, who: Identity) -> TlsFiles:

@@ -6,7 +6,9 @@ SIGTERM stops them in reverse order with SIGTERM, so open streams end cleanly; a
 takes the mesh down with a message naming it. The same `Mesh` class starts the mesh for the end-to-end tests.
 
 Trust: before starting, `Mesh` makes (or renews) the development CA, a certificate per identity and the
-owner-token keys under `<CHATMESH_DATA_DIR>/certs/` (pki.py), and checks health as the operator identity.
+owner-token keys (pki.py: the CA's key in `<CHATMESH_DATA_DIR>/ca/`, which no service is given, each identity's
+pair in `certs/`, the signing keys in `gateway/`, the gateway's alone), refuses to start when a private key or
+private folder is open to other users (`pki.check_layout`), and checks health as the operator identity.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Mesh:
     start_timeout_s: float = 120.0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     extra: tuple[Extra, ...] = ()  # the extra processes `start` was given
+    layout_notes: list[str] = field(default_factory=list)  # what `pki.check_layout` said of the files
 
     @property
     def cfg(self) -> Config:
@@ -173,6 +176,9 @@ class Mesh:
         self.extra = tuple(extra)
         if not cfg[settings.MESH_PLAINTEXT]:
             pki.ensure(self.certs)
+            refusals, self.layout_notes = pki.check_layout(self.certs)
+            if refusals:
+                raise MeshError("keys are not kept apart: " + "; ".join(refusals))
         trust = self.trust()
         try:
             waits: list[tuple[str, Any, str]] = []
@@ -360,7 +366,8 @@ def _up(args: argparse.Namespace) -> int:
     trust_line = ("gRPC in plaintext (CHATMESH_MESH_PLAINTEXT, loopback only): no identities, no owner tokens."
                   if mesh.cfg[settings.MESH_PLAINTEXT] else
                   f"Every gRPC hop speaks mutual TLS with the certificates in {mesh.certs}; `chatmesh certs` prints\n"
-                  "the flags that make grpcurl the operator (README, \"Debugging with grpcurl\").")
+                  "the flags that make grpcurl the operator (README, \"Debugging with grpcurl\").\n"
+                  f"Keys: {' '.join(mesh.layout_notes)}.")
     metrics_lines = "".join(f"\n  {name:<10} {where}" for name, where in mesh.metrics_urls.items()) or "off"
     flags = (f" --engines {args.engines}" if args.engines > 1 else "") + (f" --chats {args.chats}" if args.chats > 1
                                                                         else "")
