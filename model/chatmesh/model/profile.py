@@ -42,6 +42,7 @@ from chatmesh.model.template import (
     ChatFormat,
     ChatML,
     FormatError,
+    Formatted,
     Llama3,
     Message,
     PromptEncoder,
@@ -51,6 +52,7 @@ from chatmesh.model.template import (
     Text,
     as_messages,
 )
+from chatmesh.model.tools import ToolCall, ToolDefinition, ToolSyntax, ToolsUnsupported
 from chatmesh.model.vocabulary import END_TOKEN_TEXTS, IncrementalDecoder, TextTokenizer
 
 BUILTIN = {"smollm2": "the fetched SmolLM2-135M-Instruct GGUF", "llama3": "the fetched Llama 3 tokenizer"}
@@ -104,10 +106,29 @@ class ModelProfile:
     def model_id(self) -> str:
         return self.identity.model_id
 
-    def render(self, messages: Sequence[Message | tuple[Role | str, str]],
-               add_generation_prompt: bool = True) -> RenderedPrompt:
-        """The prompt's token ids and the platform prefix's length (template.py: boundaries and I3)."""
-        return self._encoder.encode(self.chat_format.format(as_messages(messages), add_generation_prompt))
+    def render(self, messages: Sequence[Message | tuple[Role | str, str]], add_generation_prompt: bool = True,
+               tools: Sequence[ToolDefinition] = (), prefill: str = "") -> RenderedPrompt:
+        """The prompt's token ids and the platform prefix's length (template.py: boundaries and I3). With tools
+        (or tool calls and results in the messages) in the model's own tool format; ToolsUnsupported, naming the
+        model, when it has none. `prefill`: text the reply starts with (a required tool call's opening, tools.py),
+        appended after the generation prompt as a piece of its own."""
+        try:
+            formatted = self.chat_format.format(as_messages(messages), add_generation_prompt, tools)
+        except ToolsUnsupported as err:
+            raise ToolsUnsupported(f"model {self.model_id} does not take tools: {err}") from None
+        if prefill:
+            formatted = Formatted((*formatted.segments, Text(prefill)), formatted.prefix_segments)
+        return self._encoder.encode(formatted)
+
+    @property
+    def tool_syntax(self) -> ToolSyntax:
+        """How the served model writes tool calls; ToolsUnsupported, naming the model, when it has no format."""
+        syntax = self.chat_format.tool_syntax
+        if syntax is None:
+            problem = getattr(self.chat_format, "tools_problem", "") or \
+                f"its chat format ({self.chat_format.name}) has no tool calls"
+            raise ToolsUnsupported(f"model {self.model_id} does not take tools: {problem}")
+        return syntax
 
     def platform_prefix_tokens(self, system_prompt: str) -> int:
         """Tokens of the platform prefix a conversation with this system prompt starts with."""
@@ -264,7 +285,33 @@ def checked_jinja(source: str, specials: Mapping[str, int], variables: Mapping[s
     at = max((i for i, s in enumerate(reply) if s in content), default=len(reply))
     after = reply[at + 1:]
     fmt.end_of_turn = next((s.token for s in after if isinstance(s, Special)), variables.get("eos_token", ""))
+    if fmt.tool_syntax is not None:
+        try:
+            _check_tools(fmt)
+        except FormatError as err:
+            fmt.tool_syntax, fmt.tools_problem = None, str(err)
     return fmt
+
+
+PROBE_TOOL = ToolDefinition.of({"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}})
+PROBE_TOOLS = (Message(Role.SYSTEM, "Be brief."), Message(Role.USER, "Weather in Paris?"),
+               Message(Role.ASSISTANT, "", (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+               Message(Role.TOOL, '{"celsius": 21}', tool_call_id="call_1"))
+
+
+def _check_tools(fmt: JinjaFormat) -> None:
+    """A tool round trip renders segment by segment as the template prints it, prefix-stably (I3)."""
+    tools = (PROBE_TOOL,)
+    for n in (2, 4):
+        joined = "".join(s.token if isinstance(s, Special) else s.text
+                         for s in fmt.format(PROBE_TOOLS[:n], tools=tools).segments)
+        if joined != fmt.render_text(PROBE_TOOLS[:n], tools=tools):
+            raise FormatError("its chat template renders tools in a way chatmesh cannot render segment by segment")
+    turn1 = fmt.format(PROBE_TOOLS[:2], tools=tools).segments
+    if fmt.format(PROBE_TOOLS, tools=tools).segments[:len(turn1)] != turn1:
+        raise FormatError("its chat template renders a tool round trip that is not prefix-stable (invariant I3)")
 
 
 def _template_source(folder: Path, tconf: Mapping[str, Any]) -> str | None:

@@ -30,16 +30,35 @@ Built-in formats:
   template's fixed default date: a date that changed daily would change the shared prefix every day), then
   `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content | trim}<|eot_id|>` per message, generation prompt
   `<|start_header_id|>assistant<|end_header_id|>\\n\\n`. `dated=False`: Llama 3.0's, no implied system message.
+
+Tools (tools.py). `format(..., tools=...)` with tool definitions, and messages carrying an assistant's tool calls
+or a tool's result (role TOOL):
+- Llama 3.1 renders them as Meta's template does, byte for byte (tests/model/test_llama3_tools.py checks): the
+  system header gains `Environment: ipython\\n`; the definitions (each `json.dumps(indent=4)`) go into the first
+  message after the system one, inside a user header, after Meta's instructions; an assistant's call is
+  `{"name": N, "parameters": ARGS}` (one per message, as Meta's template allows); a result is an `ipython`
+  message whose content is JSON-quoted (Meta's template applies `tojson` to it: a string is iterable to Jinja).
+  The system header's extra line is platform text, so the platform prefix (the system message) still holds no
+  client data; the definitions come after it. Llama 3.0 has no tool format: ToolsUnsupported.
+- ChatML renders them in the Hermes / Qwen2.5 convention (tools.py): a system message of its own after the first
+  one (so the platform prefix is unchanged), `<tool_call>` blocks in the assistant's text, `<tool_response>`
+  blocks in a user message.
+Definitions, calls and results are text pieces like any content: a special token spelled in them stays text.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from chatmesh.model.tools import (
+    HERMES, LLAMA_JSON, ToolCall, ToolDefinition, ToolSyntax, ToolsUnsupported, hermes_reply_text,
+    hermes_results_text, hermes_tools_text,
+)
 from chatmesh.model.vocabulary import TextTokenizer
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -49,12 +68,15 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # a tool's result, answering the call `tool_call_id` of the assistant message before it
 
 
 @dataclass(frozen=True)
 class Message:
     role: Role
     text: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls (its text, if any, came before them)
+    tool_call_id: str = ""  # a TOOL message: the call it answers
 
 
 @dataclass(frozen=True)
@@ -95,7 +117,13 @@ class ChatFormat(Protocol):
         """The special token that closes an assistant message (a stop token)."""
         ...
 
-    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted: ...
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How this format writes and reads tool calls; None: it has none (tools are refused)."""
+        ...
+
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: Sequence[ToolDefinition] = ()) -> Formatted: ...
 
 
 class FormatError(ValueError):
@@ -107,9 +135,36 @@ def as_messages(messages: Sequence[Message | tuple[Role | str, str]]) -> list[Me
             for m in messages]
 
 
+def uses_tools(messages: Sequence[Message], tools: Sequence[ToolDefinition]) -> bool:
+    return bool(tools) or any(m.role is Role.TOOL or m.tool_calls for m in messages)
+
+
+def hermes_lowered(messages: Sequence[Message], tools: Sequence[ToolDefinition]) -> list[Message]:
+    """Messages with tools in the ChatML convention as plain system/user/assistant messages: the definitions as a
+    system message after the first system one, calls as `<tool_call>` text, each run of results as one user
+    message of `<tool_response>` blocks."""
+    out: list[Message] = []
+    results: list[str] = []
+    for m in messages:
+        if m.role is Role.TOOL:
+            results.append(m.text)
+            continue
+        if results:
+            out.append(Message(Role.USER, hermes_results_text(results)))
+            results = []
+        out.append(Message(m.role, hermes_reply_text(m.text, m.tool_calls)) if m.tool_calls else m)
+    if results:
+        out.append(Message(Role.USER, hermes_results_text(results)))
+    if tools:
+        at = 1 if out and out[0].role is Role.SYSTEM else 0
+        out.insert(at, Message(Role.SYSTEM, hermes_tools_text(tools)))
+    return out
+
+
 class ChatML:
     name = "chatml"
     end_of_turn = "<|im_end|>"
+    tool_syntax: ToolSyntax | None = HERMES
 
     def __init__(self, default_system: str | None = None):
         self.default_system = default_system
@@ -117,8 +172,11 @@ class ChatML:
     def message(self, m: Message) -> list[Segment]:
         return [Special("<|im_start|>"), Text(m.role.value + "\n"), Text(m.text), Special("<|im_end|>"), Text("\n")]
 
-    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted:
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: Sequence[ToolDefinition] = ()) -> Formatted:
         msgs = list(messages)
+        if uses_tools(msgs, tools):
+            msgs = hermes_lowered(msgs, tools)
         if self.default_system is not None and (not msgs or msgs[0].role is not Role.SYSTEM):
             msgs.insert(0, Message(Role.SYSTEM, self.default_system))
         segments: list[Segment] = []
@@ -135,6 +193,13 @@ class ChatML:
 LLAMA3_DATE_LINES = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
 
 
+LLAMA31_ENVIRONMENT = "Environment: ipython\n"
+LLAMA31_TOOLS_HEAD = ("Given the following functions, please respond with a JSON for a function call with its proper "
+                      "arguments that best answers the given prompt.\n\n"
+                      'Respond in the format {"name": function name, "parameters": dictionary of argument name and '
+                      'its value}.Do not use variables.\n\n')
+
+
 class Llama3:
     end_of_turn = "<|eot_id|>"
 
@@ -145,6 +210,10 @@ class Llama3:
     def name(self) -> str:
         return "llama3.1" if self.dated else "llama3"
 
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        return LLAMA_JSON if self.dated else None
+
     @staticmethod
     def header(role: str) -> list[Segment]:
         return [Special("<|start_header_id|>"), Text(role), Special("<|end_header_id|>")]
@@ -152,19 +221,40 @@ class Llama3:
     def message(self, role: str, text: str, lead: str = "") -> list[Segment]:
         return [*self.header(role), Text("\n\n" + lead), Text(text.strip()), Special("<|eot_id|>")]
 
-    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> Formatted:
+    def format(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               tools: Sequence[ToolDefinition] = ()) -> Formatted:
+        if not self.dated and uses_tools(messages, tools):
+            raise ToolsUnsupported("Llama 3.0's chat format has no tool calls")
         segments: list[Segment] = [Special("<|begin_of_text|>")]
         rest = list(messages)
         prefix = 0
         if self.dated:
             system = rest.pop(0).text if rest and rest[0].role is Role.SYSTEM else ""
-            segments += self.message(Role.SYSTEM.value, system, LLAMA3_DATE_LINES)
+            lead = (LLAMA31_ENVIRONMENT if tools else "") + LLAMA3_DATE_LINES
+            segments += self.message(Role.SYSTEM.value, system, lead)
             prefix = len(segments)
         elif rest and rest[0].role is Role.SYSTEM:
             segments += self.message(Role.SYSTEM.value, rest.pop(0).text)
             prefix = len(segments)
+        if tools:  # Meta's template: the definitions open the first message after the system one
+            if not rest:
+                raise FormatError("Llama 3.1 puts tool definitions in the first user message, and there is none")
+            defs = "".join(json.dumps(t.as_object(), ensure_ascii=False, indent=4) + "\n\n" for t in tools)
+            segments += [*self.header(Role.USER.value), Text("\n\n" + LLAMA31_TOOLS_HEAD + defs),
+                         Text(rest.pop(0).text.strip()), Special("<|eot_id|>")]
         for m in rest:
-            segments += self.message(m.role.value, m.text)
+            if m.role is Role.TOOL:
+                segments += [*self.header("ipython"), Text("\n\n"), Text(json.dumps(m.text, ensure_ascii=False)),
+                             Special("<|eot_id|>")]
+            elif m.tool_calls:
+                if len(m.tool_calls) != 1:
+                    raise ToolsUnsupported("Llama 3.1's format takes one tool call per assistant message "
+                                           f"(this one has {len(m.tool_calls)})")
+                call = m.tool_calls[0]
+                segments += [*self.header(Role.ASSISTANT.value), Text("\n\n"),
+                             Text(LLAMA_JSON.call_text(call.name, call.arguments)), Special("<|eot_id|>")]
+            else:
+                segments += self.message(m.role.value, m.text)
         if add_generation_prompt:
             segments += [*self.header(Role.ASSISTANT.value), Text("\n\n")]
         return Formatted(tuple(segments), prefix)
