@@ -219,12 +219,13 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         while True:
             async with turn.grew:
                 await turn.grew.wait_for(lambda: len(turn.events) > sent or turn.done.is_set())
-            for ev in turn.events[sent:]:
+            new = turn.events[sent:]
+            sent += len(new)  # events appended while these are yielded come next round
+            for ev in new:
                 if ev.WhichOneof("kind") == "started":
                     ev = chat_pb2.TurnEvent(sequence=ev.sequence, started=chat_pb2.TurnStarted(
                         turn_id=ev.started.turn_id, replayed=True))
                 yield ev
-            sent = len(turn.events)
             if turn.done.is_set() and sent == len(turn.events):
                 return
 

@@ -337,7 +337,7 @@ def test_a_point_is_held_for_the_turn_continuing_it() -> None:
     from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 
     now = [0.0]
-    turns = t.Turns(edge=None, index=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    turns = t.Turns(edge=None, index=None, records=None, clock=lambda: now[0])  # type: ignore[arg-type]
     ask = t.Ask(owner=OwnerId("o"), chat="", history=(), content="x", options=None,  # type: ignore[arg-type]
                 request_digest="d")
     point = Point(ConversationId("c"), TurnId("p"))

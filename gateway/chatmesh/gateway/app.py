@@ -41,6 +41,7 @@ from chatmesh.gateway.openai import routes as openai_routes
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.errors import response_for as openai_error
 from chatmesh.gateway.openai.history import HistoryIndex
+from chatmesh.gateway.openai.response_object import Sampling
 from chatmesh.gateway.openai.models import served_model
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.cli import accounts_for
@@ -226,7 +227,8 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
             index=HistoryIndex(accounts.engine, b"openai-history\0" + cfg[settings.KEY_PEPPER].encode(),
                                cfg[store_settings.RETENTION_DAYS]),
             model=served.model, context_tokens=served.context_tokens,
-            reply_cap=cfg[chat_settings.MAX_REPLY_TOKENS])
+            reply_cap=cfg[chat_settings.MAX_REPLY_TOKENS],
+            sampling=Sampling(cfg[chat_settings.TEMPERATURE], cfg[chat_settings.TOP_P]))
         log.info("gateway_ready", chat=cfg[mesh_settings.CHAT_ADDRESS], auth=cfg[settings.AUTH])
         exporter = metrics.MetricsServer(registry, cfg[mesh_settings.HOST], metrics_port) if metrics_port else None
         if exporter is not None:

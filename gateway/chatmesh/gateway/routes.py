@@ -189,8 +189,8 @@ async def delete_conversation(request: Request) -> Response:
         chat_pb2.DeleteConversationRequest(owner_id=who.owner, conversation_id=conversation),
         timeout=edge.deadline_s, metadata=edge.tokens.metadata(who, conversation)))
     surface = getattr(request.app.state, "openai", None)
-    if surface is not None:  # the OpenAI surface's history digests of it (chatmesh.gateway.openai.history)
-        await surface.index.forget(who.owner, conversation)
+    if surface is not None:  # what the OpenAI surface keeps of it (its history digests and turn records)
+        await surface.forget(who.owner, conversation)
     return Response(status_code=204)
 
 

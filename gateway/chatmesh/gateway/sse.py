@@ -90,8 +90,8 @@ class Framing(Protocol):
 
     def delta(self, sequence: int, text: str) -> bytes: ...
 
-    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        """Any event but a delta (started and the final ones)."""
+    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+        """Any event but a delta (started and the final ones); may await work its bytes depend on."""
         ...
 
     def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
@@ -113,7 +113,7 @@ class ChatmeshFraming:
     def delta(self, sequence: int, text: str) -> bytes:
         return events.delta_frame(sequence, text)
 
-    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
         data = events.data_of(event, kind)
         if kind is events.SseEvent.COMPLETED and self.ttft_s is not None:
             data["ttft_ms"] = round(self.ttft_s * 1000, 1)
@@ -126,11 +126,18 @@ class ChatmeshFraming:
         return b""
 
 
+class Open(Protocol):
+    """Something streaming a turn that shutdown ends: a relay, or a turn followed for nobody in particular (the
+    OpenAI surface's background responses)."""
+
+    def end(self) -> None: ...
+
+
 class Relays:
     """The open relays of one gateway process, so shutdown can end them."""
 
     def __init__(self) -> None:
-        self.open: set[TurnRelay] = set()
+        self.open: set[Open] = set()
 
     async def drain(self, grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
@@ -258,10 +265,10 @@ class TurnRelay(Response):
                         if tail:
                             await self._write(send, self._framing.delta(last_sequence, tail))
                         self._outcome = _outcome_of(event, kind)
-                        await self._write(send, self._framing.event(event, kind))
+                        await self._write(send, await self._framing.event(event, kind))
                         self._final_written = True
                         return
-                    await self._write(send, self._framing.event(event, kind))
+                    await self._write(send, await self._framing.event(event, kind))
                 last_sequence = event.sequence
                 message: object = await self._call.read()
                 if not isinstance(message, _STREAM_MESSAGES):

@@ -81,7 +81,7 @@ class ChunkFraming:
         return self._delta_prefix + json.dumps(text, ensure_ascii=False).encode() + \
             b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
         if kind is events.SseEvent.STARTED:
             return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}])

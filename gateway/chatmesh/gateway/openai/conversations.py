@@ -90,7 +90,7 @@ async def delete(request: Request) -> Response:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "conversation not found") from None
         raise
-    await surface.index.forget(owner, conv)
+    await surface.forget(owner, conv)
     return JSONResponse({"id": ids.conversation_id(conv), "object": "conversation.deleted", "deleted": True})
 
 

@@ -55,11 +55,19 @@ def shaped(err: ApiError) -> tuple[int, dict[str, object]]:
     return status, {"error": {"message": err.message, "type": kind, "param": param, "code": code}}
 
 
+def can_succeed_on_retry(status: int) -> bool:
+    """Whether the same request, sent again, may get another answer: after a timeout (408), a limit (429) or a
+    dependency's failure (5xx but 501). Every other error is the request's own, or the stored state's (a 409:
+    an Idempotency-Key reused for another request, a turn id used for other content), so the SDK is told not to
+    retry it (`x-should-retry: false`); by itself it retries 408, 409, 429 and 5xx."""
+    return status in (408, 429) or (status >= 500 and status != 501)
+
+
 def response_for(err: ApiError) -> JSONResponse:
     status, body = shaped(err)
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, int(err.retry_after_s + 0.999)))
-    if status in (400, 401, 403, 404, 422):
+    if not can_succeed_on_retry(status):
         headers["x-should-retry"] = "false"
     return JSONResponse(body, status, headers=headers)

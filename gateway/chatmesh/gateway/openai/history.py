@@ -21,7 +21,7 @@ Storage: the `openai_history` table beside the gateway's auth_ tables (the same 
 it), rows keyed (owner_id, digest). A bounded in-process map in front of it answers the common case (the next turn
 reaches the gateway that recorded the last one) without a query; a stale entry there costs one refused send and
 a re-read. Rows of a deleted conversation are deleted with it (both surfaces' delete routes); rows older than the
-retention are purged when this process records, at most hourly.
+retention are purged when this process records, at most hourly (with `records.py`'s).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.gateway.accounts import metadata
+from chatmesh.gateway.openai import records
 from chatmesh.gateway.openai.wire import Message
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 
@@ -82,6 +83,11 @@ class HistoryIndex:
         self._memo: OrderedDict[tuple[OwnerId, str], Point] = OrderedDict()
         self._purged_at = 0.0
 
+    @property
+    def engine(self) -> AsyncEngine:
+        """The gateway's database (`records.py` keeps its table beside this one)."""
+        return self._engine
+
     def digest(self, owner: OwnerId, chat: str, messages: Sequence[Message]) -> str:
         return digest(self.secret, owner, chat, messages)
 
@@ -114,7 +120,8 @@ class HistoryIndex:
                     pass
             if time.monotonic() - self._purged_at > PURGE_INTERVAL_S:
                 self._purged_at = time.monotonic()
-                await conn.execute(history.delete().where(history.c.recorded_at_ms < now_ms - self._retention_ms))
+                for table in (history, records.turns):  # the surface's other table shares the retention
+                    await conn.execute(table.delete().where(table.c.recorded_at_ms < now_ms - self._retention_ms))
         self._remember(owner, key, point)
 
     async def forget(self, owner: OwnerId, conversation: ConversationId) -> None:

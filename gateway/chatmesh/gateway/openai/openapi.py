@@ -18,7 +18,8 @@ def _ref(name: str) -> dict[str, str]:
 
 _MEANING = {400: "invalid or unsupported parameter (error.param names it)", 401: "no or unknown API key",
             403: "this key may not name an end user", 404: "not found (or not yours)",
-            409: "conflicts with the stored conversation", 422: "the conversation's state forbids it now",
+            409: "conflicts with the stored conversation, or the Idempotency-Key was used for another request "
+                 "(x-should-retry: false)", 422: "the conversation's state forbids it now",
             429: "a per-user limit is reached (see Retry-After)", 503: "a dependency is unavailable; retry"}
 
 
@@ -68,7 +69,13 @@ SCHEMAS: dict[str, Any] = {
         "instructions": {"type": "string"}, "previous_response_id": {"type": "string"},
         "conversation": {"oneOf": [{"type": "string"}, {"type": "object", "properties": {"id": {"type": "string"}}}]},
         "store": {"type": "boolean"}, "stream": {"type": "boolean"},
-        "max_output_tokens": {"type": "integer", "minimum": 1}, **_SAMPLING, "user": {"type": "string"}}},
+        "background": {"type": "boolean", "description": "run without the client; stream=true events resume "
+                                                         "with GET ?stream=true&starting_after=N on any gateway"},
+        "max_output_tokens": {"type": "integer", "minimum": 1}, **_SAMPLING, "user": {"type": "string"},
+        "metadata": {"type": "object", "maxProperties": 16, "additionalProperties": {"type": "string"}},
+        "safety_identifier": {"type": "string", "maxLength": 64},
+        "prompt_cache_key": {"type": "string", "maxLength": 64},
+        "truncation": {"enum": ["auto", "disabled"]}}},
     "Object": {"type": "object", "description": "OpenAI's object of that name"},
 }
 
@@ -97,8 +104,13 @@ PATHS: dict[str, Any] = {
         "responses": {"200": _STREAM, **_errors(404, 409, 422, 429)}}},
     BASE + "/responses/{response_id}": {
         "parameters": [_RESP],
-        "get": {"summary": "Retrieve a response", "operationId": "openaiRetrieveResponse",
-                "responses": {"200": _OBJECT, **_errors(404)}},
+        "get": {"summary": "Retrieve a response; a background one's events again with stream=true",
+                "operationId": "openaiRetrieveResponse",
+                "parameters": [{"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                               {"name": "starting_after", "in": "query", "required": False,
+                                "schema": {"type": "integer", "minimum": -1},
+                                "description": "stream only the events after this sequence_number"}],
+                "responses": {"200": _STREAM, **_errors(404)}},
         "delete": {"summary": "Delete a response (its turn, and the conversation's cached blocks)",
                    "operationId": "openaiDeleteResponse", "responses": {"200": _OBJECT, **_errors(404)}}},
     BASE + "/responses/{response_id}/cancel": {

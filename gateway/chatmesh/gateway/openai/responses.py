@@ -6,12 +6,12 @@
   seeded with the input's earlier items and created with `instructions` as its first message. `instructions`
   apply to the turn they come with (chat does not repeat them when they are the conversation's own). `store:
   false` answers in a throwaway conversation, deleted when the response ends (GET then finds nothing).
-- Streaming: response.created, response.in_progress, response.output_item.added, response.content_part.added,
-  response.output_text.delta..., response.output_text.done, response.content_part.done, response.output_item.done,
-  then exactly one of response.completed, response.incomplete (token cap, moderation, cancelled) or
-  response.failed; each with a `sequence_number` from 0.
-- GET /responses/{id}, DELETE /responses/{id} (the turn's messages and, on every engine, the conversation's cached
-  blocks), POST /responses/{id}/cancel (chatmesh's stop: the partial reply is kept, status `cancelled`).
+  `background: true` runs it without its client (`background.py`).
+- The object: every field Open Responses requires (`response_object.py`), recorded at create (`records.py`) with
+  how it ended, so GET on any gateway answers what create did. Streaming: the events of `response_events.py`.
+- GET /responses/{id} (with `stream=true&starting_after=N`, a background response's events again), DELETE
+  /responses/{id} (the turn's messages and, on every engine, the conversation's cached blocks), POST
+  /responses/{id}/cancel (chatmesh's stop: the partial reply is kept, status `cancelled`).
 """
 
 from __future__ import annotations
@@ -30,13 +30,16 @@ from starlette.responses import JSONResponse, Response
 from chatmesh.gateway import bodies, events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.gateway.openai import ids, replies, wire
+from chatmesh.gateway.openai import background, ids, replies, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import Point
+from chatmesh.gateway.openai.records import Ended, Recorded
+from chatmesh.gateway.openai.response_events import Ending, EventFraming, Immediate, Outcome
+from chatmesh.gateway.openai.response_object import Shape, request_fields, status_of
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.turns import Ask, owner_token
+from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -46,113 +49,52 @@ T = TypeVar("T")
 CANCEL_WAIT_S = 3.0
 
 
-def usage_json(u: common_pb2.Usage) -> dict[str, Any]:
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
-            "output_tokens": u.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.prompt_tokens + u.output_tokens}
+def _fields(surface: Surface, req: wire.ResponseRequest | None, created_at: int) -> dict[str, Any]:
+    """The request side of the object; without the request (a response this edge has no record of), the
+    defaults it would have run with."""
+    opts = req.options if req is not None else wire.Options()
+    return request_fields(
+        model=surface.model, created_at=created_at,
+        instructions=(req.instructions or None) if req is not None else None,
+        previous_response_id=req.previous_response_id if req is not None else None,
+        max_output_tokens=opts.max_tokens,
+        temperature=opts.temperature if opts.temperature is not None else surface.sampling.temperature,
+        top_p=opts.top_p if opts.top_p is not None else surface.sampling.top_p,
+        store=req.store if req is not None else True, background=req.background if req is not None else False,
+        truncation=req.truncation if req is not None else "disabled",
+        metadata=req.metadata if req is not None else {}, user=req.user if req is not None else None,
+        safety_identifier=req.safety_identifier if req is not None else None,
+        prompt_cache_key=req.prompt_cache_key if req is not None else None)
 
 
-def status_of(kind: events.SseEvent, finish: str) -> tuple[str, dict[str, str] | None]:
-    """A final turn event as a response status and its incomplete_details."""
-    match kind:
-        case events.SseEvent.COMPLETED:
-            return ("incomplete", {"reason": "max_output_tokens"}) if finish == "length" else ("completed", None)
-        case events.SseEvent.STOPPED:
-            return "cancelled", None
-        case events.SseEvent.BLOCKED:
-            return "incomplete", {"reason": "content_filter"}
-        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA:
-            return "failed", None
+class _Recording:
+    """A foreground response's record (`records.py`): its object written as it starts, off the token path, and
+    how it ended written before the client hears it ended, so a GET right after agrees."""
 
+    def __init__(self, surface: Surface, owner: OwnerId, point: Point, shape: Shape, cap: int, digest: str,
+                 keep: bool):
+        self.surface, self.owner, self.point, self.cap = surface, owner, point, cap
+        self._described = asyncio.create_task(surface.records.describe(
+            owner, point.turn, point.conversation, digest, shape.recorded, cap)) if keep else None
 
-class Shape:
-    """The response object's fields that do not change while it runs."""
+    async def end(self, outcome: Outcome) -> None:
+        if self._described is None:
+            return
+        try:
+            await self._described
+            await self.surface.records.end(self.owner, self.point.turn,
+                                           Ended(outcome.status, outcome.reason, outcome.completed_at))
+        except Exception as exc:  # the reply is stored; retrieve then decides from the turn alone
+            log.warning("response_record_failed", error=type(exc).__name__)
 
-    def __init__(self, surface: Surface, point: Point, created_at: float, req: wire.ResponseRequest | None,
-                 previous: str | None):
-        self.id = ids.response_id(point.conversation, point.turn)
-        self.item_id = ids.message_id(point.turn, "assistant")
-        opts = req.options if req is not None else wire.Options()
-        self.fixed: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": int(created_at), "model": surface.model,
-            "instructions": (req.instructions or None) if req is not None else None,
-            "previous_response_id": previous, "conversation": {"id": ids.conversation_id(point.conversation)},
-            "max_output_tokens": opts.max_tokens, "temperature": opts.temperature, "top_p": opts.top_p,
-            "store": req.store if req is not None else True, "background": False, "parallel_tool_calls": False,
-            "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
-            "metadata": {}, "user": req.user if req is not None else None}
-
-    def item(self, text: str, status: str) -> dict[str, Any]:
-        return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-    def body(self, status: str, text: str | None, usage: common_pb2.Usage | None,
-             incomplete: dict[str, str] | None = None, error: dict[str, str] | None = None) -> dict[str, Any]:
-        done = "completed" if status == "completed" else "incomplete"
-        return {**self.fixed, "status": status, "error": error, "incomplete_details": incomplete,
-                "output": [] if text is None else [self.item(text, done)],
-                "usage": usage_json(usage) if usage is not None else None}
-
-
-class EventFraming:
-    """`response.*` events, each with its sequence number (see the module docstring)."""
-
-    def __init__(self, shape: Shape, cap: int):
-        self._shape = shape
-        self._cap = cap
-        self._sequence = 0
-        self._parts: list[str] = []
-        self._delta_head = json.dumps({"type": "response.output_text.delta", "item_id": shape.item_id,
-                                       "output_index": 0, "content_index": 0, "logprobs": []},
-                                      separators=(",", ":"))[:-1].encode()
-
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        body = json.dumps({"type": kind, "sequence_number": self._sequence, **fields}, separators=(",", ":"),
-                          ensure_ascii=False)
-        self._sequence += 1
-        return f"event: {kind}\ndata: {body}\n\n".encode()
-
-    def delta(self, sequence: int, text: str) -> bytes:
-        self._parts.append(text)
-        out = b"event: response.output_text.delta\ndata: " + self._delta_head + b',"sequence_number":%d,"delta":%s}\n\n' % (
-            self._sequence, json.dumps(text, ensure_ascii=False).encode())
-        self._sequence += 1
-        return out
-
-    def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        s = self._shape
-        if kind is events.SseEvent.STARTED:
-            running = s.body("in_progress", None, None)
-            return (self._event("response.created", response=running)
-                    + self._event("response.in_progress", response=running)
-                    + self._event("response.output_item.added", output_index=0, item={**s.item("", "in_progress"),
-                                                                                      "content": []})
-                    + self._event("response.content_part.added", item_id=s.item_id, output_index=0,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
-        if kind is events.SseEvent.FAILED:
-            return self.failed(event.sequence, event.failed.message, event.failed.retryable)
-        text = "".join(self._parts)
-        usage = replies.usage_of(event)
-        stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
-        status, incomplete = status_of(kind, replies.finish_reason(kind, usage, stated, self._cap))
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        final = s.body(status, text, usage, incomplete)
-        return (self._event("response.output_text.done", item_id=s.item_id, output_index=0, content_index=0,
-                            text=text, logprobs=[])
-                + self._event("response.content_part.done", item_id=s.item_id, output_index=0, content_index=0,
-                              part=part)
-                + self._event("response.output_item.done", output_index=0,
-                              item=s.item(text, "completed" if status == "completed" else "incomplete"))
-                + self._event("response.completed" if status == "completed" else "response.incomplete",
-                              response=final))
-
-    def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
-        error = {"code": "server_error", "message": message or "the turn failed"}
-        return self._event("response.failed", response=self._shape.body("failed", "".join(self._parts), None,
-                                                                        error=error))
-
-    async def end(self, outcome: events.Outcome) -> bytes:
-        return b""
+    def ending(self) -> Ending:
+        async def ending(event: chat_pb2.TurnEvent, kind: events.SseEvent, usage: common_pb2.Usage) -> Outcome:
+            stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
+            status, reason = status_of(kind, replies.finish_reason(kind, usage, stated, self.cap))
+            outcome = Outcome(status, reason, int(time.time()))
+            await self.end(outcome)
+            return outcome
+        return ending
 
 
 def _split_input(req: wire.ResponseRequest, continuing: bool) -> tuple[tuple[wire.Message, ...], str]:
@@ -188,7 +130,8 @@ async def create(request: Request) -> Response:
     options = wire.Options(req.options.temperature, req.options.top_p, None, (), req.options.max_tokens,
                            instructions).proto()
     shape_key = json.dumps([req.previous_response_id, req.conversation, req.raw_input, instructions,
-                            options.SerializeToString(deterministic=True).hex()], sort_keys=True)
+                            options.SerializeToString(deterministic=True).hex(), req.store, req.background],
+                           sort_keys=True)
     ask = Ask(owner=owner, chat="", history=history, content=req.content, options=options,
               request_digest=surface.index.digest(owner, "response\0" + shape_key, ()),
               key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
@@ -203,15 +146,34 @@ async def create(request: Request) -> Response:
             raise invalid("store", "store=false cannot append to a conversation; use previous_response_id")
     cap = min(req.options.max_tokens or surface.reply_cap, surface.reply_cap)
     slot, opened = await replies.start(surface, ask)
-    shape = Shape(surface, opened.point, time.time(), req, req.previous_response_id)
+    try:
+        shape = await _shape_of(surface, owner, opened, req)
+    except BaseException as exc:
+        opened.call.cancel()
+        await surface.edge.ended(slot, events.Outcome(None, 0))
+        raise exc
+    if req.background:
+        return await background.start(surface, owner, slot, opened, shape, cap, ask.request_digest, req.stream)
+    recording = _Recording(surface, owner, opened.point, shape, cap, ask.request_digest, keep=not ask.fresh)
     done = replies.discard(surface, owner, opened) if ask.fresh else None
     if req.stream:
-        return replies.relay(surface, slot, opened, EventFraming(shape, cap), done)
+        return replies.relay(surface, slot, opened, EventFraming(shape, recording.ending(), Immediate()), done)
     reply = await replies.collect(surface, slot, opened, cap, done)
     if reply.kind is events.SseEvent.FAILED:
         raise ApiError(503, "turn_failed", reply.failure or "the turn failed; retry")
-    status, incomplete = status_of(reply.kind, reply.finish_reason)
-    return JSONResponse(shape.body(status, reply.text, reply.usage, incomplete))
+    status, reason = status_of(reply.kind, reply.finish_reason)
+    outcome = Outcome(status, reason, int(time.time()))
+    await recording.end(outcome)
+    return JSONResponse(shape.body(status, reply.text, reply.usage, reason=reason, completed_at=outcome.completed_at))
+
+
+async def _shape_of(surface: Surface, owner: OwnerId, opened: Opened, req: wire.ResponseRequest) -> Shape:
+    """The object's request side: this request's, or, when the turn replays (a retry), the first request's."""
+    if opened.replayed:
+        recorded = await surface.records.get(owner, opened.point.turn)
+        if recorded is not None and recorded.body:
+            return Shape(opened.point, recorded.body)
+    return Shape(opened.point, _fields(surface, req, int(time.time())))
 
 
 async def _of_response(call: Awaitable[T]) -> T:
@@ -237,24 +199,44 @@ _STATUS = {chat_pb2.TURN_STATUS_COMPLETED: events.SseEvent.COMPLETED,
 
 
 async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any]:
+    """The object as create answered it: its recorded request side and ending, the turn's reply and usage."""
     turn = await _of_response(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
         owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
         metadata=owner_token(surface.edge, owner, point.conversation)))
-    shape = Shape(surface, point, turn.stored_at_ms / 1000 or time.time(), None, None)
+    recorded: Recorded | None = await surface.records.get(owner, point.turn)
+    if recorded is not None and (recorded.conversation != point.conversation or not recorded.body):
+        recorded = None
+    shape = Shape(point, recorded.body if recorded is not None else
+                  _fields(surface, None, turn.stored_at_ms // 1000 or int(time.time())))
     text = Sanitiser(surface.edge.allowlist).whole(turn.reply)
     kind = _STATUS.get(turn.status)
     if kind is None:
         return shape.body("in_progress", text, None)
     if kind is events.SseEvent.FAILED:
         return shape.body("failed", None, None, error={"code": "server_error", "message": "the turn failed"})
-    status, incomplete = status_of(kind, replies.finish_reason(kind, turn.usage, turn.finish_reason,
-                                                                surface.reply_cap))
-    return shape.body(status, text, turn.usage, incomplete)
+    ended = recorded.ended if recorded is not None else None
+    if ended is None:  # no record of how it ended: decided from the stored turn and the cap it ran with
+        cap = recorded.cap if recorded is not None and recorded.cap else surface.reply_cap
+        status, reason = status_of(kind, replies.finish_reason(kind, turn.usage, turn.finish_reason, cap))
+        ended = Ended(status, reason, turn.stored_at_ms // 1000 or None)
+    return shape.body(ended.status, text, turn.usage, reason=ended.reason, completed_at=ended.completed_at)
 
 
 async def retrieve(request: Request) -> Response:
     surface, owner, point = await _turn(request)
+    if _flag(request, "stream"):
+        raw = request.query_params.get("starting_after", "-1")
+        if not raw.lstrip("-").isdigit() or int(raw) < -1:
+            raise invalid("starting_after", "must be an event's sequence_number (an integer from 0)")
+        return await background.resume(surface, owner, point, int(raw))
     return JSONResponse(await _body(surface, owner, point))
+
+
+def _flag(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false", "1", "0"):
+        raise invalid(name, "must be true or false")
+    return raw in ("true", "1")
 
 
 async def delete(request: Request) -> Response:
@@ -263,6 +245,7 @@ async def delete(request: Request) -> Response:
         owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
         metadata=owner_token(surface.edge, owner, point.conversation)))
     await surface.index.forget(owner, point.conversation)
+    await surface.records.drop(owner, point.turn)
     return JSONResponse({"id": ids.response_id(point.conversation, point.turn), "object": "response",
                          "deleted": True})
 

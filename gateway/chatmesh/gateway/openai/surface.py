@@ -22,6 +22,8 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import Via
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import HistoryIndex
+from chatmesh.gateway.openai.records import TurnRecords
+from chatmesh.gateway.openai.response_object import Sampling
 from chatmesh.gateway.openai.turns import Turns
 from chatmesh.gateway.openai.wire import Message
 from chatmesh.gateway.routes import Edge
@@ -44,10 +46,17 @@ class Surface:
     model: str
     context_tokens: int
     reply_cap: int
+    sampling: Sampling = field(default_factory=Sampling)  # chat's defaults, reported when a request sets none
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.turns = Turns(self.edge, self.index)
+        self.records = TurnRecords(self.index.engine)
+        self.turns = Turns(self.edge, self.index, self.records)
+
+    async def forget(self, owner: ids.OwnerId, conversation: ids.ConversationId) -> None:
+        """What the surface keeps of a deleted conversation: its history digests and its turns' records."""
+        await self.index.forget(owner, conversation)
+        await self.records.forget(owner, conversation)
 
     async def check_sizes(self, messages: Sequence[Message], param: str) -> None:
         """Each message against the edge's message size policy (chatmesh.gateway.tokens), named when over it."""

@@ -3,7 +3,9 @@
 A request asks for one reply to its last user message, `content`, after its earlier messages, `history`.
 
 Turn id (the idempotency key, I2). An `Idempotency-Key` header, or Open WebUI's message id header, names the turn:
-`uuid5(owner, key)`. Without one the turn id is derived from the request itself, `uuid5(owner, request digest)`,
+`uuid5(owner, key)`, for one request: the key is claimed with the request's digest before the turn opens, and the
+same key with any other request is a 409 on every path (`records.py`). A throwaway ask (store=false, a front-end's
+background task) keeps nothing to replay and ignores the key. Without one the turn id is derived from the request itself, `uuid5(owner, request digest)`,
 so the SDK's own retry of a request it never got an answer to (marked `x-stainless-retry-count: N>=1`) reaches
 the same turn and replays it or attaches to it: never a second generation, never a second bill. A request that
 names no key and is not such a retry, yet reaches a turn already answered, was sent again on purpose: that is a
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
+from chatmesh.gateway.openai.records import TurnRecords
 from chatmesh.gateway.openai.wire import Message, Role
 from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.owner_tokens import Metadata
@@ -97,9 +100,11 @@ class Opened:
 
 
 class Turns:
-    def __init__(self, edge: Edge, index: HistoryIndex, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, edge: Edge, index: HistoryIndex, records: TurnRecords,
+                 clock: Callable[[], float] = time.monotonic):
         self.edge = edge
         self.index = index
+        self.records = records
         self._clock = clock
         self._holds: dict[tuple[OwnerId, ConversationId, str], tuple[TurnId, float]] = {}
 
@@ -128,6 +133,8 @@ class Turns:
         turn = self.turn_id(ask)
         if ask.fresh:
             return await self._start(ask, turn, ConversationId(str(uuid.uuid4())), forks=0)
+        if ask.key is not None:  # the key names this turn for this request only (records.py)
+            await self.records.claim(ask.owner, turn, ask.request_digest)
         if ask.conversation is not None:
             return await self._append(ask, turn, ask.conversation)
         point = ask.after

@@ -39,10 +39,14 @@ class Role(enum.Enum):
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT}
 
 
+PHASES = ("commentary", "final_answer")
+
+
 @dataclass(frozen=True)
 class Message:
     role: Role
     text: str
+    phase: str | None = None  # an assistant message's Responses `phase` (commentary or final_answer), as sent
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,11 @@ class ResponseRequest:
     options: Options
     user: str | None
     raw_input: Any = field(compare=False, default=None)  # echoed nowhere; kept for the request digest
+    background: bool = False
+    truncation: str = "disabled"
+    metadata: dict[str, str] = field(default_factory=dict)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @property
     def history(self) -> tuple[Message, ...]:
@@ -241,7 +250,7 @@ def _text_of(content: Any, param: str, part_types: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
-ITEM_KEYS = frozenset({"role", "content", "type", "id", "status"})
+ITEM_KEYS = frozenset({"role", "content", "type", "id", "status", "phase"})
 ITEM_PARTS = ("input_text", "output_text", "text")
 
 
@@ -272,11 +281,14 @@ def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...],
             raise invalid(f"{where}.role", f"unknown role {role[:20]!r} (system, developer, user or assistant)")
         content = item.get("content")
         text = "" if content is None and role == "assistant" else _text_of(content, f"{where}.content", part_types)
+        phase = item.get("phase")
+        if phase is not None and (role != "assistant" or phase not in PHASES):
+            raise invalid(f"{where}.phase", "only an assistant message has a phase: commentary or final_answer")
         if not text.strip() and role != "assistant":  # a reply may be empty (blocked, stopped at once)
             raise invalid(f"{where}.content", "must not be empty")
         if len(text) > max_chars:
             raise invalid(f"{where}.content", f"longer than {max_chars} characters", "string_above_max_length")
-        out.append(Message(_ROLES[role], text))
+        out.append(Message(_ROLES[role], text, phase))
     if last_user and out[-1].role is not Role.USER:
         raise invalid(f"{param}[{len(out) - 1}].role", "the last message must be the user's (the one to answer)")
     return tuple(out)
@@ -350,17 +362,31 @@ def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int
 
 _RESPONSE_KEYS = frozenset({"model", "input", "instructions", "previous_response_id", "conversation", "store",
                             "stream", "max_output_tokens", "temperature", "top_p", "user", "text", "truncation",
-                            "stream_options"})
+                            "stream_options", "background", "metadata", "safety_identifier", "prompt_cache_key"})
 _RESPONSE_NO_OP: dict[str, Callable[[Any], bool]] = {
-    **{k: v for k, v in _NO_OP.items() if k in ("tools", "tool_choice", "parallel_tool_calls", "metadata",
-                                                 "top_logprobs", "service_tier", "prompt_cache_key",
-                                                 "safety_identifier")},
-    "background": lambda v: v is None or v is False,
+    **{k: v for k, v in _NO_OP.items() if k in ("tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
+                                                 "service_tier", "presence_penalty", "frequency_penalty")},
     "include": _is_empty,
-    "reasoning": lambda v: v is None,
+    "reasoning": lambda v: v is None or v == {} or v == {"effort": None, "summary": None},
     "prompt": lambda v: v is None,
     "max_tool_calls": lambda v: v is None,
 }
+MAX_METADATA = 16
+
+
+def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
+    """Open Responses' metadata: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+    value = body.get("metadata")
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise _type_error("metadata", "an object of string values")
+    if len(value) > MAX_METADATA:
+        raise invalid("metadata", f"at most {MAX_METADATA} pairs")
+    for k, v in value.items():
+        if len(k) > 64 or len(v) > 512:
+            raise invalid(f"metadata.{k[:64]}", "keys are at most 64 characters, values at most 512")
+    return dict(value)
 
 
 def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int) -> ResponseRequest:
@@ -390,8 +416,9 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
         if not (isinstance(text, dict) and set(text) <= {"format", "verbosity"}
                 and text.get("format", {"type": "text"}) == {"type": "text"} and text.get("verbosity") is None):
             raise unsupported("text", "plain text output only")
-    if body.get("truncation") not in (None, "disabled"):
-        raise unsupported("truncation", "chatmesh summarises long conversations itself")
+    truncation = body.get("truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise invalid("truncation", "must be auto or disabled")
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not (isinstance(stream_options, dict)
@@ -402,8 +429,13 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
     if options.top_p == 0.0:
         raise invalid("top_p", "must be above 0")
     instructions = _string(body, "instructions", max_chars=max_chars) or ""
-    return ResponseRequest(model, items, instructions, previous, conversation, _bool(body, "store", True), stream,
-                           options, _string(body, "user", max_chars=256), raw)
+    store, background = _bool(body, "store", True), _bool(body, "background", False)
+    if background and not store:
+        raise invalid("background", "a background response is stored (store: true): it is read back later")
+    return ResponseRequest(model, items, instructions, previous, conversation, store, stream, options,
+                           _string(body, "user", max_chars=256), raw, background, truncation, _metadata(body),
+                           _string(body, "safety_identifier", max_chars=64),
+                           _string(body, "prompt_cache_key", max_chars=64))
 
 
 def conversation_items(raw: Any, max_chars: int) -> tuple[Message, ...]:
