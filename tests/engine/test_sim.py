@@ -17,7 +17,8 @@ from chatmesh.mesh.config import Config
 from chatmesh.model import assets
 from chatmesh.model.profile import ModelProfile, load_spec
 from chatmesh.model.settings import MODEL_DIR
-from chatmesh.model.template import Role
+from chatmesh.model.template import Message, Role
+from chatmesh.model.tools import HERMES, LLAMA_JSON, ChoiceMode, ToolChoice, ToolDefinition
 
 
 def _sim(codec: WordCodec | ModelProfile, **env: str) -> EngineCore:
@@ -35,12 +36,21 @@ async def _reply(core: EngineCore, prompt: tuple[int, ...], max_tokens: int = 20
     return [t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), last
 
 
+def _profile(name: str, asset: assets.WheelAsset) -> ModelProfile:
+    model_dir = Path(Config()[MODEL_DIR])
+    if not asset.present(model_dir):
+        pytest.skip(f"{asset.target(model_dir)} absent; run `chatmesh model fetch`")
+    return load_spec(name, model_dir)
+
+
 @pytest.fixture(scope="module")
 def llama3() -> ModelProfile:
-    model_dir = Path(Config()[MODEL_DIR])
-    if not assets.LLAMA3_TOKENIZER.present(model_dir):
-        pytest.skip("Llama 3 tokenizer absent; run `chatmesh model fetch`")
-    return load_spec("llama3", model_dir)
+    return _profile("llama3", assets.LLAMA3_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> ModelProfile:
+    return _profile("smollm2", assets.SMOLLM2)
 
 
 async def test_replies_end_at_a_drawn_length_the_same_for_the_same_seed() -> None:
@@ -102,9 +112,32 @@ def test_scripts_spell_special_tokens_and_bad_scripts_are_refused(llama3: ModelP
     ids = encode_script(llama3, '<|python_tag|>{"name": "f"}')
     assert ids[0] == llama3.tokenizer.special_tokens["<|python_tag|>"]
     assert list(ids[1:]) == llama3.encode('{"name": "f"}')
-    assert parse_replies('[{"when": "a", "reply": "b"}]', llama3)[0].when == "a"
-    assert parse_replies("", llama3) == []
+    script = parse_replies('[{"when": "a", "reply": "b"}]', llama3)
+    assert script is not None and script.rules[0].when == "a"
+    assert parse_replies("", llama3) is None
     for bad in ('{"when": "a"}', "/nonexistent/replies.json",
-                '[{"when": "", "reply": "b"}]', '[{"reply": "b"}]', "[nope"):
+                '[{"when": "", "reply": "b"}]', '[{"reply": "b"}]', "[nope", '[{"when": "a"}]',
+                '[{"when": "a", "tool_calls": [{"name": "f"}, {"name": "g"}]}]',  # Llama: one call a reply
+                '[{"when": "a", "tool_calls": [{"arguments": {}}]}]'):
         with pytest.raises(ValueError, match="CHATMESH_SIM_REPLIES"):
             parse_replies(bad, llama3)
+
+
+async def test_a_scripted_tool_call_is_written_in_the_models_format(llama3: ModelProfile, smollm2: ModelProfile
+                                                                    ) -> None:
+    rule = [{"when": "weather", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}]
+    for served, want in ((llama3, LLAMA_JSON.call_text("get_weather", '{"city": "Paris"}')),
+                         (smollm2, HERMES.call_text("get_weather", '{"city": "Paris"}'))):
+        core = _sim(served, CHATMESH_SIM_REPLIES=json.dumps(rule))
+        await core.start()
+        try:
+            messages = [Message(Role.SYSTEM, "Be brief."), Message(Role.USER, "The weather in Paris?")]
+            tools = (ToolDefinition.of({"type": "function", "function": {"name": "get_weather"}}),)
+            _, text, fin = await _reply(core, served.render(messages, tools=tools).token_ids)
+            assert text == want and fin.reason is FinishReason.STOP
+            # a prompt ending with the call's opening (tool_choice required): the reply continues it
+            prefill = served.tool_syntax.prefill(ToolChoice(ChoiceMode.NAMED, "get_weather"))
+            _, rest, _ = await _reply(core, served.render(messages, tools=tools, prefill=prefill).token_ids)
+            assert prefill + rest == want
+        finally:
+            await core.close()

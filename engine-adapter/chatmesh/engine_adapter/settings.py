@@ -34,8 +34,9 @@ SIM_REPLY_TOKENS = Setting(
 SIM_REPLIES = Setting(
     "CHATMESH_SIM_REPLIES", "",
     "scripted sim replies (for tests): a JSON file, or the JSON itself, listing rules {\"when\": text, \"reply\": "
-    "text}; a prompt whose last message contains `when` is answered `reply` (special tokens' texts as those "
-    "tokens), then the end-of-turn token; the first matching rule wins, other prompts get sim's usual text", str)
+    "text} or {\"when\": text, \"tool_calls\": [{\"name\": N, \"arguments\": {...}}]}; a prompt whose last message "
+    "contains `when` is answered `reply` (special tokens' texts as those tokens) or the calls in the model's own "
+    "format, then the end-of-turn token; the first matching rule wins, other prompts get sim's usual text", str)
 SIM_TEXT = Setting("CHATMESH_SIM_TEXT", "auto",
                    "sim token ids: tokenizer (the CHATMESH_MODEL profile's, needs its files), words (a built-in "
                    "word vocabulary; chat refuses to use it), auto (tokenizer when the model files are present)", str, choices=("auto", "tokenizer", "words"))

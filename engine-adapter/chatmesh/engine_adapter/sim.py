@@ -12,13 +12,16 @@ reference workload's reply), seeded by the request's seed and the prompt's lengt
 ends where the first try did. A reply also ends at max_tokens (finish "length") or a requested stop token, as on
 any engine. CHATMESH_SIM_REPLY_TOKENS=0 turns EOS off: replies run to max_tokens.
 
-Scripted replies (CHATMESH_SIM_REPLIES, for tests). A list of rules `{"when": text, "reply": text}`: a prompt
-whose last message (the tokens between its last two end-of-turn tokens, decoded; the generation header after
-the last one left out) contains `when` is answered with `reply`, its special tokens' texts encoded as those
-tokens (a script, unlike user text, may spell `<|python_tag|>`), then the end-of-turn token. The first
-matching rule wins; other prompts get the passage text. Matching reads the prompt only (no state), so the same
-rule answers on every replica and every retry, and a later turn whose last message no rule matches gets the
-usual text.
+Scripted replies (CHATMESH_SIM_REPLIES, for tests). A list of rules `{"when": text, "reply": text}` or
+`{"when": text, "tool_calls": [{"name": N, "arguments": {...}}]}` (with an optional "reply" before the calls):
+a prompt whose last message (the tokens between its last two end-of-turn tokens, decoded; the generation
+header after the last one left out) contains `when` is answered with `reply`, its special tokens' texts encoded
+as those tokens (a script, unlike user text, may spell `<|python_tag|>`), or with the calls written in the
+served model's own format (model/tools.py: Llama 3.1's JSON, ChatML's `<tool_call>` blocks), then the
+end-of-turn token. When the prompt already ends with the start of that reply (chat prefilled a required tool
+call's opening), the reply continues from there, as a model would. The first matching rule wins; other prompts
+get the passage text. Matching reads the prompt only (no state), so the same rule answers on every replica and
+every retry, and a later turn whose last message no rule matches gets the usual text.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chatmesh.engine_adapter import settings
 from chatmesh.engine_adapter.backend import Backend
@@ -47,28 +51,56 @@ DEFAULT_STEP_TOKENS = 512  # the reference's prefill chunk (Sarathi-Serve), whic
 
 @dataclass(frozen=True)
 class ScriptedReply:
-    """A rule of CHATMESH_SIM_REPLIES: a prompt whose last message contains `when` is answered `token_ids`."""
+    """A rule of CHATMESH_SIM_REPLIES: a prompt whose last message contains `when` is answered `text`."""
 
     when: str
-    token_ids: tuple[int, ...]
+    text: str
+
+
+class Script:
+    """The scripted replies (module header): which prompt gets which tokens."""
+
+    def __init__(self, codec: TextCodec, rules: Sequence[ScriptedReply]):
+        self.codec = codec
+        self.rules = list(rules)
+        self._stops = codec.stop_token_ids
+        self._encoded: dict[str, tuple[int, ...]] = {}
+
+    def reply(self, prompt: Sequence[int]) -> tuple[int, ...] | None:
+        """The scripted reply's tokens for this prompt, or None when no rule matches its last message."""
+        ends = [i for i, t in enumerate(prompt) if t in self._stops][-2:]
+        start, stop = (ends[0] + 1, ends[1]) if len(ends) == 2 else (0, ends[0] if ends else len(prompt))
+        text = self._text(prompt[start:stop])
+        rule = next((r for r in self.rules if r.when in text), None)
+        if rule is None:
+            return None
+        tail = self._text(prompt[stop + 1:]) if ends else ""  # the generation prompt, and any prefill after it
+        begun = max((k for k in range(2, len(rule.text) + 1) if tail.endswith(rule.text[:k])), default=0)
+        rest = rule.text[begun:]
+        if rest not in self._encoded:
+            self._encoded[rest] = encode_script(self.codec, rest)
+        return self._encoded[rest]
+
+    def _text(self, ids: Sequence[int]) -> str:
+        decoder = self.codec.decoder()
+        return decoder.feed(ids) + decoder.flush()
 
 
 class SimExecutor:
     """An Executor that samples from a script and reports roofline step times (or a fixed step time).
 
     `end_token`: the id that ends a reply (the model's end of turn); with `reply_tokens` > 0 every reply ends
-    with it after its drawn length (module header). `scripted` replies need `prompt_of` (a sequence's prompt
-    ids) and `last_message` (its last message's text); build_sim wires both."""
+    with it after its drawn length (module header). Scripted `replies` need `prompt_of` (a sequence's prompt ids);
+    build_sim wires both."""
 
     name = "sim"
 
     def __init__(self, node: NodeModel, script: Sequence[int], block_size: int, fixed_step_s: float = 0.0, *,
-                 end_token: int | None = None, reply_tokens: int = 0, scripted: Sequence[ScriptedReply] = (),
-                 prompt_of: Callable[[int], Sequence[int]] | None = None,
-                 last_message: Callable[[Sequence[int]], str] | None = None):
+                 end_token: int | None = None, reply_tokens: int = 0, replies: Script | None = None,
+                 prompt_of: Callable[[int], Sequence[int]] | None = None):
         if not script:
             raise ValueError("the sim script must not be empty")
-        if (reply_tokens or scripted) and end_token is None:
+        if (reply_tokens or replies) and end_token is None:
             raise ValueError("sim needs an end token to end replies")
         if reply_tokens < 0:
             raise ValueError(f"sim reply length must be at least 0, got {reply_tokens}")
@@ -78,9 +110,8 @@ class SimExecutor:
         self.fixed_step_s = fixed_step_s
         self.end_token = end_token
         self.reply_tokens = reply_tokens
-        self.scripted = list(scripted)
+        self.replies = replies
         self.prompt_of = prompt_of
-        self.last_message = last_message
         self._plans: dict[int, tuple[int, int, tuple[int, ...] | None]] = {}  # seq -> (prompt len, length, text)
 
     def execute(self, work: Sequence[SeqWork]) -> StepResult:
@@ -114,10 +145,7 @@ class SimExecutor:
         scripted tokens if a rule matched."""
         prompt = self.prompt_of(seq_id) if self.prompt_of is not None else ()
         start = len(prompt) or end
-        scripted = None
-        if self.scripted and prompt and self.last_message is not None:
-            text = self.last_message(prompt)
-            scripted = next((r.token_ids for r in self.scripted if r.when in text), None)
+        scripted = self.replies.reply(prompt) if self.replies is not None and prompt else None
         length = 0
         if self.reply_tokens:
             low = max(1, self.reply_tokens // 2)
@@ -167,23 +195,10 @@ def encode_script(codec: TextCodec, text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def last_message_text(codec: TextCodec) -> Callable[[Sequence[int]], str]:
-    """What a rule's `when` is matched against: the decoded tokens between the prompt's last two stop tokens."""
-    stops = codec.stop_token_ids
-
-    def text(prompt: Sequence[int]) -> str:
-        ends = [i for i, t in enumerate(prompt) if t in stops][-2:]
-        start, stop = (ends[0] + 1, ends[1]) if len(ends) == 2 else (0, ends[0] if ends else len(prompt))
-        decoder = codec.decoder()
-        return decoder.feed(prompt[start:stop]) + decoder.flush()
-
-    return text
-
-
-def parse_replies(value: str, codec: TextCodec) -> list[ScriptedReply]:
+def parse_replies(value: str, codec: TextCodec) -> Script | None:
     """CHATMESH_SIM_REPLIES: the JSON itself when it starts with `[` (or `{`), else a file holding it."""
     if not value.strip():
-        return []
+        return None
     source = value
     if not value.lstrip().startswith(("[", "{")):
         try:
@@ -196,13 +211,35 @@ def parse_replies(value: str, codec: TextCodec) -> list[ScriptedReply]:
         raise ValueError(f"CHATMESH_SIM_REPLIES is not JSON: {err}") from None
     if not isinstance(rules, list):
         raise ValueError("CHATMESH_SIM_REPLIES must be a JSON list of {\"when\", \"reply\"} rules")
-    out = []
-    for i, rule in enumerate(rules):
-        if not (isinstance(rule, dict) and isinstance(rule.get("when"), str) and rule["when"]
-                and isinstance(rule.get("reply"), str)):
-            raise ValueError(f"CHATMESH_SIM_REPLIES rule {i} must be {{\"when\": non-empty text, \"reply\": text}}")
-        out.append(ScriptedReply(rule["when"], encode_script(codec, rule["reply"])))
-    return out
+    return Script(codec, [_rule(i, rule, codec) for i, rule in enumerate(rules)])
+
+
+def _rule(i: int, rule: Any, codec: TextCodec) -> ScriptedReply:
+    shape = '{"when": non-empty text, "reply": text} or {"when": ..., "tool_calls": [{"name", "arguments"}]}'
+    if not (isinstance(rule, dict) and isinstance(rule.get("when"), str) and rule["when"]
+            and isinstance(rule.get("reply", ""), str) and ("reply" in rule or "tool_calls" in rule)):
+        raise ValueError(f"CHATMESH_SIM_REPLIES rule {i} must be {shape}")
+    text: str = rule.get("reply", "")
+    calls = rule.get("tool_calls")
+    if calls is None:
+        return ScriptedReply(rule["when"], text)
+    from chatmesh.model.profile import ModelProfile
+    from chatmesh.model.tools import HERMES, ToolsUnsupported
+
+    if not isinstance(codec, ModelProfile):
+        raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: tool calls need the model's tokenizer (CHATMESH_SIM_TEXT)")
+    if not (isinstance(calls, list) and calls and all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
+            for c in calls)):
+        raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: tool_calls must be a list of {{\"name\", \"arguments\"}}")
+    try:
+        syntax = codec.tool_syntax
+    except ToolsUnsupported as err:
+        raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: {err}") from None
+    written = [syntax.call_text(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in calls]
+    if syntax is not HERMES and (len(written) > 1 or text):
+        raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: {syntax.name} writes one call per reply and no text")
+    return ScriptedReply(rule["when"], "\n".join([text, *written] if text else written))
 
 
 def codec_for(cfg: Config) -> TextCodec:
@@ -233,8 +270,7 @@ def build_sim(cfg: Config, *, codec: TextCodec | None = None, clock: Clock | Non
     codec = codec or codec_for(cfg)
     executor = SimExecutor(node, codec.encode(PASSAGE), bs, cfg[settings.SIM_STEP_MS] / 1000,
                            end_token=end_token(codec), reply_tokens=cfg[settings.SIM_REPLY_TOKENS],
-                           scripted=parse_replies(cfg[settings.SIM_REPLIES], codec),
-                           last_message=last_message_text(codec))
+                           replies=parse_replies(cfg[settings.SIM_REPLIES], codec))
     core = EngineCore(executor, blocks, sched, codec, replica_id=cfg[settings.REPLICA_ID],
                       flush_interval_s=cfg[settings.FLUSH_INTERVAL_MS] / 1000,
                       clock=clock or RealClock(cfg[settings.SIM_SPEED]))
