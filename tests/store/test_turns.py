@@ -440,3 +440,35 @@ async def test_a_regenerate_refused_for_a_racing_finish_is_stored_after_the_lock
     messages = (await store.conversations.read_conversation(OWNER, conv)).messages
     assert [(m.content, m.superseded) for m in messages] == [
         ("hi", False), ("original", True), ("racing", True), ("regenerated", False)]
+
+
+async def test_a_record_claimed_again_keeps_its_options_and_the_reply_shown(store: ConversationStore,
+                                                                              clock: FakeClock) -> None:
+    """Issue 33: every attempt at a turn generates with the first claim's options and continues what an earlier
+    attempt showed: its last progress (a lapsed lease: taken over) or what it failed with; none once stored."""
+    conv = await conversation(store)
+    turn = new_turn()
+    first = await claim(store, conv, turn, lease_ttl_ms=1000, options='{"seed":7,"temperature":0.7}')
+    assert isinstance(first, Claimed) and (first.options, first.resume_text, first.taken_over) == ("", "", False)
+    await store.turns.update_turn_progress(OWNER, conv, turn, first.lease_id, "Once upon", 10, lease_ttl_ms=1000)
+    clock.advance(1001)  # the holder stopped renewing
+    second = await claim(store, conv, turn, holder="chat-2", lease_ttl_ms=1000, options='{"seed":1}')
+    assert isinstance(second, Claimed)
+    assert (second.options, second.resume_text, second.taken_over) == (
+        '{"seed":7,"temperature":0.7}', "Once upon", True)
+    assert not (await store.turns.update_turn_progress(OWNER, conv, turn, first.lease_id, "Once upon a", 12)).held
+    assert await store.turns.fail_turn(OWNER, conv, turn, second.lease_id, "engine lost", "Once upon a time")
+    third = await claim(store, conv, turn, holder="chat-3")
+    assert isinstance(third, Claimed)
+    assert (third.options, third.resume_text, third.taken_over) == (
+        '{"seed":7,"temperature":0.7}', "Once upon a time", False)
+    assert await store.turns.fail_turn(OWNER, conv, turn, third.lease_id, "released")  # nothing shown
+    fourth = await claim(store, conv, turn)
+    assert isinstance(fourth, Claimed) and fourth.resume_text == "" and fourth.options != ""
+    await store.turns.finish_turn(OWNER, conv, turn, fourth.lease_id, reply())
+    async with store.db.single() as conn:
+        kept = (await conn.execute(text("SELECT generation_options, partial_text FROM turns WHERE turn_id = :t"),
+                                   {"t": turn})).one()
+    assert tuple(kept) == ("", "")  # cleared with the stored turn
+    with pytest.raises(InvalidArgument):
+        await claim(store, conv, new_turn(), options="x" * (store.turns.limits.max_content_bytes + 65 * 1024))

@@ -47,6 +47,7 @@ class NewTurn:
     now_ms: int
     regenerates: TurnId | None = None
     user_index: int | None = None
+    options: str = ""  # the turn's generation options (the caller's JSON)
 
 
 @dataclass(frozen=True)

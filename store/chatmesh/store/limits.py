@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from chatmesh.mesh.errors import InvalidArgument
 
 MAX_LEASE_TTL_MS = 86_400_000
+OPTIONS_OVERHEAD_BYTES = 64 * 1024  # a turn's options past its instructions (sampling, stops, tools)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,13 @@ class FieldLimits:
         if size > self.max_content_bytes:
             raise InvalidArgument(f"{field} is {size} bytes, over the limit of {self.max_content_bytes} "
                                   f"bytes (CHATMESH_MAX_MESSAGE_BYTES)")
+
+    def check_options(self, options: str) -> None:
+        """A turn's generation options: its instructions may be as long as a message, the rest is small."""
+        size, limit = len(options.encode()), self.max_content_bytes + OPTIONS_OVERHEAD_BYTES
+        if size > limit:
+            raise InvalidArgument(f"generation_options is {size} bytes, over the limit of {limit} bytes "
+                                  "(CHATMESH_MAX_MESSAGE_BYTES plus 64 KiB)")
 
     def ttl(self, lease_ttl_ms: int) -> int:
         """The lease a request asks for (0: the default), checked."""

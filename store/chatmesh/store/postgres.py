@@ -63,17 +63,17 @@ _PG_INSERT_TURN = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
     "SELECT conversations.owner_id, conversations.conversation_id, {turn}, {fp}, 'received', {content}, {lease}, "
     "{holder}, {expires}::bigint, {regenerates}::varchar, {user_index}::integer, NULL, '', 0, 0, 0, 0, "
-    "{now}::bigint, {now}::bigint "
+    "{now}::bigint, {now}::bigint, {options}::text "
     "FROM conversations WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 PG_CLAIM = _PG_INSERT_TURN.format(turn="$3::varchar", fp="$4::varchar", content="$5::text", lease="$6::varchar",
                                   holder="$7::varchar", expires="$8", now="$9", regenerates="$10",
-                                  user_index="$11")
+                                  user_index="$11", options="$12")
 # With the context: the read runs in the same statement (same snapshot; the new turn is not a message yet).
 PG_CLAIM_WITH_CONTEXT = (
     "WITH claimed AS (" + _PG_INSERT_TURN.format(
         turn="$4::varchar", fp="$5::varchar", content="$6::text", lease="$7::varchar", holder="$8::varchar",
-        expires="$9", now="$10", regenerates="$11", user_index="$12") + ") "
+        expires="$9", now="$10", regenerates="$11", user_index="$12", options="$13") + ") "
     "SELECT (SELECT count(*) FROM claimed), r.* FROM ("
     + _pg_read("conversations.summary_covers_through + 1") + ") AS r")
 PG_READ = _pg_read("$4::integer")
@@ -83,6 +83,7 @@ PG_LOCK_CONVERSATION = f"SELECT FROM conversations WHERE {_PG_OWN.format(t='conv
 _PG_CONV_LOCKED = ("WITH conv AS (SELECT conversations.message_count FROM conversations "
                    f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), ")
 _PG_TURN_STORED = ("turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
+                   "generation_options = '', "
                    "{indexes}, prompt_tokens = $9::bigint, cached_prompt_tokens = $10::bigint, "
                    "output_tokens = $11::bigint, updated_at_ms = $12::bigint FROM turns AS prev "
                    f"WHERE {_PG_OWN.format(t='turns')} AND turns.turn_id = $3 AND {lease_held('$4')} "
@@ -211,11 +212,11 @@ class PostgresBackend(Backend):
         if not context_limit:
             rows = await self._fetch(PG_CLAIM, owner, conversation, new.turn, new.fingerprint, new.content,
                                      new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms,
-                                     new.regenerates, new.user_index)
+                                     new.regenerates, new.user_index, new.options)
             return bool(rows), None
         rows = await self._fetch(PG_CLAIM_WITH_CONTEXT, owner, conversation, context_limit, new.turn,
                                  new.fingerprint, new.content, new.lease, new.lease_holder,
-                                 new.lease_expires_at_ms, new.now_ms, new.regenerates, new.user_index)
+                                 new.lease_expires_at_ms, new.now_ms, new.regenerates, new.user_index, new.options)
         if not rows:
             return False, None
         return bool(rows[0][0]), history_from([tuple(r)[1:] for r in rows])

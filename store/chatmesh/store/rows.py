@@ -24,7 +24,7 @@ MSG_COLUMNS = ("message_index", "role", "content", "token_count", "status", "tur
 TURN_COLUMNS = ("owner_id", "conversation_id", "turn_id", "fingerprint", "state", "content", "lease_id",
                 "lease_holder", "lease_expires_at_ms", "regenerates_turn_id", "user_index", "reply_index",
                 "partial_text", "event_sequence", "prompt_tokens", "cached_prompt_tokens", "output_tokens",
-                "created_at_ms", "updated_at_ms")
+                "created_at_ms", "updated_at_ms", "generation_options")
 # Rows the backends' reads return: the conversation's columns, its summary text (first row only), then one message's.
 N_CONV = len(CONV_COLUMNS)
 ROLES = {r.value: r for r in Role}

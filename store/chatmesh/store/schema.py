@@ -70,7 +70,10 @@ class TurnRow(Base):
     """The idempotency record and state machine of one turn id (invariant I2).
 
     `content` holds the user's message only while the turn is unfinished; it moves into `messages` when the
-    turn is stored and is cleared when it fails. `partial_text` is the reply so far, for attaching.
+    turn is stored and is cleared when it fails. `partial_text` is the reply so far, for attaching, and what an
+    attempt that failed or lapsed showed, for the next claim to continue. `generation_options` is the turn's
+    options as its first claim sent them (the caller's JSON, not read here), for every later claim; cleared when
+    the turn is stored.
     """
 
     __tablename__ = "turns"
@@ -98,6 +101,7 @@ class TurnRow(Base):
     output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at_ms: Mapped[int] = mapped_column(BigInteger)
     updated_at_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    generation_options: Mapped[str] = mapped_column(Text, default="", server_default="")
 
 
 class UsageRow(Base):

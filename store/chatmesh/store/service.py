@@ -147,7 +147,8 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             parse_turn_id(request.turn_id), content=request.content, lease_holder=request.lease_holder,
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
-            if request.regenerates_turn_id else None, context_messages=request.context_max_messages)
+            if request.regenerates_turn_id else None, context_messages=request.context_max_messages,
+            options=request.generation_options)
         self.metrics.claims[type(outcome)].inc()
         tracing.annotate({"chatmesh.claim": type(outcome).__name__.lower()})
         return claim_pb(outcome)
@@ -172,7 +173,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
     async def FailTurn(self, request: store_pb2.FailTurnRequest, context: Context) -> store_pb2.FailTurnResponse:
         released = await self.store.turns.fail_turn(
             *self._in_conversation(request, context),
-            parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason)
+            parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), request.reason, request.partial_text)
         return store_pb2.FailTurnResponse(released=released)
 
     @unary_errors

@@ -35,7 +35,7 @@ SQ_MESSAGES = (f"SELECT {', '.join(f'messages.{c}' for c in MSG_COLUMNS)} FROM m
 SQ_CLAIM = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
     "SELECT conversations.owner_id, conversations.conversation_id, ?, ?, 'received', ?, ?, ?, ?, ?, ?, NULL, "
-    "'', 0, 0, 0, 0, ?, ? FROM conversations WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
+    "'', 0, 0, 0, 0, ?, ?, ? FROM conversations WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 SQ_TURN_FOR_FINISH = (
     "SELECT turns.content, turns.regenerates_turn_id, turns.user_index FROM turns WHERE turns.owner_id = ? "
@@ -47,7 +47,8 @@ SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_co
 SQ_SUPERSEDE = f"UPDATE messages SET superseded = 1 WHERE {superseded_replies('?', '?', '?')}"
 SQ_INSERT_MESSAGE = ("INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, "
                      "status, turn_id, created_at_ms, superseded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)")
-SQ_STORE_TURN = ("UPDATE turns SET state = ?, content = NULL, partial_text = '', user_index = ?, reply_index = ?, "
+SQ_STORE_TURN = ("UPDATE turns SET state = ?, content = NULL, partial_text = '', generation_options = '', "
+                 "user_index = ?, reply_index = ?, "
                  "prompt_tokens = ?, cached_prompt_tokens = ?, output_tokens = ?, updated_at_ms = ? "
                  "WHERE turns.owner_id = ? AND turns.conversation_id = ? AND turns.turn_id = ?")
 SQ_ADD_USAGE = (
@@ -131,7 +132,7 @@ class SqliteBackend(Backend):
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
         args = (new.turn, new.fingerprint, new.content, new.lease, new.lease_holder, new.lease_expires_at_ms,
-                new.regenerates, new.user_index, new.now_ms, new.now_ms, owner, conversation)
+                new.regenerates, new.user_index, new.now_ms, new.now_ms, new.options, owner, conversation)
 
         def work(conn: sqlite3.Connection) -> tuple[bool, History | None]:
             if not context_limit:

@@ -14,7 +14,12 @@ enforces or explains one renders it from there.
   otherwise the row is read here, and a failed or expired claim is taken over by a compare-and-swap `UPDATE ..
   WHERE state = :seen AND lease_id = :seen_lease`, which exactly one racer wins (PostgreSQL re-checks the WHERE
   on the locked row; SQLite runs writes under BEGIN IMMEDIATE).
-- UpdateTurnProgress and FailTurn are each one `UPDATE .. WHERE lease_held`.
+- A record claimed again keeps what it holds for the new attempt (issue 33): its generation options (the first
+  claim's: a retry's own are ignored) and its `partial_text`, the reply an earlier attempt showed (its last
+  progress, or what FailTurn kept), returned as `Claimed.options` / `resume_text`, with `taken_over` when the
+  claim took a lapsed lease from an active record (its holder may be paused, not dead).
+- UpdateTurnProgress and FailTurn are each one `UPDATE .. WHERE lease_held`; FailTurn keeps the reply the
+  attempt showed (or nothing, for a turn released before its client saw text).
 - FinishTurn is the backend's guarded store of the messages, the final state and the usage (one statement on
   PostgreSQL, one transaction on SQLite; the conversation row hands out message indexes). When a guard does not
   match nothing is written and the record is read here to say why (`_why_refused`, which selects the guards'
@@ -79,11 +84,14 @@ class TurnRecords:
 
     async def begin_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, *, content: str,
                          lease_holder: str, fingerprint: str = "", lease_ttl_ms: int = 0,
-                         regenerates: TurnId | None = None, context_messages: int = 0) -> Claim:
+                         regenerates: TurnId | None = None, context_messages: int = 0,
+                         options: str = "") -> Claim:
         """Claims `turn` for generation, or says who has it, or returns its stored reply, or a conflict.
         With `context_messages` > 0 a NEW claim also carries the prompt's context (`Claimed.context`): the
-        summary and the newest that many messages after it (capped at MAX_CONTEXT_MESSAGES)."""
+        summary and the newest that many messages after it (capped at MAX_CONTEXT_MESSAGES). A new record keeps
+        `options`; a record claimed again returns the ones it kept, and the reply an earlier attempt left."""
         check_count("context_max_messages", context_messages)
+        self.limits.check_options(options)
         context_messages = min(context_messages, MAX_CONTEXT_MESSAGES)
         self.limits.check_text("content", content, required=regenerates is None)
         check_len("fingerprint", fingerprint, self.limits.max_fingerprint_chars)
@@ -94,7 +102,7 @@ class TurnRecords:
         fingerprint = fingerprint or default_fingerprint(content, regenerates)
         for _ in range(CLAIM_ATTEMPTS):
             outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint, ttl,
-                                             regenerates, context_messages)
+                                             regenerates, context_messages, options)
             if outcome is not None:
                 if isinstance(outcome, Claimed):
                     log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
@@ -103,7 +111,7 @@ class TurnRecords:
 
     async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
                           lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None,
-                          context_messages: int) -> Claim | None:
+                          context_messages: int, options: str) -> Claim | None:
         """A new record through the backend (one round trip, the common case), else the record read and, when
         its claim failed or expired, taken over. None: another racer moved the record on; look again."""
         now = self._clock()
@@ -111,7 +119,7 @@ class TurnRecords:
         if regenerates is not None:
             user_index = await self._regenerated_user_index(owner, conversation, regenerates)
         new = NewTurn(turn, fingerprint, content, new_lease_id(), lease_holder, now + ttl, now, regenerates,
-                      user_index)
+                      user_index, options)
         claimed, prompt_context = await self.db.backend.claim(owner, conversation, new, context_messages)
         if claimed:
             return Claimed(new.lease, new.lease_expires_at_ms, prompt_context)
@@ -129,19 +137,20 @@ class TurnRecords:
                 return InProgress(row.lease_holder, row.lease_expires_at_ms)
             require_record_move(turn, state, TurnRecordState.RECEIVED)
             seen_lease = TURN.c.lease_id.is_(None) if row.lease_id is None else TURN.c.lease_id == row.lease_id
+            kept = row.generation_options or options  # a record from before it kept options: the caller's
             taken = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation,
                                    TURN.c.turn_id == turn, TURN.c.state == row.state, seen_lease)
                 .values(state=TurnRecordState.RECEIVED.value, content=content, lease_id=new.lease,
-                        lease_holder=lease_holder, lease_expires_at_ms=new.lease_expires_at_ms, partial_text="",
-                        event_sequence=0, updated_at_ms=now)
+                        lease_holder=lease_holder, lease_expires_at_ms=new.lease_expires_at_ms,
+                        generation_options=kept, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
         if taken is None:
             return None  # another racer took it between our read and our update: look again
         log.info("turn_reclaimed", owner_id=owner, conversation_id=conversation, turn_id=turn,
                  previous_state=state.value)
-        return Claimed(new.lease, new.lease_expires_at_ms, await self._context(owner, conversation,
-                                                                                context_messages))
+        return Claimed(new.lease, new.lease_expires_at_ms, await self._context(owner, conversation, context_messages),
+                       kept, row.partial_text, state in RECORD_ACTIVE)
 
     async def _context(self, owner: OwnerId, conversation: ConversationId, limit: int) -> History | None:
         if not limit:
@@ -216,14 +225,15 @@ class TurnRecords:
         return None
 
     async def fail_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                        reason: str = "") -> bool:
-        """Releases a claim; nothing of the turn is kept but its record, so a retry may claim it. True when
-        this lease was still held."""
+                        reason: str = "", partial_text: str = "") -> bool:
+        """Releases a claim, so a retry may claim it; no message is stored, and the record keeps `partial_text`
+        (the reply the attempt showed) for the next claim to continue. True when this lease was still held."""
+        self.limits.check_text("partial_text", partial_text, required=False)
         now = self._clock()
         async with self.db.single() as conn:
             released = (await conn.execute(
                 update(TURN).where(HELD)
-                .values(state=TurnRecordState.FAILED.value, content=None, partial_text="", lease_id=None,
+                .values(state=TurnRecordState.FAILED.value, content=None, partial_text=partial_text, lease_id=None,
                         lease_expires_at_ms=0, updated_at_ms=now)
                 .returning(TURN.c.turn_id),
                 {"owner": owner, "conversation": conversation, "turn": turn, "lease": lease})).first()

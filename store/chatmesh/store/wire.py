@@ -112,8 +112,10 @@ def history_pb(history: History) -> store_pb2.ReadConversationResponse:
 
 def claim_pb(claim: Claim) -> store_pb2.BeginTurnResponse:
     match claim:
-        case Claimed(lease_id, expires, prompt_context):
-            claimed = store_pb2.TurnClaimed(lease_id=lease_id, lease_expires_at_ms=expires)
+        case Claimed(lease_id, expires, prompt_context, options, resume_text, taken_over):
+            claimed = store_pb2.TurnClaimed(lease_id=lease_id, lease_expires_at_ms=expires,
+                                            generation_options=options, resume_text=resume_text,
+                                            taken_over=taken_over)
             if prompt_context is not None:
                 claimed.context.CopyFrom(history_pb(prompt_context))
             return store_pb2.BeginTurnResponse(claimed=claimed)
