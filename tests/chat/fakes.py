@@ -1,5 +1,6 @@
 """In-memory ports for the chat core's unit tests: a store with the real store's claim semantics (one record per
-turn id, leases that lapse by a clock the test moves, the record moves of `chatmesh.mesh.turn`), a router that
+turn id, leases that lapse by a clock the test moves, the record moves of `chatmesh.mesh.turn`; tied to the real
+store by the contract suite, tests/store/test_port_contract.py, which runs the same scenarios on both), a router that
 counts open leases, a scripted engine that can pause, fail and tell whether it was cancelled, and moderation that
 blocks on marker words. No I/O, no sleeps beyond what a test asks for."""
 
@@ -42,7 +43,9 @@ class _Record:
     holder: str
     expires_ms: float
     regenerates: TurnId | None
+    user_index: int | None = None  # the user message the turn answers (a regenerate's: its original's)
     partial: str = ""
+    event_sequence: int = 0
     reply: Message | None = None
     usage: Usage = Usage()
     options: str = ""
@@ -77,6 +80,31 @@ class FakeStore:
         if found is None:
             raise errors.NotFound(f"conversation {conv} not found")
         return found
+
+    @staticmethod
+    def live(record: _Record, now: float) -> bool:
+        """The lease rule: an active record's lease holds until its expiry (at the expiry it has lapsed)."""
+        return record.state in RECORD_ACTIVE and record.expires_ms > now
+
+    @staticmethod
+    def held(record: _Record, lease: LeaseId) -> bool:
+        """What finish, fail and progress need: the caller's lease on an active record (lapsed or not)."""
+        return record.lease == lease and record.state in RECORD_ACTIVE
+
+    @staticmethod
+    def later_user_message(c: _Conversation, after: int | None) -> bool:
+        return after is not None and any(m.role is Role.USER and m.index > after for m in c.messages)
+
+    def _regenerated(self, key: TurnKey, c: _Conversation) -> int:
+        """The user message index of the turn `key` regenerates, once it may be regenerated."""
+        target = self.records.get(key)
+        if target is None:
+            raise errors.NotFound(f"turn {key.turn} (regenerates_turn_id) not found")
+        if target.state not in RECORD_FINAL or target.user_index is None:
+            raise errors.FailedPrecondition(f"turn {key.turn} (regenerates_turn_id) has no stored reply to regenerate")
+        if self.later_user_message(c, target.user_index):
+            raise errors.FailedPrecondition("only the reply to the conversation's last user message can be regenerated")
+        return target.user_index
 
     def _history(self, c: _Conversation) -> History:
         return History(replace(c.conversation, message_count=len(c.messages)), list(c.messages), c.summary)
@@ -123,6 +151,9 @@ class FakeStore:
         self._enter("begin_turn")
         c = self._conv(claim.key.owner, claim.key.conversation)
         now = self.clock()
+        user_index = None
+        if claim.regenerates is not None:
+            user_index = self._regenerated(claim.key._replace(turn=claim.regenerates), c)
         record = self.records.get(claim.key)
         if record is not None:
             if record.fingerprint != claim.fingerprint:
@@ -130,7 +161,7 @@ class FakeStore:
             if record.state in RECORD_FINAL:
                 assert record.reply is not None
                 return Done(record.reply, record.usage)
-            if record.state in RECORD_ACTIVE and record.expires_ms > now:
+            if self.live(record, now):
                 return InProgress(record.holder, int(record.expires_ms))
             require_record_move(claim.key.turn, record.state, TurnRecordState.RECEIVED)
             # claimed again: the record keeps its options and the reply shown so far, for the new attempt
@@ -145,10 +176,10 @@ class FakeStore:
         lease = next(self.leases)
         self.records[claim.key] = _Record(TurnRecordState.RECEIVED, claim.fingerprint, claim.content, lease,
                                           claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates,
-                                          options=claim.options)
+                                          user_index, options=claim.options)
         return Claimed(lease, int(now + claim.lease_ttl_ms), self._history(c) if claim.context_messages else None)
 
-    def _held(self, key: TurnKey, lease: LeaseId) -> _Record:
+    def _record(self, key: TurnKey) -> _Record:
         record = self.records.get(key)
         if record is None:
             raise errors.NotFound(f"turn {key.turn} not found")
@@ -156,22 +187,27 @@ class FakeStore:
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
         self._enter("finish_turn")
-        record = self._held(key, lease)
+        record = self._record(key)
         c = self._conv(key.owner, key.conversation)
         if record.state in RECORD_FINAL:
             assert record.reply is not None
             return Finished(True, record.reply)
-        if record.lease != lease:
+        if not self.held(record, lease):
             raise errors.FailedPrecondition(f"turn {key.turn}: lease {lease} is not held")
         target = TurnRecordState.STOPPED if reply.status is MessageStatus.STOPPED else TurnRecordState.STORED
         require_record_move(key.turn, record.state, target)
         now = int(self.clock())
         if record.regenerates is None:
+            record.user_index = len(c.messages)
             c.messages.append(Message(len(c.messages), Role.USER, record.content, reply.user_token_count,
                                       reply.user_status, key.turn, now))
         else:
-            c.messages = [replace(m, superseded=True) if m.role is Role.ASSISTANT and m.index == len(c.messages) - 1
-                          else m for m in c.messages]
+            if self.later_user_message(c, record.user_index):
+                raise errors.FailedPrecondition(
+                    "only the reply to the conversation's last user message can be regenerated")
+            after = record.user_index if record.user_index is not None else -1
+            c.messages = [replace(m, superseded=True) if m.role is Role.ASSISTANT and m.index > after else m
+                          for m in c.messages]
         stored = Message(len(c.messages), Role.ASSISTANT, reply.text, reply.token_count, reply.status, key.turn, now)
         c.messages.append(stored)
         record.state, record.reply, record.usage, record.partial = target, stored, reply.usage, ""
@@ -181,8 +217,8 @@ class FakeStore:
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
         self._enter("fail_turn")
-        record = self._held(key, lease)
-        if record.lease != lease or record.state not in RECORD_ACTIVE:
+        record = self._record(key)
+        if not self.held(record, lease):
             return False
         require_record_move(key.turn, record.state, TurnRecordState.FAILED)
         record.state, record.lease, record.partial, record.expires_ms = TurnRecordState.FAILED, None, shown, 0
@@ -191,11 +227,11 @@ class FakeStore:
     async def update_turn_progress(self, key: TurnKey, lease: LeaseId, partial_text: str, event_sequence: int,
                                    lease_ttl_ms: int) -> Progress:
         self._enter("update_turn_progress")
-        record = self._held(key, lease)
-        if self.renew_refused or record.lease != lease or record.state not in RECORD_ACTIVE:
-            return Progress(False, 0)
+        record = self._record(key)
+        if self.renew_refused or not self.held(record, lease):
+            return Progress(False, int(record.expires_ms))
         require_record_move(key.turn, record.state, TurnRecordState.RUNNING)
-        record.state, record.partial = TurnRecordState.RUNNING, partial_text
+        record.state, record.partial, record.event_sequence = TurnRecordState.RUNNING, partial_text, event_sequence
         record.expires_ms = self.clock() + lease_ttl_ms
         return Progress(True, int(record.expires_ms))
 
@@ -205,7 +241,7 @@ class FakeStore:
         if record is None:
             raise errors.NotFound(f"turn {key.turn} not found")
         return TurnRecord(key.turn, record.state, record.fingerprint, record.holder, int(record.expires_ms),
-                          record.partial, 1 + len(record.partial), record.regenerates, record.reply, record.usage)
+                          record.partial, record.event_sequence, record.regenerates, record.reply, record.usage)
 
     async def save_summary(self, owner: OwnerId, conversation: ConversationId, text: str,
                            covers_through_index: int, token_count: int) -> Summary:
@@ -239,7 +275,8 @@ class FakeStore:
                 total = Usage(total.prompt_tokens + r.usage.prompt_tokens,
                               total.cached_prompt_tokens + r.usage.cached_prompt_tokens,
                               total.output_tokens + r.usage.output_tokens)
-        return [DailyUsage("2026-12-01", total, sum(1 for k in self.records if k.owner == owner))]
+        turns = sum(1 for k, r in self.records.items() if k.owner == owner and r.state in RECORD_FINAL)
+        return [DailyUsage("2026-12-01", total, turns)]
 
 
 class FakeRouter:

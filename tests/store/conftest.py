@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,10 +45,11 @@ class FakeClock:
         self.now_ms += ms
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
-    if request.param == "sqlite":
-        yield Backend("sqlite", f"sqlite+aiosqlite:///{tmp_path / 'store.db'}", None)
+@asynccontextmanager
+async def open_backend(name: str, folder: Path) -> AsyncIterator[Backend]:
+    """A fresh database: a SQLite file in `folder`, or a PostgreSQL schema of its own (dropped after)."""
+    if name == "sqlite":
+        yield Backend("sqlite", f"sqlite+aiosqlite:///{folder / 'store.db'}", None)
         return
     need(port_open("127.0.0.1", 5432), "PostgreSQL at 127.0.0.1:5432")
     schema = f"t_{uuid.uuid4().hex[:16]}"
@@ -60,6 +62,12 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         async with admin.begin() as conn:
             await conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
         await admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Backend]:
+    async with open_backend(request.param, tmp_path) as opened:
+        yield opened
 
 
 @pytest.fixture
