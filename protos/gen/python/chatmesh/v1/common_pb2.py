@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63hatmesh/v1/common.proto\x12\x0b\x63hatmesh.v1\"S\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x03\x12\x15\n\routput_tokens\x18\x03 \x01(\x03\"\xc7\x01\n\x07Message\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.chatmesh.v1.Role\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\x03\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.chatmesh.v1.MessageStatus\x12\x0f\n\x07turn_id\x18\x06 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x07 \x01(\x03\x12\x12\n\nsuperseded\x18\x08 \x01(\x08\"\x95\x01\n\x0c\x43onversation\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08owner_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x1d\n\x15system_prompt_version\x18\x04 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\x06 \x01(\x03\"T\n\x0bSeedMessage\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.chatmesh.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x03*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03*\x84\x01\n\rMessageStatus\x12\x1e\n\x1aMESSAGE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17MESSAGE_STATUS_COMPLETE\x10\x01\x12\x1a\n\x16MESSAGE_STATUS_STOPPED\x10\x02\x12\x1a\n\x16MESSAGE_STATUS_BLOCKED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x63hatmesh/v1/common.proto\x12\x0b\x63hatmesh.v1\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"3\n\nToolResult\x12\x14\n\x0ctool_call_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"S\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x03\x12\x15\n\routput_tokens\x18\x03 \x01(\x03\"\xa1\x02\n\x07Message\x12\r\n\x05index\x18\x01 \x01(\x03\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.chatmesh.v1.Role\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x13\n\x0btoken_count\x18\x04 \x01(\x03\x12*\n\x06status\x18\x05 \x01(\x0e\x32\x1a.chatmesh.v1.MessageStatus\x12\x0f\n\x07turn_id\x18\x06 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x07 \x01(\x03\x12\x12\n\nsuperseded\x18\x08 \x01(\x08\x12)\n\ntool_calls\x18\t \x03(\x0b\x32\x15.chatmesh.v1.ToolCall\x12-\n\x0ctool_results\x18\n \x03(\x0b\x32\x17.chatmesh.v1.ToolResult\"\x95\x01\n\x0c\x43onversation\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x10\n\x08owner_id\x18\x02 \x01(\t\x12\r\n\x05title\x18\x03 \x01(\t\x12\x1d\n\x15system_prompt_version\x18\x04 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x05 \x01(\x03\x12\x15\n\rupdated_at_ms\x18\x06 \x01(\x03\"\xae\x01\n\x0bSeedMessage\x12\x1f\n\x04role\x18\x01 \x01(\x0e\x32\x11.chatmesh.v1.Role\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\x03\x12)\n\ntool_calls\x18\x04 \x03(\x0b\x32\x15.chatmesh.v1.ToolCall\x12-\n\x0ctool_results\x18\x05 \x03(\x0b\x32\x17.chatmesh.v1.ToolResult*_\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_SYSTEM\x10\x01\x12\r\n\tROLE_USER\x10\x02\x12\x12\n\x0eROLE_ASSISTANT\x10\x03\x12\r\n\tROLE_TOOL\x10\x04*\x84\x01\n\rMessageStatus\x12\x1e\n\x1aMESSAGE_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17MESSAGE_STATUS_COMPLETE\x10\x01\x12\x1a\n\x16MESSAGE_STATUS_STOPPED\x10\x02\x12\x1a\n\x16MESSAGE_STATUS_BLOCKED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=566
-  _globals['_ROLE']._serialized_end=646
-  _globals['_MESSAGESTATUS']._serialized_start=649
-  _globals['_MESSAGESTATUS']._serialized_end=781
-  _globals['_USAGE']._serialized_start=41
-  _globals['_USAGE']._serialized_end=124
-  _globals['_MESSAGE']._serialized_start=127
-  _globals['_MESSAGE']._serialized_end=326
-  _globals['_CONVERSATION']._serialized_start=329
-  _globals['_CONVERSATION']._serialized_end=478
-  _globals['_SEEDMESSAGE']._serialized_start=480
-  _globals['_SEEDMESSAGE']._serialized_end=564
+  _globals['_ROLE']._serialized_start=857
+  _globals['_ROLE']._serialized_end=952
+  _globals['_MESSAGESTATUS']._serialized_start=955
+  _globals['_MESSAGESTATUS']._serialized_end=1087
+  _globals['_TOOLCALL']._serialized_start=41
+  _globals['_TOOLCALL']._serialized_end=96
+  _globals['_TOOLRESULT']._serialized_start=98
+  _globals['_TOOLRESULT']._serialized_end=149
+  _globals['_USAGE']._serialized_start=151
+  _globals['_USAGE']._serialized_end=234
+  _globals['_MESSAGE']._serialized_start=237
+  _globals['_MESSAGE']._serialized_end=526
+  _globals['_CONVERSATION']._serialized_start=529
+  _globals['_CONVERSATION']._serialized_end=678
+  _globals['_SEEDMESSAGE']._serialized_start=681
+  _globals['_SEEDMESSAGE']._serialized_end=855
 # @@protoc_insertion_point(module_scope)
