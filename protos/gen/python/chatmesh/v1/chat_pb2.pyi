@@ -8,6 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NAMED: _ClassVar[ToolChoiceMode]
+
 class TurnStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TURN_STATUS_UNSPECIFIED: _ClassVar[TurnStatus]
@@ -16,6 +24,11 @@ class TurnStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TURN_STATUS_STOPPED: _ClassVar[TurnStatus]
     TURN_STATUS_BLOCKED: _ClassVar[TurnStatus]
     TURN_STATUS_FAILED: _ClassVar[TurnStatus]
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+TOOL_CHOICE_MODE_NAMED: ToolChoiceMode
 TURN_STATUS_UNSPECIFIED: TurnStatus
 TURN_STATUS_RUNNING: TurnStatus
 TURN_STATUS_COMPLETED: TurnStatus
@@ -56,7 +69,7 @@ class GetConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ...) -> None: ...
 
 class SendTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "content", "prompt_token_allowance", "options", "create", "expect_last_turn_id")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "content", "prompt_token_allowance", "options", "create", "expect_last_turn_id", "tool_results")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +78,7 @@ class SendTurnRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAST_TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULTS_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
@@ -73,23 +87,46 @@ class SendTurnRequest(_message.Message):
     options: TurnOptions
     create: NewConversation
     expect_last_turn_id: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ..., options: _Optional[_Union[TurnOptions, _Mapping]] = ..., create: _Optional[_Union[NewConversation, _Mapping]] = ..., expect_last_turn_id: _Optional[str] = ...) -> None: ...
+    tool_results: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolResult]
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ..., options: _Optional[_Union[TurnOptions, _Mapping]] = ..., create: _Optional[_Union[NewConversation, _Mapping]] = ..., expect_last_turn_id: _Optional[str] = ..., tool_results: _Optional[_Iterable[_Union[_common_pb2.ToolResult, _Mapping]]] = ...) -> None: ...
 
 class TurnOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "stop", "max_tokens", "instructions")
+    __slots__ = ("temperature", "top_p", "seed", "stop", "max_tokens", "instructions", "tools", "tool_choice", "parallel_tool_calls")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     max_tokens: int
     instructions: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., instructions: _Optional[str] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[ToolDefinition]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., instructions: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+
+class ToolDefinition(_message.Message):
+    __slots__ = ("name", "definition_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEFINITION_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    definition_json: str
+    def __init__(self, name: _Optional[str] = ..., definition_json: _Optional[str] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class NewConversation(_message.Message):
     __slots__ = ("title", "messages")
@@ -226,7 +263,7 @@ class ExportUserDataResponse(_message.Message):
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
 class TurnEvent(_message.Message):
-    __slots__ = ("sequence", "started", "delta", "completed", "stopped", "failed", "blocked")
+    __slots__ = ("sequence", "started", "delta", "completed", "stopped", "failed", "blocked", "tool_call")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +271,7 @@ class TurnEvent(_message.Message):
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     started: TurnStarted
     delta: TurnDelta
@@ -241,7 +279,16 @@ class TurnEvent(_message.Message):
     stopped: TurnStopped
     failed: TurnFailed
     blocked: TurnBlocked
-    def __init__(self, sequence: _Optional[int] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., delta: _Optional[_Union[TurnDelta, _Mapping]] = ..., completed: _Optional[_Union[TurnCompleted, _Mapping]] = ..., stopped: _Optional[_Union[TurnStopped, _Mapping]] = ..., failed: _Optional[_Union[TurnFailed, _Mapping]] = ..., blocked: _Optional[_Union[TurnBlocked, _Mapping]] = ...) -> None: ...
+    tool_call: TurnToolCall
+    def __init__(self, sequence: _Optional[int] = ..., started: _Optional[_Union[TurnStarted, _Mapping]] = ..., delta: _Optional[_Union[TurnDelta, _Mapping]] = ..., completed: _Optional[_Union[TurnCompleted, _Mapping]] = ..., stopped: _Optional[_Union[TurnStopped, _Mapping]] = ..., failed: _Optional[_Union[TurnFailed, _Mapping]] = ..., blocked: _Optional[_Union[TurnBlocked, _Mapping]] = ..., tool_call: _Optional[_Union[TurnToolCall, _Mapping]] = ...) -> None: ...
+
+class TurnToolCall(_message.Message):
+    __slots__ = ("call", "index")
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    call: _common_pb2.ToolCall
+    index: int
+    def __init__(self, call: _Optional[_Union[_common_pb2.ToolCall, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TurnStarted(_message.Message):
     __slots__ = ("turn_id", "replayed", "prompt_tokens")
@@ -304,18 +351,20 @@ class GetTurnRequest(_message.Message):
     def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
 
 class GetTurnResponse(_message.Message):
-    __slots__ = ("status", "reply", "usage", "stored_at_ms", "finish_reason")
+    __slots__ = ("status", "reply", "usage", "stored_at_ms", "finish_reason", "tool_calls")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STORED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     status: TurnStatus
     reply: str
     usage: _common_pb2.Usage
     stored_at_ms: int
     finish_reason: str
-    def __init__(self, status: _Optional[_Union[TurnStatus, str]] = ..., reply: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stored_at_ms: _Optional[int] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    def __init__(self, status: _Optional[_Union[TurnStatus, str]] = ..., reply: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., stored_at_ms: _Optional[int] = ..., finish_reason: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class DeleteTurnRequest(_message.Message):
     __slots__ = ("owner_id", "conversation_id", "turn_id")
