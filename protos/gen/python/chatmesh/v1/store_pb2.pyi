@@ -256,7 +256,7 @@ class ReadConversationResponse(_message.Message):
     def __init__(self, conversation: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.Message, _Mapping]]] = ..., summary: _Optional[_Union[ConversationSummary, _Mapping]] = ..., message_count: _Optional[int] = ...) -> None: ...
 
 class BeginTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id", "context_max_messages", "generation_options")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "fingerprint", "content", "lease_holder", "lease_ttl_ms", "regenerates_turn_id", "context_max_messages", "generation_options", "tool_results")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class BeginTurnRequest(_message.Message):
     REGENERATES_TURN_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_MAX_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULTS_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
@@ -277,7 +278,8 @@ class BeginTurnRequest(_message.Message):
     regenerates_turn_id: str
     context_max_messages: int
     generation_options: str
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ..., context_max_messages: _Optional[int] = ..., generation_options: _Optional[str] = ...) -> None: ...
+    tool_results: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolResult]
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., content: _Optional[str] = ..., lease_holder: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., regenerates_turn_id: _Optional[str] = ..., context_max_messages: _Optional[int] = ..., generation_options: _Optional[str] = ..., tool_results: _Optional[_Iterable[_Union[_common_pb2.ToolResult, _Mapping]]] = ...) -> None: ...
 
 class BeginTurnResponse(_message.Message):
     __slots__ = ("claimed", "in_progress", "done", "conflict")
@@ -330,7 +332,7 @@ class TurnConflict(_message.Message):
     def __init__(self, stored_fingerprint: _Optional[str] = ...) -> None: ...
 
 class FinishTurnRequest(_message.Message):
-    __slots__ = ("owner_id", "conversation_id", "turn_id", "lease_id", "user_token_count", "reply", "reply_token_count", "reply_status", "usage", "user_status")
+    __slots__ = ("owner_id", "conversation_id", "turn_id", "lease_id", "user_token_count", "reply", "reply_token_count", "reply_status", "usage", "user_status", "reply_tool_calls")
     OWNER_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +343,7 @@ class FinishTurnRequest(_message.Message):
     REPLY_STATUS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     USER_STATUS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     owner_id: str
     conversation_id: str
     turn_id: str
@@ -351,7 +354,8 @@ class FinishTurnRequest(_message.Message):
     reply_status: _common_pb2.MessageStatus
     usage: _common_pb2.Usage
     user_status: _common_pb2.MessageStatus
-    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., user_token_count: _Optional[int] = ..., reply: _Optional[str] = ..., reply_token_count: _Optional[int] = ..., reply_status: _Optional[_Union[_common_pb2.MessageStatus, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., user_status: _Optional[_Union[_common_pb2.MessageStatus, str]] = ...) -> None: ...
+    reply_tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., user_token_count: _Optional[int] = ..., reply: _Optional[str] = ..., reply_token_count: _Optional[int] = ..., reply_status: _Optional[_Union[_common_pb2.MessageStatus, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., user_status: _Optional[_Union[_common_pb2.MessageStatus, str]] = ..., reply_tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
 
 class FinishTurnResponse(_message.Message):
     __slots__ = ("already_finished", "reply")
