@@ -5,8 +5,10 @@ statistics as the witness of how many generations ran and the store's usage as t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,10 +18,12 @@ from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseIncompleteEvent
 
 from chatmesh.mesh import settings
-from chatmesh.mesh.up import Mesh
+from chatmesh.mesh.up import Mesh, http_answers
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from tests.conftest import free_port
 from tests.e2e.conftest import channel, start_mesh
 from tests.gateway.openai_client import dropping_proxy, make_key, sdk
+from tests.gateway.openresponses_spec import check_response, check_stream
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model profile's id (CHATMESH_MODEL=smollm2)
 BLOCK = 32
@@ -217,3 +221,67 @@ async def test_racing_requests_with_one_history_append_it_once(openai_mesh: Mesh
     assert follow.choices[0].message.content
     async with httpx.AsyncClient(base_url=openai_mesh.gateway_url, headers=headers) as http:
         assert len((await http.get("/v1/conversations")).json()["conversations"]) == 2
+
+
+@contextlib.asynccontextmanager
+async def another_gateway(mesh: Mesh) -> AsyncIterator[str]:
+    """A second gateway process of the mesh (its own ports; the same chat service and gateway database)."""
+    port = free_port()
+    proc = mesh._spawn("gateway", name=f"gateway-{port}", env={
+        "CHATMESH_GATEWAY_PORT": str(port), "CHATMESH_GATEWAY_METRICS_PORT": str(free_port()),
+        "CHATMESH_OWNER_TOKEN_ADDRESS": f"127.0.0.1:{free_port()}"})
+    url = mesh.gateway_url.rsplit(":", 1)[0] + f":{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(http_answers, url + "/healthz"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the second gateway did not start"
+            await asyncio.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 30)
+
+
+async def _stream_text(client: httpx.AsyncClient, method: str, url: str, *, stop_after: int | None = None,
+                       **kwargs: object) -> str:
+    raw = ""
+    async with client.stream(method, url, **kwargs) as r:  # type: ignore[arg-type]
+        assert r.status_code == 200, await r.aread()
+        async for chunk in r.aiter_text():
+            raw += chunk
+            if stop_after is not None and raw.count("\n\n") >= stop_after:
+                return "\n\n".join(raw.split("\n\n")[:stop_after]) + "\n\n"  # the client goes away here
+    return raw
+
+
+async def test_a_background_stream_cut_and_resumed_on_another_gateway_is_one_stream(openai_mesh: Mesh) -> None:
+    """Done-when: a background response streamed, the connection dropped, the stream resumed from another
+    gateway with starting_after, and the events joined are exactly the events of one uninterrupted stream (a
+    reader that stayed on through the live turn, and a replay of the stored one). The chat service cuts the
+    turn's deltas differently for each reader (live engine flushes, stored progress); the events do not."""
+    key = await make_key(data_dir(openai_mesh), f"bg-{uuid.uuid4().hex[:8]}")
+    auth = {"authorization": f"Bearer {key}"}
+    async with another_gateway(openai_mesh) as other, \
+            httpx.AsyncClient(base_url=openai_mesh.gateway_url, headers=auth, timeout=60) as a, \
+            httpx.AsyncClient(base_url=other, headers=auth, timeout=60) as b:
+        body = {"model": MODEL, "input": "Tell me a long story about a lighthouse", "background": True,
+                "stream": True}
+        head = check_stream(await _stream_text(a, "POST", "/openai/v1/responses", json=body, stop_after=7),
+                            done=False)
+        rid, last = head[0]["response"]["id"], head[-1]["sequence_number"]
+        assert head[-1]["type"] == "response.output_text.delta"
+        live = asyncio.create_task(_stream_text(b, "GET", f"/openai/v1/responses/{rid}?stream=true"))
+        tail = check_stream(await _stream_text(
+            b, "GET", f"/openai/v1/responses/{rid}?stream=true&starting_after={last}"), first_sequence=last + 1)
+        uninterrupted = check_stream(await live)
+        replayed = check_stream(await _stream_text(a, "GET", f"/openai/v1/responses/{rid}?stream=true"))
+        assert head + tail == uninterrupted == replayed
+        final = replayed[-1]["response"]
+        assert final["status"] == "incomplete" and final["output"][0]["content"][0]["text"]  # the 24-token cap
+        got = (await b.get(f"/openai/v1/responses/{rid}")).json()
+        check_response(got)
+        assert got == final
+    # the SDK picks the stream up the same way
+    client = sdk(openai_mesh.gateway_url, key)
+    resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=last)]
+    assert [e.sequence_number for e in resumed] == [e["sequence_number"] for e in tail]
