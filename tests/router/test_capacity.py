@@ -221,3 +221,21 @@ def test_cli_sweep_plot_and_disaggregate(tmp_path: Path, capsys: pytest.CaptureF
     assert "not a token count" in capsys.readouterr().err
     assert main(["capacity", "--plots", str(tmp_path)]) == 2
     assert "--contexts" in capsys.readouterr().err
+
+
+def _printed(args: list[str], capsys: pytest.CaptureFixture[str]) -> set[str]:
+    assert main(["capacity", *args]) == 0
+    return set(capsys.readouterr().out.splitlines())
+
+
+def test_the_docs_show_what_the_tool_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    root = Path(__file__).resolve().parents[2]
+    printed = (_printed([], capsys) | _printed(["--prompt-tokens", "4000"], capsys)
+               | _printed(["--prompt-tokens", "32000", "--disaggregate"], capsys)
+               | _printed(["--contexts", "4k,8k,16k,32k,64k,128k"], capsys))
+    for page in (root / "docs" / "capacity" / "README.md", root / "README.md"):
+        blocks = page.read_text().split("```")[1::2]
+        shown = [line for block in blocks if "tok/s" in block and "pip install" not in block
+                 for line in block.splitlines()[1:] if line.strip()]
+        stale = [line for line in shown if line.startswith("  ") and line not in printed]
+        assert shown and not stale, f"{page}: regenerate with chatmesh capacity: {stale}"
