@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager, PrefixHit
+from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager, PinnedBlock, PrefixHit, chain_hashes
 from chatmesh.engine_adapter.executor import BlockCopy, Tier
 from chatmesh.engine_adapter.residency import FROM_START
 
@@ -90,6 +90,87 @@ def test_grow_is_all_or_nothing() -> None:
     bm.check()
 
 
+# ---- transfer: pins, reservations, adoption ------------------------------------------------------------------
+
+
+def test_a_pin_serves_only_the_owners_chain_and_holds_it_against_eviction() -> None:
+    bm = BlockManager(BlockConfig(BS, 8, 0))
+    tokens = SYSTEM + list(range(20, 29))  # 2 platform blocks + 2 private, and a last token
+    _run(bm, 1, tokens, len(SYSTEM), b"A", "c1")
+    hashes = chain_hashes(tokens, len(SYSTEM), b"A", BS)
+    assert len(hashes) == 4 and bm.cached_run(hashes) == 4
+    # another owner naming A's hashes: the platform blocks are anyone's, the private ones read as not held
+    shared = bm.pin(hashes, b"B")
+    assert [p.hash for p in shared] == hashes[:2]
+    assert bm.pin(hashes[2:], b"B") == [] == bm.pin([b"\0" * 16], b"A")
+    bm.unpin(shared)
+    pinned = bm.pin(hashes[2:], b"A")
+    assert len(pinned) == 2
+    bm.check()
+    # pressure: another owner needs every block; the pinned ones are never taken
+    hit = bm.admit(2, [5] * 33, 0, b"C", None)
+    assert hit is not None and not bm.grow(2, 33)
+    assert bm.grow(2, 24)
+    assert all(bm.still_holds(p) for p in pinned)
+    bm.release(2)
+    # deletion while pinned: the hashes go at once, the blocks when the transfer ends
+    assert bm.evict_conversation("c1") == 2
+    assert not any(bm.still_holds(p) for p in pinned)
+    bm.check()
+    bm.unpin(pinned)
+    bm.check()
+    assert bm.available_blocks == 8
+
+
+def test_a_pinned_host_block_is_never_dropped_and_admission_prefills_instead_of_onboarding_it() -> None:
+    bm = BlockManager(BlockConfig(BS, 5, 4))
+    a = [1] * 17
+    _run(bm, 1, a, 0, b"A")
+    _run(bm, 2, [2] * 17, 0, b"B")  # A's four blocks spill to host
+    bm.take_copies()
+    hashes = chain_hashes(a, 0, b"A", BS)
+    pinned = bm.pin(hashes, b"A")
+    assert [p.tier for p in pinned] == [Tier.HOST] * 4
+    hit = bm.admit(3, a, 0, b"A", None)
+    assert hit is not None and hit.cached_tokens == 0  # no onboarding of a block a transfer reads
+    bm.release(3)
+    for i in range(3):  # host-tier pressure: every other spill takes other host blocks, never the pinned
+        _run(bm, 10 + i, [3 + i] * 17, 0, b"C")
+    assert all(bm.still_holds(p) for p in pinned)
+    bm.unpin(pinned)
+    bm.check()
+    hit = bm.admit(4, a, 0, b"A", None)
+    assert hit is not None and hit.cached_tokens == 16 and hit.host_cached_tokens == 16
+
+
+def test_an_adopted_import_is_a_cached_prefix_of_its_owner_and_conversation() -> None:
+    bm = BlockManager(BlockConfig(BS, 8, 0))
+    tokens = SYSTEM + list(range(20, 29))
+    hashes = chain_hashes(tokens, len(SYSTEM), b"A", BS)
+    _run(bm, 1, SYSTEM + [99], len(SYSTEM), b"A")  # the shared prefix is here already
+    own = bm.cached_run(hashes)
+    assert own == 2
+    blocks = bm.reserve(2)
+    assert len(blocks) == 2
+    bm.check()
+    assert bm.adopt(blocks, hashes[own:], own, len(SYSTEM), b"A", "c9") == 2
+    bm.check()
+    assert bm.residency.held() == {"c9": 8}
+    hit = bm.admit(2, tokens, len(SYSTEM), b"A", "c9")
+    assert hit is not None and hit.cached_tokens == 16
+    bm.release(2)
+    assert bm.admit(3, tokens, len(SYSTEM), b"B", None) == PrefixHit(8, 0)  # still salted: B gets only the shared
+    bm.release(3)
+    # a failed import gives its reservation back; reserving never takes what is referenced or pinned
+    pinned = bm.pin(hashes, b"A")
+    got = bm.reserve(100)
+    assert len(got) == 8 - 4 and not set(got) & {p.block for p in pinned}
+    bm.unreserve(got)
+    bm.unpin(pinned)
+    bm.check()
+    assert bm.available_blocks == 8
+
+
 # ---- stateful property test ----------------------------------------------------------------------------
 
 
@@ -107,10 +188,12 @@ class BlockMachine(RuleBasedStateMachine):
     """Random admissions, chunked computation, extension by sampled tokens, finish/cancel, eviction."""
 
     seqs = Bundle("seqs")
+    pins = Bundle("pins")
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(BlockConfig(BS, 12, 6))
+        self.open_pins: dict[int, list[PinnedBlock]] = {}
         self.bm.residency.slack = 2  # compact often, so watchers also meet resyncs
         self.next_id = 0
         self.watched: dict[str, int] = {}  # what a watcher rebuilt from the journal (residency.py)
@@ -158,6 +241,37 @@ class BlockMachine(RuleBasedStateMachine):
         self.bm.evict_salt(salt)
         assert self.bm.evict_salt(salt) == 0
 
+    @rule(target=pins, tokens=st.lists(st.integers(1, 3), min_size=1, max_size=40), prefix=st.integers(0, 12),
+          salt=st.sampled_from([b"a", b"b"]), asker=st.sampled_from([b"a", b"b"]))
+    def pin(self, tokens: list[int], prefix: int, salt: bytes, asker: bytes) -> int:
+        """A source pins what a puller under `asker`'s salt names (hashes computed under `salt`)."""
+        pinned = self.bm.pin(chain_hashes(tokens, min(prefix, len(tokens)), salt, BS), asker)
+        for p in pinned:
+            tag = self.bm._tags.get(p.hash)
+            assert tag is None or tag.salt == asker, "a pin served another owner's block"
+        self.next_id += 1
+        key = self.next_id
+        self.open_pins[key] = pinned
+        return key
+
+    @rule(key=consumes(pins))
+    def unpin(self, key: int) -> None:
+        self.bm.unpin(self.open_pins.pop(key))
+
+    @rule(tokens=st.lists(st.integers(1, 3), min_size=1, max_size=40), prefix=st.integers(0, 12),
+          salt=st.sampled_from([b"a", b"b"]), conv=st.sampled_from(["c1", "c2", None]), ok=st.booleans())
+    def pull(self, tokens: list[int], prefix: int, salt: bytes, conv: str | None, ok: bool) -> None:
+        """A puller reserves blocks for what its cache lacks, then adopts them (or the transfer failed)."""
+        prefix = min(prefix, len(tokens))
+        hashes = chain_hashes(tokens, prefix, salt, BS)
+        own = self.bm.cached_run(hashes)
+        got = self.bm.reserve(len(hashes) - own)
+        self.bm.check()
+        if ok:
+            self.bm.adopt(got, hashes[own:own + len(got)], own, prefix, salt, conv)
+        else:
+            self.bm.unreserve(got)
+
     @rule()
     def run_copies(self) -> None:
         for copy in self.bm.take_copies():
@@ -188,6 +302,8 @@ class BlockMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for seq_id in list(self.bm._seqs):
             self.bm.release(seq_id)
+        for pinned in self.open_pins.values():
+            self.bm.unpin(pinned)
         self.bm.check()
         assert self.bm.available_blocks == self.bm.cfg.device_blocks  # nothing leaked
 

@@ -29,6 +29,16 @@ blocks, device and host tiers together, times the block size (the shared platfor
 counted). Each change of a conversation's count (a block committed, reused under another conversation, dropped)
 is recorded in `residency`, a journal watchers read by cursor: O(1) per block touched in a step.
 
+Transfer between replicas (issue 29, transfer.py). A SOURCE pins the leading run of a puller's named chain
+hashes that it holds (`pin`): a salted block counts only when its tag carries the puller's verified owner salt,
+so another owner's hash reads exactly like an unknown one; unsalted platform-prefix blocks are anyone's. A
+pinned device block is referenced (never evicted or reallocated), a pinned host block leaves the host LRU (never
+dropped or overwritten; an admission that meets it prefills instead of onboarding it, so a hash still lives in
+one tier); `unpin` returns them when the transfer ends. A PULLER `reserve`s device blocks for the blocks it
+receives (free ones, then LRU idle ones dropped without a spill: a spill's queued copy would race the import's
+write), and once every block arrived and verified, `adopt` caches them under their hashes as if computed here
+(tags, residency); a failed transfer `unreserve`s them.
+
 Parameters: `BlockConfig(block_size, device_blocks, host_blocks)`; host_blocks 0 disables the spill tier.
 Counters (`BlockStats`): tier occupancy, device evictions (spills or drops), host evictions (drops).
 """
@@ -68,6 +78,15 @@ class PrefixHit:
 
     cached_tokens: int  # prompt tokens whose KV came from cached blocks (device or host)
     host_cached_tokens: int  # of those, onboarded from the host tier
+
+
+@dataclass(frozen=True)
+class PinnedBlock:
+    """A cached block held for a transfer: its hash and where its data is."""
+
+    hash: BlockHash
+    tier: Tier
+    block: int
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,20 @@ def block_hash(parent: BlockHash, tokens: Sequence[int], salt: bytes | None) -> 
     return h.digest()
 
 
+def chain_hashes(tokens: Sequence[int], platform_prefix: int, salt: bytes, block_size: int,
+                 blocks: int | None = None) -> list[BlockHash]:
+    """The chain hashes of the first `blocks` full blocks of `tokens` (default: every full block but a last token
+    left to compute, what admission looks up), the salt entering at the first block past the platform prefix."""
+    first_private = platform_prefix // block_size
+    n = (len(tokens) - 1) // block_size if blocks is None else blocks
+    out: list[BlockHash] = []
+    parent = b""
+    for i in range(n):
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size], salt if i == first_private else None)
+        out.append(parent)
+    return out
+
+
 class BlockManager:
     """Device and host KV tiers, the prefix-cache index, and every sequence's block table."""
 
@@ -137,6 +170,9 @@ class BlockManager:
         self._by_salt: dict[bytes, set[BlockHash]] = {}
         self._by_conversation: dict[str, set[BlockHash]] = {}
         self._seqs: dict[int, _SeqBlocks] = {}
+        self._dev_pins: dict[int, int] = {}  # device block -> transfers pinning it (each also holds a reference)
+        self._host_pins: dict[int, int] = {}  # host block -> transfers pinning it (out of the host LRU meanwhile)
+        self._reserved: set[int] = set()  # device blocks an import is writing (one reference each)
         self._copies: list[BlockCopy] = []
         self.device_evictions = 0
         self.host_evictions = 0
@@ -162,9 +198,9 @@ class BlockManager:
                 break
             tier, block = where
             if tier is Tier.DEVICE:
-                if self._ref[block] == 0:
-                    del self._dev_idle[block]
-                self._ref[block] += 1
+                self._hold(block)
+            elif block in self._host_pins:
+                break  # a transfer is reading it: prefill instead (onboarding would move the hash)
             else:
                 del self._host_idle[block]  # so the spill that makes device room cannot pick it
                 dev = self._allocate()
@@ -222,12 +258,7 @@ class BlockManager:
         """Ends a sequence (finished, cancelled, or preempted): its blocks return tail-first."""
         seq = self._seqs.pop(seq_id)
         for block in reversed(seq.table):
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self._dev_hash[block] is not None:
-                    self._dev_idle[block] = None
-                else:
-                    self._dev_free.append(block)
+            self._unref(block)
 
     def table(self, seq_id: int) -> list[int]:
         """The sequence's block table (live: the executor reads it during the step)."""
@@ -245,6 +276,89 @@ class BlockManager:
     def available_blocks(self) -> int:
         """Device blocks an allocation can take now: free ones plus idle cached ones (evictable)."""
         return len(self._dev_free) + len(self._dev_idle)
+
+    # ---- transfer between replicas ---------------------------------------------------------------------------
+
+    def cached_run(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading `hashes` this replica caches (either tier): what a prefix pull need not ask for."""
+        n = 0
+        for h in hashes:
+            if h not in self._where:
+                break
+            n += 1
+        return n
+
+    def pin(self, hashes: Sequence[BlockHash], salt: bytes) -> list[PinnedBlock]:
+        """Pins the leading run of `hashes` cached here under `salt` (unsalted platform blocks under any), for a
+        transfer; the same few dictionary lookups whether a hash is unknown or another owner's."""
+        pinned: list[PinnedBlock] = []
+        for h in hashes:
+            where = self._where.get(h)
+            tag = self._tags.get(h)
+            if where is None or (tag is not None and tag.salt != salt):
+                break
+            tier, block = where
+            if tier is Tier.DEVICE:
+                self._hold(block)
+                self._dev_pins[block] = self._dev_pins.get(block, 0) + 1
+            else:
+                if block not in self._host_pins:
+                    del self._host_idle[block]
+                self._host_pins[block] = self._host_pins.get(block, 0) + 1
+            pinned.append(PinnedBlock(h, tier, block))
+        return pinned
+
+    def still_holds(self, p: PinnedBlock) -> bool:
+        """The pinned block still caches its hash (False once evicted for deletion meanwhile)."""
+        return self._where.get(p.hash) == (p.tier, p.block)
+
+    def unpin(self, pinned: Sequence[PinnedBlock]) -> None:
+        """Ends a transfer's hold on its blocks."""
+        for p in pinned:
+            if p.tier is Tier.DEVICE:
+                _release_count(self._dev_pins, p.block)
+                self._unref(p.block)
+            else:
+                if _release_count(self._host_pins, p.block):
+                    continue
+                if self._host_hash[p.block] is not None:
+                    self._host_idle[p.block] = None
+                else:  # dropped for deletion while pinned
+                    self._host_free.append(p.block)
+
+    def reserve(self, n: int) -> list[int]:
+        """Up to `n` device blocks for an import (free ones first, then LRU idle ones, dropped without a spill)."""
+        out: list[int] = []
+        while len(out) < n and (block := self._allocate(spill=False)) is not None:
+            self._reserved.add(block)
+            out.append(block)
+        return out
+
+    def unreserve(self, blocks: Sequence[int]) -> None:
+        """Frees reserved blocks whose import failed."""
+        for block in blocks:
+            self._reserved.remove(block)
+            self._unref(block)
+
+    def adopt(self, blocks: Sequence[int], hashes: Sequence[BlockHash], first_index: int, platform_prefix: int,
+              salt: bytes, conversation: str | None) -> int:
+        """Caches imported blocks: `blocks[j]` holds chain block `first_index + j`, hash `hashes[j]`, computed
+        under `salt` (salted past the platform prefix). A hash cached meanwhile keeps its own block (the import's
+        is freed). Returns how many were cached."""
+        first_private = platform_prefix // self.block_size
+        adopted = 0
+        for j, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
+            self._reserved.remove(block)
+            if h not in self._where:
+                self._where[h] = (Tier.DEVICE, block)
+                self._dev_hash[block] = h
+                if first_index + j >= first_private:
+                    self._tags[h] = _Tag(salt, None)
+                    self._by_salt.setdefault(salt, set()).add(h)
+                self._retag(h, conversation)
+                adopted += 1
+            self._unref(block)
+        return adopted
 
     # ---- eviction for deletion ---------------------------------------------------------------------------
 
@@ -264,7 +378,21 @@ class BlockManager:
 
     # ---- internals -----------------------------------------------------------------------------------------
 
-    def _allocate(self) -> int | None:
+    def _unref(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self._dev_hash[block] is not None:
+                self._dev_idle[block] = None
+            else:
+                self._dev_free.append(block)
+
+    def _hold(self, block: int) -> None:
+        """One more reference to a cached device block (out of the idle LRU while referenced)."""
+        if self._ref[block] == 0:
+            del self._dev_idle[block]
+        self._ref[block] += 1
+
+    def _allocate(self, spill: bool = True) -> int | None:
         """A device block with no data: a free one, else the LRU idle one, spilled to host (or dropped)."""
         if self._dev_free:
             block = self._dev_free.pop()
@@ -277,7 +405,7 @@ class BlockManager:
         assert h is not None
         self._dev_hash[block] = None
         self.device_evictions += 1
-        host = self._host_block()
+        host = self._host_block() if spill else None
         if host is None:
             self._forget(h)
         else:
@@ -332,9 +460,10 @@ class BlockManager:
             tier, block = self._where[h]
             self._forget(h)
             if tier is Tier.HOST:
-                del self._host_idle[block]
                 self._host_hash[block] = None
-                self._host_free.append(block)
+                if block not in self._host_pins:  # a pinned one is freed when its transfer ends
+                    del self._host_idle[block]
+                    self._host_free.append(block)
             else:
                 self._dev_hash[block] = None
                 if self._ref[block] == 0:
@@ -352,7 +481,13 @@ class BlockManager:
         for seq in self._seqs.values():
             for b in seq.table:
                 refs[b] += 1
-        assert refs == self._ref, "reference counts disagree with the block tables"
+        for b, pins in self._dev_pins.items():
+            assert pins > 0
+            refs[b] += pins
+        for b in self._reserved:
+            refs[b] += 1
+            assert self._dev_hash[b] is None, "a reserved block has a hash before its import is adopted"
+        assert refs == self._ref, "reference counts disagree with the block tables, pins and reservations"
         free, idle = set(self._dev_free), set(self._dev_idle)
         assert len(free) == len(self._dev_free) and not free & idle
         for b in range(n):
@@ -361,9 +496,10 @@ class BlockManager:
             assert state == 1, f"device block {b} is in {state} states"
             assert b not in free or self._dev_hash[b] is None
             assert b not in idle or self._dev_hash[b] is not None
-        hfree = set(self._host_free)
+        hfree, hpinned = set(self._host_free), set(self._host_pins)
         assert len(hfree) == len(self._host_free) and not hfree & set(self._host_idle)
-        assert len(hfree) + len(self._host_idle) == self.cfg.host_blocks
+        assert not hpinned & (hfree | set(self._host_idle)) and all(n > 0 for n in self._host_pins.values())
+        assert len(hfree) + len(self._host_idle) + len(hpinned) == self.cfg.host_blocks
         for h, (tier, b) in self._where.items():
             owner = self._dev_hash[b] if tier is Tier.DEVICE else self._host_hash[b]
             assert owner == h, "index points at a block holding other data"
@@ -373,6 +509,16 @@ class BlockManager:
             assert all(self._tags[h].salt == salt for h in hs)
         self.residency.check()
         assert self.residency.held() == {c: len(hs) * self.block_size for c, hs in self._by_conversation.items()}
+
+
+def _release_count(counts: dict[int, int], key: int) -> int:
+    """Decrements a pin count, removing it at 0; returns what is left."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+    return left
 
 
 def _discard(index: dict[K, set[BlockHash]], key: K, h: BlockHash) -> None:
