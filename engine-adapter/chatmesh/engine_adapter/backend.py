@@ -5,8 +5,12 @@ in-process engine (`EngineCore` over an `Executor`) and the Triton forwarder bot
 servicer and the conformance tests (tests/engine/conformance.py) run unchanged against each.
 
 A generation's events, in order: one `Started` (the prompt was admitted; how much of it came from the prefix
-cache), any number of `Delta`s (tokens coalesced since the previous one), one `Finished`. Closing the event
-iterator early (the RPC was cancelled) cancels the sequence; its KV blocks are freed at the next step.
+cache, and from a pull), any number of `Delta`s (tokens coalesced since the previous one), one `Finished`. Closing
+the event iterator early (the RPC was cancelled) cancels the sequence; its KV blocks are freed at the next step.
+
+Prefix transfer (issue 29, transfer.py): a generation may name a source replica (`PullSource`); a backend that
+receives pulls imports the prompt's cached blocks from it before prefill (`Started.pull` says what happened), and
+one that serves them streams its blocks to a puller (`serve_prefix`). `TransferStats` says which a backend does.
 """
 
 from __future__ import annotations
@@ -18,10 +22,63 @@ from typing import Protocol
 
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.engine_adapter.residency import ResidencyChanges
-from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.mesh.ids import ConversationId, TurnId
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument
+from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.mesh.turn import Usage as Usage  # a generation's token counts: the value chat bills, the store sums
 from chatmesh.model.profile import ModelIdentity
+
+
+class PullOutcome(enum.Enum):
+    """What became of a generation's prefix pull (the proto's PullOutcome)."""
+
+    PULLED = "pulled"  # blocks were imported
+    NOT_NEEDED = "not_needed"  # the replica's own cache held every full block, or the source is this replica
+    NOT_HELD = "not_held"  # the source holds none of them (evicted, never there, another owner's)
+    UNAVAILABLE = "unavailable"  # the source could not be reached, refused, or failed mid-transfer
+    DEADLINE = "deadline"  # the transfer outlasted the pull deadline
+    CORRUPT = "corrupt"  # a digest mismatch or a malformed transfer: all of it dropped
+    UNSUPPORTED = "unsupported"  # this replica or the source cannot transfer, or their layouts differ
+    NO_ROOM = "no_room"  # no device room to import into
+    EVICTED = "evicted"  # the source lost blocks during the transfer (deletion): all of it dropped
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """The replica a generation may pull its prompt's cached prefix from (the router's pick names it)."""
+
+    replica_id: str
+    address: str  # host:port
+
+    def __post_init__(self) -> None:
+        if not self.replica_id or not self.address:
+            raise InvalidArgument("source_replica_id and source_address go together (both set, or neither)")
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How a replica's KV blocks are laid out: blocks move only between replicas with equal layouts."""
+
+    backend: str
+    model: ModelIdentity
+    block_size: int
+    dtype: str  # int8 (with per-token scales), float16, bfloat16, float32; "none" for sim (no data)
+    block_bytes: int  # bytes one block moves (sim: the modelled KV bytes; its payloads are empty)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
+
+
+@dataclass(frozen=True)
+class PullReport:
+    """One pull, as the generation's Started reports it: from where, what became of it, what it moved."""
+
+    source_replica_id: str
+    outcome: PullOutcome
+    first_block: int = 0  # chain index of the first block asked for (the replica's own cache held the ones before)
+    blocks: int = 0  # blocks imported
+    bytes: int = 0  # bytes moved (imported or dropped)
+    seconds: float = 0.0  # time the pull took, from the request to the import (modelled link time included)
 
 
 @dataclass(frozen=True)
@@ -38,6 +95,8 @@ class GenerateParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()  # extra stops; the backend's end-of-turn ids always stop
     expected_model: ModelIdentity | None = None  # the model the prompt was rendered for (checked by the servicer)
+    owner_id: OwnerId | None = None  # the verified owner (a pull names it to the source); None: plaintext, no owner
+    source: PullSource | None = None  # pull the prompt's cached prefix from this replica before prefill
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -66,10 +125,14 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class Started:
-    """The prompt was admitted. cached_tokens came from the prefix cache; host_cached_tokens of them from host."""
+    """The prompt was admitted. cached_tokens came from the replica's own prefix cache (host_cached_tokens of them
+    from its host tier), pulled_tokens from the source's (the rest was prefilled); `pull` is the pull the request
+    asked for (None when it named no source)."""
 
     cached_tokens: int
     host_cached_tokens: int
+    pulled_tokens: int = 0
+    pull: PullReport | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +153,61 @@ class Finished:
 
 
 GenerateEvent = Started | Delta | Finished
+
+
+@dataclass(frozen=True)
+class KvBlockData:
+    """One block in transfer: its chain hash, its contents in the layout's encoding, and their keyed digest."""
+
+    hash: bytes
+    payload: bytes
+    digest: bytes
+
+
+@dataclass(frozen=True)
+class TransferStarted:
+    """First event of a transfer: how many blocks follow (the leading run of those named that the source holds)."""
+
+    blocks: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class TransferChunk:
+    """Consecutive blocks of a transfer, in the order they were named."""
+
+    blocks: tuple[KvBlockData, ...]
+
+
+TransferEvent = TransferStarted | TransferChunk
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A puller's request, once the servicer has verified its owner: the salt is derived here, never sent."""
+
+    salt: bytes
+    hashes: tuple[bytes, ...]
+    layout: KvLayout
+    max_message_bytes: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What a replica does in prefix transfer and what it has moved since start (the proto's PrefixTransferStats).
+    `outcomes` counts pulls by PullOutcome value."""
+
+    serves: bool = False
+    receives: bool = False
+    layout: KvLayout | None = None
+    pulled_tokens: int = 0
+    pulled_bytes: int = 0
+    pulls: int = 0
+    failed_pulls: int = 0
+    served_blocks: int = 0
+    served_bytes: int = 0
+    outcomes: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,6 +244,8 @@ class EngineStats:
     waiting_batch: int = 0  # behind a full batch (max_batch running)
     kv_stall_steps: int = 0  # since start: steps that ended with sequences waiting for KV room
     batch_stall_steps: int = 0  # ... for a batch slot
+    transfer: TransferStats = field(default_factory=TransferStats)
+    draining: bool = False  # SIGTERM seen: refuses new generations, still serves pulls until its grace ends
 
 
 @dataclass(frozen=True)
@@ -141,6 +261,16 @@ class Residency:
     def of(cls, changes: ResidencyChanges) -> Residency:
         """A journal's changes (residency.py) as this value."""
         return cls(changes.version, changes.full, tuple((ConversationId(c), n) for c, n in changes.conversations))
+
+
+def cannot_transfer(backend: str) -> FailedPrecondition:
+    """The refusal of a backend that keeps its KV where chatmesh cannot reach it (triton: inside TensorRT-LLM)."""
+    return FailedPrecondition(f"the {backend} backend cannot serve or import KV blocks (docs/triton.md); the router "
+                              f"never plans a pull to or from it")
+
+
+class PrefixEvicted(Exception):
+    """A block being served was evicted for deletion during the transfer (the servicer answers ABORTED)."""
 
 
 class Backend(Protocol):
@@ -166,6 +296,17 @@ class Backend(Protocol):
 
     async def evict_salt(self, salt: bytes) -> int:
         """Drops every cached block under the owner's salt from every tier; returns how many."""
+        ...
+
+    def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
+        """Streams the leading run of the named blocks cached under the request's salt: TransferStarted, then
+        TransferChunks. FailedPrecondition when this backend cannot serve blocks or its layout differs;
+        ResourceExhausted when it serves as many transfers as it may; PrefixEvicted when a block it pinned
+        was evicted for deletion meanwhile."""
+        ...
+
+    def drain(self) -> None:
+        """Shutdown began: refuse new generations (Unavailable), keep serving pulls and running generations."""
         ...
 
     def stats(self) -> EngineStats:

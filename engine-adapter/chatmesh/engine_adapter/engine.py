@@ -13,21 +13,28 @@ rate, and detokenisation runs once per send, not once per token.
 
 The `local` backend constructs this with its executor: `EngineCore(executor, BlockConfig(...),
 SchedulerConfig(...), codec, offload=True)` (offload runs each step in a worker thread so the event loop
-keeps serving RPCs while the model computes). That worker is one dedicated thread for the engine's life, not
+keeps serving RPCs while the model computes; prefix transfers move block data on a second thread, transfer.py).
+That worker is one dedicated thread for the engine's life, not
 the event loop's shared pool: with a pool, steps land on different threads, and each calling thread gets its own
 OpenMP team (whose idle threads spin for a while after their last step, taking CPU from the next one) and its own
 malloc arena (each keeping freed temporaries).
+
+Prefix pulls: a generation naming a source replica first pulls what its prompt's cache lacks (`Transfers.pull`:
+it never raises for the pull's own failures), then queues; its Started says what was pulled. Serving a pull
+(`serve_prefix`) streams pinned blocks. Draining (SIGTERM, `drain`): new generations are refused, running ones
+finish, and pulls are still served, so the router can move this replica's conversations with it as the source.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from chatmesh.engine_adapter.backend import (
     Delta,
@@ -35,21 +42,26 @@ from chatmesh.engine_adapter.backend import (
     Finished,
     GenerateEvent,
     GenerateParams,
+    KvLayout,
     Residency,
+    ServeRequest,
     Started,
     TierStats,
+    TransferEvent,
     Usage,
 )
 from chatmesh.engine_adapter.block_manager import BlockConfig, BlockManager
 from chatmesh.engine_adapter.executor import BlockCopy, Executor, SeqWork, StepResult
 from chatmesh.engine_adapter.scheduler import Scheduler, SchedulerConfig, Seq, SeqState, Step, Waiting
 from chatmesh.engine_adapter.text import TextCodec
+from chatmesh.engine_adapter.transfer import PullConfig, Transfers
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import Unavailable
 from chatmesh.mesh.ids import ConversationId
 from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.engine")
+T = TypeVar("T")
 
 
 class Clock(Protocol):
@@ -117,7 +129,8 @@ class EngineCore:
 
     def __init__(self, executor: Executor, blocks: BlockConfig, scheduler: SchedulerConfig, codec: TextCodec, *,
                  replica_id: str = "engine-0", flush_interval_s: float = 0.025, clock: Clock | None = None,
-                 offload: bool = False, on_step: Callable[[StepReport], None] | None = None):
+                 offload: bool = False, on_step: Callable[[StepReport], None] | None = None,
+                 pulls: PullConfig = PullConfig()):
         self.executor = executor
         self.codec = codec
         self.replica_id = replica_id
@@ -132,6 +145,14 @@ class EngineCore:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._worker: ThreadPoolExecutor | None = None  # the one thread offloaded steps run on (while started)
+        self._transfer_worker: ThreadPoolExecutor | None = None  # block data of prefix transfers (while started)
+        self._in_flight: asyncio.Future[tuple[float, StepResult | None]] | None = None  # the offloaded step running
+        self.draining = False
+        fmt = executor.kv_format
+        layout = None if fmt is None else KvLayout(executor.name, codec.identity, blocks.block_size, fmt.dtype,
+                                                   fmt.block_bytes)
+        self.transfers = Transfers(self.blocks, executor, layout, replica_id, pulls, offload=self._off_loop,
+                                   barrier=self._step_barrier, wait_modelled=self.clock.pace)
 
     @property
     def name(self) -> str:
@@ -148,6 +169,8 @@ class EngineCore:
             self._closed = False
             if self.offload and self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.replica_id}")
+                self._transfer_worker = ThreadPoolExecutor(max_workers=1,
+                                                           thread_name_prefix=f"transfer-{self.replica_id}")
             self._task = asyncio.create_task(self._loop(), name=f"engine-{self.replica_id}")
 
     async def close(self) -> None:
@@ -158,17 +181,29 @@ class EngineCore:
             await asyncio.gather(task, return_exceptions=True)
         for seq in self.scheduler.abort_all():
             self._finished(seq)
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=False)
+        for worker in (self._worker, self._transfer_worker):
+            if worker is not None:
+                worker.shutdown(wait=False)
+        self._worker = self._transfer_worker = None
 
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def drain(self) -> None:
+        self.draining = True
+
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
         if not self.ready():
             raise Unavailable("engine is not running")
-        seq = self.scheduler.add(params)
+        if self.draining:
+            raise Unavailable(f"engine {self.replica_id} is shutting down; send the turn to another replica")
+        pull = None
+        if params.source is not None:
+            self.scheduler.check(params)  # a request the queue would refuse is refused before its pull
+            pull = await self.transfers.pull(params)
+            if not self.ready():
+                raise Unavailable("engine stopped during the prefix pull")
+        seq = self.scheduler.add(params, (pull.first_block, pull.blocks) if pull else (0, 0))
         stream = _Stream(seq)
         self._streams[seq.seq_id] = stream
         self._wake.set()
@@ -181,7 +216,8 @@ class EngineCore:
                 if not started and (seq.hit is not None or seq.state is SeqState.FINISHED):
                     started = True
                     hit = seq.hit
-                    yield Started(hit.cached_tokens if hit else 0, hit.host_cached_tokens if hit else 0)
+                    yield Started(hit.cached_tokens - seq.pulled_tokens if hit else 0,
+                                  hit.host_cached_tokens if hit else 0, seq.pulled_tokens, pull)
                 new = seq.take_new()
                 if new:
                     yield Delta(tuple(new), decoder.feed(new))
@@ -202,6 +238,10 @@ class EngineCore:
                 self.scheduler.cancel(seq)  # freed by the next step
                 self._wake.set()
 
+    async def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
+        async for event in self.transfers.serve(request):
+            yield event
+
     async def evict_conversation(self, conversation_id: ConversationId) -> int:
         return self.blocks.evict_conversation(conversation_id)
 
@@ -221,7 +261,8 @@ class EngineCore:
             generations=c.generations,
             waiting_kv=c.queue_depth if c.waiting_reason is Waiting.KV_MEMORY else 0,
             waiting_batch=c.queue_depth if c.waiting_reason is Waiting.BATCH_SLOTS else 0,
-            kv_stall_steps=c.kv_stall_steps, batch_stall_steps=c.batch_stall_steps)
+            kv_stall_steps=c.kv_stall_steps, batch_stall_steps=c.batch_stall_steps,
+            transfer=self.transfers.stats(c.pulled_tokens), draining=self.draining)
 
     def residency(self, since: int) -> Residency:
         return Residency.of(self.blocks.residency.changes(since))
@@ -248,8 +289,12 @@ class EngineCore:
                 continue
             try:
                 if self._worker is not None:
-                    copy_s, result = await asyncio.get_running_loop().run_in_executor(
+                    self._in_flight = asyncio.get_running_loop().run_in_executor(
                         self._worker, self._run, step.copies, step.work)
+                    try:
+                        copy_s, result = await self._in_flight
+                    finally:
+                        self._in_flight = None
                 else:
                     copy_s, result = self._run(step.copies, step.work)
             except Exception as exc:  # the executor failed: these sequences end with an error, the engine goes on
@@ -273,6 +318,19 @@ class EngineCore:
             if self.on_step is not None:
                 self.on_step(_report(step, modelled, now))
             await self.clock.pace(modelled, time.perf_counter() - t0)
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """Runs block-data work of a transfer on the transfer thread (inline when steps are not offloaded)."""
+        if self._transfer_worker is None:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._transfer_worker, fn)
+
+    async def _step_barrier(self) -> None:
+        """Waits for the step in flight, if any (its tier copies may be filling blocks a transfer just took)."""
+        step = self._in_flight
+        if step is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(step)
 
     def _run(self, copies: Sequence[BlockCopy], work: Sequence[SeqWork]) -> tuple[float, StepResult | None]:
         copy_s = self.executor.copy_blocks(copies) if copies else 0.0

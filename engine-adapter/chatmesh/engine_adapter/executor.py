@@ -54,6 +54,15 @@ class BlockCopy:
 
 
 @dataclass(frozen=True)
+class KvFormat:
+    """What one KV block is when it moves between replicas (transfer.py)."""
+
+    dtype: str  # element type of K and V ("none": the executor holds no KV data, sim)
+    block_bytes: int  # bytes a block moves over the link (sim: modelled)
+    payload_bytes: int  # bytes of a block's payload on the wire (sim: 0)
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What a step produced."""
 
@@ -79,4 +88,23 @@ class Executor(Protocol):
         """Forgets per-sequence state (sampling generator); the sequence's blocks are the block manager's.
         Called once per sequence when it ends, also for one that never reached `execute` (cancelled while
         queued): a no-op then."""
+        ...
+
+    @property
+    def kv_format(self) -> KvFormat | None:
+        """The blocks' transfer format; None when this executor cannot export or import blocks."""
+        ...
+
+    def export_blocks(self, blocks: Sequence[tuple[Tier, int]]) -> list[bytes]:
+        """The payloads of cached blocks (pinned by the caller, so nothing writes them meanwhile). Unlike the other
+        calls, made from the engine's transfer thread, concurrently with steps."""
+        ...
+
+    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Writes payloads into DEVICE blocks reserved for them (no step reads them yet). From the transfer
+        thread, concurrently with steps."""
+        ...
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Modelled seconds to move `nbytes` between replicas (sim's link model); 0 where the transfer is real."""
         ...

@@ -23,6 +23,13 @@ per-generation histograms are updated once per streamed Delta, which the engine 
 interval: a Delta of n tokens is one `observe(gap / n, n)` for inter-token latency. Step figures (time, prefill
 and decode tokens) come from `EngineCore`'s per-step report, so the `triton` backend, whose steps run inside
 Triton, has none (Triton exports its own metrics).
+
+Prefix transfer (issue 29): `chatmesh_engine_prefix_pulled_tokens_total` (prompt tokens pulled and used, apart
+from the prefix-cache hits), `chatmesh_engine_prefix_pulled_bytes_total`, `chatmesh_engine_prefix_pulls_total
+{outcome}` (every pull by PullOutcome: pulled, not_held, unavailable, deadline, corrupt, ...),
+`chatmesh_engine_prefix_served_blocks_total` / `_bytes_total` (as a source), `chatmesh_engine_draining`, and the
+histogram `chatmesh_engine_prefix_pull_seconds` (each pull, request to import); a pull is also a `prefix_pull`
+span of the generation's trace (source replica, outcome, blocks, bytes).
 """
 
 from __future__ import annotations
@@ -34,7 +41,15 @@ from typing import assert_never
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from chatmesh.engine_adapter.backend import Backend, Delta, Finished, GenerateEvent, GenerateParams, Started
+from chatmesh.engine_adapter.backend import (
+    Backend,
+    Delta,
+    Finished,
+    GenerateEvent,
+    GenerateParams,
+    PullOutcome,
+    Started,
+)
 from chatmesh.engine_adapter.engine import StepReport
 from chatmesh.mesh import metrics, tracing
 
@@ -99,6 +114,23 @@ class _Stats(Collector):
         stalls.add_metric(["kv_memory"], s.kv_stall_steps)
         stalls.add_metric(["batch_slots"], s.batch_stall_steps)
         yield from (waiting, stalls)
+        x = s.transfer
+        yield from counter(("chatmesh_engine_prefix_pulled_tokens",),
+                           "prompt tokens whose KV was pulled from another replica (not prefilled, not cached here)",
+                           x.pulled_tokens)
+        yield from counter(("chatmesh_engine_prefix_pulled_bytes",), "KV bytes pulled from other replicas",
+                           x.pulled_bytes)
+        pulls = CounterMetricFamily("chatmesh_engine_prefix_pulls", "prefix pulls by outcome (all but pulled "
+                                    "fell back to prefill)", labels=["outcome"])
+        for outcome, n in x.outcomes:
+            pulls.add_metric([outcome], n)
+        yield pulls
+        yield from counter(("chatmesh_engine_prefix_served_blocks",), "KV blocks served to pulling replicas",
+                           x.served_blocks)
+        yield from counter(("chatmesh_engine_prefix_served_bytes",), "KV bytes served to pulling replicas",
+                           x.served_bytes)
+        yield from gauge(("chatmesh_engine_draining",), "1 while shutting down: no new generations, pulls served",
+                         1 if s.draining else 0)
         info = GaugeMetricFamily("chatmesh_engine_info", "this replica: its id, backend and block size",
                                  labels=["replica", "backend", "block_size"])
         info.add_metric([s.replica_id, s.backend, str(s.block_size)], 1)
@@ -134,6 +166,9 @@ class EngineMetrics:
                                                metrics.STEP_BUCKETS)
         self.step_tokens = registry.counter("chatmesh_engine_step_tokens", "tokens computed by steps, by phase",
                                             ["phase"])
+        self.pull_seconds = registry.histogram("chatmesh_engine_prefix_pull_seconds",
+                                               "time of one prefix pull, request to import (failed ones included)",
+                                               metrics.TTFT_BUCKETS)
         self._prefill = self.step_tokens.labels("prefill")
         self._decode = self.step_tokens.labels("decode")
 
@@ -149,7 +184,7 @@ class EngineMetrics:
 class Generation:
     """One Generate request's timings, fed each event the backend yields."""
 
-    __slots__ = ("m", "start", "start_ns", "admitted_ns", "last", "first", "cached", "replica_id")
+    __slots__ = ("m", "start", "start_ns", "admitted_ns", "last", "first", "cached", "pulled", "replica_id")
 
     def __init__(self, m: EngineMetrics, params: GenerateParams, replica_id: str) -> None:
         self.m = m
@@ -159,6 +194,7 @@ class Generation:
         self.last = 0.0
         self.first = True
         self.cached = 0
+        self.pulled = 0
         self.replica_id = replica_id
         if tracing.ON:
             attributes: dict[str, str | int] = {"chatmesh.replica.id": replica_id,
@@ -175,9 +211,20 @@ class Generation:
             case Started():
                 self.m.queue.observe(now - self.start)
                 self.cached = event.cached_tokens
+                self.pulled = event.pulled_tokens
+                pull = event.pull
+                if pull is not None and pull.outcome is not PullOutcome.NOT_NEEDED:
+                    self.m.pull_seconds.observe(pull.seconds)
                 if tracing.ON:
                     self.admitted_ns = time.time_ns()
-                    tracing.record("queue", self.start_ns, self.admitted_ns)
+                    if pull is not None:
+                        pulled_ns = self.start_ns + int(pull.seconds * 1e9)
+                        tracing.record("prefix_pull", self.start_ns, pulled_ns, {
+                            "chatmesh.pull.source": pull.source_replica_id, "chatmesh.pull.outcome": pull.outcome.value,
+                            "chatmesh.pull.blocks": pull.blocks, "chatmesh.pull.bytes": pull.bytes})
+                        tracing.record("queue", pulled_ns, self.admitted_ns)
+                    else:
+                        tracing.record("queue", self.start_ns, self.admitted_ns)
             case Delta():
                 n = len(event.token_ids)
                 if n == 0:
@@ -187,7 +234,8 @@ class Generation:
                     self.m.ttft.observe(now - self.start)
                     if tracing.ON:
                         tracing.record("prefill", self.admitted_ns, time.time_ns(),
-                                       {"chatmesh.prompt.cached_tokens": self.cached})
+                                       {"chatmesh.prompt.cached_tokens": self.cached,
+                                        "chatmesh.prompt.pulled_tokens": self.pulled})
                 else:
                     self.m.itl.observe((now - self.last) / n, n)
                 self.last = now

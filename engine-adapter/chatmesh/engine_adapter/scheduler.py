@@ -27,6 +27,10 @@ mostly a prefix hit), and it goes back to the head of the queue with every token
 
 Cancellation sets a flag; the next `schedule()` releases the sequence's blocks, so a cancelled stream's memory
 returns within one step.
+
+Pulled prefixes (transfer.py): a sequence whose blocks were pulled from another replica before it was queued
+names their chain range (`add(..., pulled=(first, n))`); its first admission counts the prompt tokens of that
+range it hit as pulled, apart from those its own cache held, so hit + pulled + miss = prompt tokens.
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ class Seq:
     """One generation inside the engine. Mutable; owned by the scheduler, read by the engine's streams."""
 
     __slots__ = ("seq_id", "params", "tokens", "prompt_len", "num_computed", "output_tokens", "state",
-                 "cancelled", "stop_ids", "hit", "finish", "error", "new_tokens", "table", "sampling", "max_tokens")
+                 "cancelled", "stop_ids", "hit", "finish", "error", "new_tokens", "table", "sampling", "max_tokens",
+                 "pulled", "pulled_tokens")
 
     def __init__(self, seq_id: int, params: GenerateParams, stop_ids: frozenset[int]):
         self.seq_id = seq_id
@@ -113,6 +118,8 @@ class Seq:
         self.table: list[int] = []  # the block table while running (the block manager's live list)
         self.sampling = params.sampling
         self.max_tokens = params.max_tokens
+        self.pulled = (0, 0)  # (first chain block, blocks) imported for this prompt from another replica
+        self.pulled_tokens = 0  # of hit.cached_tokens, those in the pulled range (set at first admission)
 
     def take_new(self) -> list[int]:
         out, self.new_tokens = self.new_tokens, []
@@ -141,6 +148,7 @@ class SchedulerCounters:
     waiting_reason: Waiting = Waiting.NONE
     kv_stall_steps: int = 0  # steps that ended with sequences waiting for KV room
     batch_stall_steps: int = 0  # ... for a batch slot
+    pulled_tokens: int = 0
 
 
 class Scheduler:
@@ -155,20 +163,27 @@ class Scheduler:
         self._by_id: dict[int, Seq] = {}
         self._next_id = 0
         self._cancelled: list[Seq] = []
-        self.hit_tokens = self.miss_tokens = self.host_hit_tokens = 0
+        self.hit_tokens = self.miss_tokens = self.host_hit_tokens = self.pulled_tokens = 0
         self.preemptions = self.generations = 0
         self.waiting_reason = Waiting.NONE
         self.stall_steps = dict.fromkeys(Waiting, 0)
 
-    def add(self, params: GenerateParams) -> Seq:
-        """Queues a generation; ResourceExhausted when the admission queue is full."""
+    def check(self, params: GenerateParams) -> None:
+        """What `add` would refuse: InvalidArgument (the prompt exceeds the KV room), ResourceExhausted (the
+        admission queue is full)."""
         room = self.blocks.cfg.device_blocks * self.blocks.block_size
         if len(params.prompt_token_ids) >= room:
             raise InvalidArgument(f"prompt of {len(params.prompt_token_ids)} tokens exceeds the KV room ({room})")
         if len(self.waiting) >= self.cfg.queue_limit:
             raise ResourceExhausted(f"engine admission queue is full ({self.cfg.queue_limit} waiting)")
+
+    def add(self, params: GenerateParams, pulled: tuple[int, int] = (0, 0)) -> Seq:
+        """Queues a generation (`pulled`: the chain range of its prompt's blocks imported by a pull);
+        refuses what `check` refuses."""
+        self.check(params)
         self._next_id += 1
         seq = Seq(self._next_id, params, self.stop_ids)
+        seq.pulled = pulled
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
         self.generations += 1
@@ -186,7 +201,8 @@ class Scheduler:
     def counters(self) -> SchedulerCounters:
         return SchedulerCounters(len(self.waiting), len(self.running), self.hit_tokens, self.miss_tokens,
                                  self.host_hit_tokens, self.preemptions, self.generations, self.waiting_reason,
-                                 self.stall_steps[Waiting.KV_MEMORY], self.stall_steps[Waiting.BATCH_SLOTS])
+                                 self.stall_steps[Waiting.KV_MEMORY], self.stall_steps[Waiting.BATCH_SLOTS],
+                                 self.pulled_tokens)
 
     # ---- one step ------------------------------------------------------------------------------------------
 
@@ -239,7 +255,11 @@ class Scheduler:
             seq.table = self.blocks.table(seq.seq_id)
             if seq.hit is None:  # first admission (not a re-admission after preemption)
                 seq.hit = hit
-                self.hit_tokens += c
+                first, n_pulled = seq.pulled
+                if n_pulled:
+                    seq.pulled_tokens = max(0, min(c // bs, first + n_pulled) - first) * bs
+                    self.pulled_tokens += seq.pulled_tokens
+                self.hit_tokens += c - seq.pulled_tokens
                 self.host_hit_tokens += hit.host_cached_tokens
                 self.miss_tokens += seq.prompt_len - c
                 step.admitted.append(seq)

@@ -12,6 +12,12 @@ Trust: Generate and Evict act for an owner, so with mutual TLS each needs an own
 (`OwnerSalts`: HMAC of CHATMESH_CACHE_SALT_SECRET), never taken from the caller: no caller can reuse or evict
 another owner's cached prefix by naming its salt. Who may call what: `AUTHZ`. In plaintext a caller's owner id
 is believed, and a request without one still uses the salt it carries (callers that predate owner_id).
+
+Prefix pulls (transfer.py): PullPrefix is engine to engine. The source's servicer checks the owner token like
+Generate's and derives the salt from the verified owner, so the block manager serves only that owner's blocks;
+the puller's side is `GrpcPrefixPeer`, which dials the source as `spiffe://chatmesh/engine` (a certificate only
+engines hold) and forwards the Generate call's owner token. Draining: `Service.drain` (shutdown, before the
+server stops) makes the backend refuse new generations while pulls go on for the grace period.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import asyncio
 import hashlib
 import hmac
 import importlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol, cast
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import Protocol, assert_never, cast
 
 import grpc
 from chatmesh.v1 import common_pb2, generate_pb2, generate_pb2_grpc
@@ -35,23 +42,43 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    KvBlockData,
+    KvLayout,
+    PrefixEvicted,
+    PullOutcome,
+    PullSource,
     Residency,
+    ServeRequest,
     Started,
     TierStats,
+    TransferChunk,
+    TransferEvent,
+    TransferStarted,
+    TransferStats,
 )
 from chatmesh.engine_adapter.engine import EngineCore, StepReport
 from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.engine_adapter.observe import EngineMetrics
 from chatmesh.engine_adapter.residency import FROM_START
-from chatmesh.mesh import identity
+from chatmesh.engine_adapter.transfer import (
+    DEFAULT_MESSAGE_BYTES,
+    HASH_BYTES,
+    MAX_PULL_BLOCKS,
+    PullFailed,
+    PullRequest,
+)
+from chatmesh.mesh import identity, logs, tokens
 from chatmesh.mesh import metrics as mesh_metrics
+from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_conversation_id, parse_turn_id
 from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
-from chatmesh.mesh.trust import Trust
+from chatmesh.mesh.trust import Trust, TrustRefused
 from chatmesh.model.profile import ModelIdentity, check_agreement
+
+log = logs.get("chatmesh.engine.service")
 
 BACKENDS: dict[str, str] = {
     "sim": "chatmesh.engine_adapter.sim",
@@ -99,14 +126,23 @@ class OwnerSalts:
         return salt
 
 
-def conversation_of(req: generate_pb2.GenerateRequest) -> ConversationId | None:
+class _InConversation(Protocol):
+    @property
+    def conversation_id(self) -> str: ...
+
+
+def conversation_of(req: _InConversation) -> ConversationId | None:
     return parse_conversation_id(req.conversation_id) if req.conversation_id else None
 
 
-def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes) -> GenerateParams:
-    """A validated GenerateParams; InvalidArgument names the bad field."""
+def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes, owner: OwnerId | None = None
+                      ) -> GenerateParams:
+    """A validated GenerateParams (`owner`: the verified owner, None in plaintext without one); InvalidArgument
+    names the bad field."""
     conversation = conversation_of(req)
     turn: TurnId | None = parse_turn_id(req.turn_id) if req.turn_id else None
+    source = PullSource(req.source_replica_id, req.source_address) \
+        if req.source_replica_id or req.source_address else None
     return GenerateParams(
         prompt_token_ids=tuple(req.prompt_token_ids),
         max_tokens=req.max_tokens,
@@ -118,6 +154,8 @@ def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes) -> G
         sampling=SamplingParams(temperature=req.temperature, top_p=req.top_p or 1.0, seed=req.seed),
         stop_token_ids=frozenset(req.stop_token_ids),
         expected_model=identity_from_proto(req.expected_model) if req.HasField("expected_model") else None,
+        owner_id=owner,
+        source=source,
     )
 
 
@@ -137,12 +175,28 @@ _REASONS = {
 }
 
 
+_OUTCOMES = {
+    PullOutcome.PULLED: generate_pb2.PULL_OUTCOME_PULLED,
+    PullOutcome.NOT_NEEDED: generate_pb2.PULL_OUTCOME_NOT_NEEDED,
+    PullOutcome.NOT_HELD: generate_pb2.PULL_OUTCOME_NOT_HELD,
+    PullOutcome.UNAVAILABLE: generate_pb2.PULL_OUTCOME_UNAVAILABLE,
+    PullOutcome.DEADLINE: generate_pb2.PULL_OUTCOME_DEADLINE,
+    PullOutcome.CORRUPT: generate_pb2.PULL_OUTCOME_CORRUPT,
+    PullOutcome.UNSUPPORTED: generate_pb2.PULL_OUTCOME_UNSUPPORTED,
+    PullOutcome.NO_ROOM: generate_pb2.PULL_OUTCOME_NO_ROOM,
+    PullOutcome.EVICTED: generate_pb2.PULL_OUTCOME_EVICTED,
+}
+assert set(_OUTCOMES) == set(PullOutcome)
+
+
 def event_to_proto(event: GenerateEvent, replica_id: str) -> generate_pb2.GenerateResponse:
     match event:
         case Started():
+            outcome = _OUTCOMES[event.pull.outcome] if event.pull else generate_pb2.PULL_OUTCOME_UNSPECIFIED
             return generate_pb2.GenerateResponse(started=generate_pb2.GenerateStarted(
                 replica_id=replica_id, cached_prompt_tokens=event.cached_tokens,
-                host_cached_prompt_tokens=event.host_cached_tokens))
+                host_cached_prompt_tokens=event.host_cached_tokens, pulled_prompt_tokens=event.pulled_tokens,
+                pull_outcome=outcome))
         case Delta():
             return generate_pb2.GenerateResponse(delta=generate_pb2.GenerateDelta(
                 token_ids=event.token_ids, text=event.text))
@@ -161,6 +215,23 @@ def _tier(t: TierStats) -> generate_pb2.KvTierStats:
                                     blocks_cached=t.cached)
 
 
+def layout_to_proto(layout: KvLayout) -> generate_pb2.KvLayout:
+    return generate_pb2.KvLayout(backend=layout.backend, model=identity_to_proto(layout.model),
+                                 block_size=layout.block_size, dtype=layout.dtype, block_bytes=layout.block_bytes)
+
+
+def layout_from_proto(m: generate_pb2.KvLayout) -> KvLayout:
+    return KvLayout(m.backend, identity_from_proto(m.model), m.block_size, m.dtype, m.block_bytes)
+
+
+def _transfer(t: TransferStats) -> generate_pb2.PrefixTransferStats:
+    return generate_pb2.PrefixTransferStats(
+        serves=t.serves, receives=t.receives, layout=layout_to_proto(t.layout) if t.layout else None,
+        kv_bytes_per_token=t.layout.kv_bytes_per_token if t.layout else 0, pulled_tokens=t.pulled_tokens,
+        pulled_bytes=t.pulled_bytes, pulls=t.pulls, failed_pulls=t.failed_pulls, served_blocks=t.served_blocks,
+        served_bytes=t.served_bytes)
+
+
 def stats_to_proto(s: EngineStats, model: ModelIdentity) -> generate_pb2.EngineStats:
     return generate_pb2.EngineStats(
         model=identity_to_proto(model),
@@ -169,7 +240,85 @@ def stats_to_proto(s: EngineStats, model: ModelIdentity) -> generate_pb2.EngineS
         device=_tier(s.device), host=_tier(s.host),
         hit_tokens=s.hit_tokens, miss_tokens=s.miss_tokens, host_hit_tokens=s.host_hit_tokens,
         device_evictions=s.device_evictions, host_evictions=s.host_evictions, preemptions=s.preemptions,
-        generations=s.generations)
+        generations=s.generations, prefix_transfer=_transfer(s.transfer), draining=s.draining)
+
+
+def transfer_to_proto(event: TransferEvent) -> generate_pb2.PullPrefixResponse:
+    match event:
+        case TransferStarted():
+            return generate_pb2.PullPrefixResponse(started=generate_pb2.PullPrefixStarted(
+                blocks=event.blocks, block_bytes=event.block_bytes))
+        case TransferChunk():
+            return generate_pb2.PullPrefixResponse(chunk=generate_pb2.KvBlockChunk(blocks=[
+                generate_pb2.KvBlock(block_hash=b.hash, payload=b.payload, digest=b.digest) for b in event.blocks]))
+        case _:
+            assert_never(event)
+
+
+def transfer_from_proto(resp: generate_pb2.PullPrefixResponse) -> TransferEvent | None:
+    """A source's message as the core's event (None: a kind this version does not know)."""
+    match resp.WhichOneof("event"):
+        case "started":
+            return TransferStarted(resp.started.blocks, resp.started.block_bytes)
+        case "chunk":
+            return TransferChunk(tuple(KvBlockData(b.block_hash, b.payload, b.digest) for b in resp.chunk.blocks))
+        case _:
+            return None
+
+
+def pull_request_to_proto(r: PullRequest) -> generate_pb2.PullPrefixRequest:
+    return generate_pb2.PullPrefixRequest(
+        request_id=r.request_id, owner_id=r.owner_id, conversation_id=r.conversation_id or "",
+        block_hashes=r.hashes, layout=layout_to_proto(r.layout), max_message_bytes=r.max_message_bytes)
+
+
+_PULL_FAILURES = {
+    grpc.StatusCode.ABORTED: PullOutcome.EVICTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PullOutcome.DEADLINE,
+    grpc.StatusCode.FAILED_PRECONDITION: PullOutcome.UNSUPPORTED,
+    grpc.StatusCode.UNIMPLEMENTED: PullOutcome.UNSUPPORTED,
+}
+
+
+class GrpcPrefixPeer:
+    """The puller's side of PullPrefix: one channel per source address, dialled as this engine's identity; each
+    call forwards the current request's owner token and carries the pull's deadline."""
+
+    def __init__(self, trust: Trust) -> None:
+        self.trust = trust
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> generate_pb2_grpc.GenerateServiceAsyncStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            self.trust.check_address(address, "prefix pull from")
+            channel = self._channels[address] = open_channel(
+                self.trust, address, "engine", [("grpc.max_receive_message_length", DEFAULT_MESSAGE_BYTES + 65536)])
+        return generate_pb2_grpc.GenerateServiceStub(channel)
+
+    async def pull(self, source: PullSource, request: PullRequest, timeout_s: float
+                   ) -> AsyncGenerator[TransferEvent, None]:
+        try:
+            stub = self._stub(source.address)
+        except TrustRefused as err:
+            raise PullFailed(PullOutcome.UNAVAILABLE, str(err)) from None
+        call = stub.PullPrefix(pull_request_to_proto(request), timeout=timeout_s, metadata=tokens.forwarded())
+        try:
+            async for resp in call:
+                event = transfer_from_proto(resp)
+                if event is None:
+                    raise PullFailed(PullOutcome.CORRUPT, "a message kind this replica does not know")
+                yield event
+        except grpc.aio.AioRpcError as err:
+            raise PullFailed(_PULL_FAILURES.get(err.code(), PullOutcome.UNAVAILABLE),
+                             f"{err.code().name}: {err.details() or ''}") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close(None)
 
 
 def residency_to_proto(r: Residency) -> list[generate_pb2.ResidencyUpdate]:
@@ -192,17 +341,19 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.salts = salts
         self.metrics = metrics or EngineMetrics(mesh_metrics.Registry(process=False), backend)
 
-    def _salt(self, context: grpc.aio.ServicerContext[object, object], owner_id: str,
-              conversation: ConversationId | None, legacy: bytes) -> bytes:
+    def _owner(self, context: grpc.aio.ServicerContext[object, object], owner_id: str,
+               conversation: ConversationId | None, legacy: bytes) -> tuple[OwnerId | None, bytes]:
+        """The verified owner and its salt (None and the request's own salt: a plaintext caller naming no owner)."""
         if not owner_id and self.guard.verifier is None:
-            return legacy  # plaintext caller that names no owner: its own salt
-        return self.salts.of(self.guard.owner(context, owner_id, conversation))
+            return None, legacy
+        owner = self.guard.owner(context, owner_id, conversation)
+        return owner, self.salts.of(owner)
 
     @stream_errors
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[object, object]) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        params = params_from_proto(request, self._salt(context, request.owner_id, conversation_of(request),
-                                                       request.cache_salt))
+        owner, salt = self._owner(context, request.owner_id, conversation_of(request), request.cache_salt)
+        params = params_from_proto(request, salt, owner)
         if params.expected_model is not None:  # a prompt for another tokenizer: refused before any engine work
             check_agreement(params.expected_model, self.backend.model, self.replica_id)
         observed = self.metrics.generation(params, self.replica_id)
@@ -257,12 +408,35 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     yield generate_pb2.WatchStatsResponse(stats=stats, residency=update)
             await asyncio.sleep(interval)
 
+    @stream_errors
     async def PullPrefix(self, request: generate_pb2.PullPrefixRequest,
                          context: grpc.aio.ServicerContext[object, object]
                          ) -> AsyncIterator[generate_pb2.PullPrefixResponse]:
-        if len(request.block_hashes) >= 0:  # always (the yield below only makes this an async generator)
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica does not serve prefix pulls yet")
-        yield generate_pb2.PullPrefixResponse()
+        if not request.owner_id:
+            raise InvalidArgument("owner_id must name the turn's owner (only its blocks are served)")
+        owner = self.guard.owner(context, request.owner_id, conversation_of(request))
+        hashes = tuple(request.block_hashes)
+        if not 1 <= len(hashes) <= MAX_PULL_BLOCKS:
+            raise InvalidArgument(f"block_hashes must name 1 to {MAX_PULL_BLOCKS} blocks, got {len(hashes)}")
+        if any(len(h) != HASH_BYTES for h in hashes):
+            raise InvalidArgument(f"every block hash is {HASH_BYTES} bytes")
+        if not request.HasField("layout"):
+            raise InvalidArgument("layout must describe the blocks the puller imports")
+        if request.max_message_bytes < 0:
+            raise InvalidArgument("max_message_bytes must not be negative")
+        serve = ServeRequest(self.salts.of(owner), hashes, layout_from_proto(request.layout),
+                             request.max_message_bytes or DEFAULT_MESSAGE_BYTES, request.request_id)
+        t0 = time.perf_counter()
+        sent = 0
+        try:
+            async for event in self.backend.serve_prefix(serve):
+                if isinstance(event, TransferChunk):
+                    sent += len(event.blocks)
+                yield transfer_to_proto(event)
+        except PrefixEvicted as err:
+            await context.abort(grpc.StatusCode.ABORTED, str(err))
+        log.debug("prefix_served", request_id=request.request_id, blocks=sent,
+                  seconds=round(time.perf_counter() - t0, 4))
 
 
 def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure(), salt_secret: bytes = b""
@@ -273,12 +447,19 @@ def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure
     if isinstance(backend, EngineCore):  # step figures: the in-process engine's steps (Triton's run inside Triton)
         backend.on_step = _chain(backend.on_step, observed.on_step)
     servicer = GenerateServicer(backend, replica_id, OwnerGuard(trust.verifier), OwnerSalts(salt_secret), observed)
+    peer = GrpcPrefixPeer(trust)
+    if isinstance(backend, EngineCore):
+        backend.transfers.peer = peer
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
         return [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name]
 
-    return Service(name="engine", register=register, start=backend.start, close=backend.close, authz=AUTHZ,
+    async def close() -> None:
+        await backend.close()
+        await peer.close()
+
+    return Service(name="engine", register=register, start=backend.start, close=close, authz=AUTHZ,
                    metrics=registry)
 
 

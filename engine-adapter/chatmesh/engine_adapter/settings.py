@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from chatmesh.mesh.config import Config, Setting
+from typing import TYPE_CHECKING
+
+from chatmesh.mesh.config import Config, Setting, parse_bool
+
+if TYPE_CHECKING:
+    from chatmesh.engine_adapter.transfer import PullConfig
 
 ENGINE = Setting("CHATMESH_ENGINE", "local", "engine backend: local (SmolLM2 on the CPU, the embedded default), sim "
                  "(roofline-timed simulator), triton (Triton Inference Server)", str, choices=("sim", "local", "triton"))
@@ -40,6 +45,30 @@ SIM_REPLIES = Setting(
 SIM_TEXT = Setting("CHATMESH_SIM_TEXT", "auto",
                    "sim token ids: tokenizer (the CHATMESH_MODEL profile's, needs its files), words (a built-in "
                    "word vocabulary; chat refuses to use it), auto (tokenizer when the model files are present)", str, choices=("auto", "tokenizer", "words"))
+
+SIM_LINK_GBPS = Setting("CHATMESH_SIM_LINK_GBPS", 400.0,
+                        "sim prefix pulls: each NIC's bandwidth in Gb/s (the reference's node: 400 Gb/s per GPU)", float)
+SIM_LINK_NICS = Setting("CHATMESH_SIM_LINK_NICS", 8,
+                        "sim prefix pulls: NICs a replica's GPUs send its KV over at once (TP 8: 8)", int)
+SIM_LINK_LATENCY_MS = Setting("CHATMESH_SIM_LINK_LATENCY_MS", 0.5,
+                              "sim prefix pulls: fixed cost of one transfer, ms (set-up and first chunk)", float)
+PREFIX_PULLS = Setting("CHATMESH_PREFIX_PULLS", True,
+                       "pull a moved turn's cached prefix from the replica the request names, and serve this "
+                       "replica's blocks to pulling engines (false: neither; every moved turn prefills)", parse_bool)
+PULL_TIMEOUT_MS = Setting("CHATMESH_PREFIX_PULL_TIMEOUT_MS", 5000.0,
+                          "deadline of one prefix pull, ms; past it the turn prefills what the pull did not bring",
+                          float)
+PULL_MAX_SERVING = Setting("CHATMESH_PREFIX_PULL_MAX_SERVING", 8,
+                           "most pulls this replica serves at once (each pins its blocks); more are refused and "
+                           "those pullers prefill", int)
+
+
+def pull_config(cfg: Config) -> PullConfig:
+    """The prefix-pull settings as the engine core's PullConfig."""
+    from chatmesh.engine_adapter.transfer import PullConfig
+
+    return PullConfig(enabled=cfg[PREFIX_PULLS], timeout_s=cfg[PULL_TIMEOUT_MS] / 1000,
+                      max_serving=cfg[PULL_MAX_SERVING])
 
 
 def step_token_budget(cfg: Config, backend_default: int) -> int:

@@ -22,6 +22,12 @@ end-of-turn token. When the prompt already ends with the start of that reply (ch
 call's opening), the reply continues from there, as a model would. The first matching rule wins; other prompts
 get the passage text. Matching reads the prompt only (no state), so the same rule answers on every replica and
 every retry, and a later turn whose last message no rule matches gets the usual text.
+
+Prefix pulls (issue 29): sim blocks hold no data, so a pull moves empty payloads over the real PullPrefix RPC
+(hashes, digests, the source's pinning and owner checks all real) and the puller waits out the modelled
+transfer: bytes = tokens x the preset's KV bytes per token, over `chatmesh.router.link.Link` (bandwidth and
+per-transfer latency from CHATMESH_SIM_LINK_GBPS x CHATMESH_SIM_LINK_NICS and CHATMESH_SIM_LINK_LATENCY_MS;
+defaults the reference's node, 8 x 400 Gb/s, 0.5 ms), so TTFT shows it.
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ from chatmesh.engine_adapter import settings
 from chatmesh.engine_adapter.backend import Backend
 from chatmesh.engine_adapter.block_manager import BlockConfig
 from chatmesh.engine_adapter.engine import Clock, EngineCore, RealClock
-from chatmesh.engine_adapter.executor import BlockCopy, SeqWork, StepResult
+from chatmesh.engine_adapter.executor import BlockCopy, KvFormat, SeqWork, StepResult, Tier
 from chatmesh.engine_adapter.roofline import PRESETS, NodeModel
 from chatmesh.engine_adapter.scheduler import SchedulerConfig
 from chatmesh.engine_adapter.text import PASSAGE, TextCodec, WordCodec
 from chatmesh.mesh import logs
 from chatmesh.mesh.config import Config
+from chatmesh.router.link import Link
 
 log = logs.get("chatmesh.engine.sim")
 
@@ -97,7 +104,7 @@ class SimExecutor:
 
     def __init__(self, node: NodeModel, script: Sequence[int], block_size: int, fixed_step_s: float = 0.0, *,
                  end_token: int | None = None, reply_tokens: int = 0, replies: Script | None = None,
-                 prompt_of: Callable[[int], Sequence[int]] | None = None):
+                 prompt_of: Callable[[int], Sequence[int]] | None = None, link: Link | None = None):
         if not script:
             raise ValueError("the sim script must not be empty")
         if (reply_tokens or replies) and end_token is None:
@@ -113,6 +120,8 @@ class SimExecutor:
         self.replies = replies
         self.prompt_of = prompt_of
         self._plans: dict[int, tuple[int, int, tuple[int, ...] | None]] = {}  # seq -> (prompt len, length, text)
+        self.link = link or Link()
+        self._format = KvFormat("none", block_size * node.plan.kv_bytes_per_token, 0)
 
     def execute(self, work: Sequence[SeqWork]) -> StepResult:
         kv_read = prefill = 0
@@ -241,6 +250,19 @@ def _rule(i: int, rule: Any, codec: TextCodec) -> ScriptedReply:
         raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: {syntax.name} writes one call per reply and no text")
     return ScriptedReply(rule["when"], "\n".join([text, *written] if text else written))
 
+    @property
+    def kv_format(self) -> KvFormat:
+        return self._format
+
+    def export_blocks(self, blocks: Sequence[tuple[Tier, int]]) -> list[bytes]:
+        return [b""] * len(blocks)
+
+    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        pass
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.link.transfer_s(nbytes)
+
 
 def codec_for(cfg: Config) -> TextCodec:
     """The CHATMESH_MODEL profile when CHATMESH_SIM_TEXT allows and its files are there, else the word codec."""
@@ -268,12 +290,14 @@ def build_sim(cfg: Config, *, codec: TextCodec | None = None, clock: Clock | Non
     sched = SchedulerConfig(cfg[settings.MAX_BATCH], settings.step_token_budget(cfg, DEFAULT_STEP_TOKENS),
                             cfg[settings.QUEUE_LIMIT])
     codec = codec or codec_for(cfg)
+    link = Link.from_gbps(cfg[settings.SIM_LINK_GBPS], cfg[settings.SIM_LINK_NICS],
+                          cfg[settings.SIM_LINK_LATENCY_MS] / 1000)
     executor = SimExecutor(node, codec.encode(PASSAGE), bs, cfg[settings.SIM_STEP_MS] / 1000,
                            end_token=end_token(codec), reply_tokens=cfg[settings.SIM_REPLY_TOKENS],
-                           replies=parse_replies(cfg[settings.SIM_REPLIES], codec))
+                           replies=parse_replies(cfg[settings.SIM_REPLIES], codec), link=link)
     core = EngineCore(executor, blocks, sched, codec, replica_id=cfg[settings.REPLICA_ID],
                       flush_interval_s=cfg[settings.FLUSH_INTERVAL_MS] / 1000,
-                      clock=clock or RealClock(cfg[settings.SIM_SPEED]))
+                      clock=clock or RealClock(cfg[settings.SIM_SPEED]), pulls=settings.pull_config(cfg))
     executor.prompt_of = lambda seq_id: core.scheduler.seq(seq_id).params.prompt_token_ids
     return core
 

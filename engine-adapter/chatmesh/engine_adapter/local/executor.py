@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from chatmesh.engine_adapter.executor import BlockCopy, SamplingParams, SeqWork, StepResult, Tier
+from chatmesh.engine_adapter.executor import BlockCopy, KvFormat, SamplingParams, SeqWork, StepResult, Tier
 from chatmesh.engine_adapter.local import native_attention
-from chatmesh.engine_adapter.local.model import KVPool, LoadedModel, PagedLlama, SeqSlice
+from chatmesh.engine_adapter.local.model import KV_DTYPES, KVPool, LoadedModel, PagedLlama, SeqSlice
 from chatmesh.engine_adapter.local.sampling import new_generator, sample
 
 
@@ -64,6 +64,9 @@ class LocalExecutor:
         self.steps = 0
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> logits of its last sampled step (tests)
         self.keep_logits = False
+        device = self.pools[Tier.DEVICE]
+        dtype = next(name for name, t in KV_DTYPES.items() if t == kv_dtype)
+        self._format = KvFormat(dtype, device.block_bytes, device.block_bytes)
 
     def execute(self, work: Sequence[SeqWork]) -> StepResult:
         t0 = time.perf_counter()
@@ -116,3 +119,25 @@ class LocalExecutor:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
         self.last_logits.pop(seq_id, None)
+
+    @property
+    def kv_format(self) -> KvFormat:
+        return self._format
+
+    def export_blocks(self, blocks: Sequence[tuple[Tier, int]]) -> list[bytes]:
+        out: list[bytes] = []
+        i = 0
+        while i < len(blocks):  # runs of one tier, each read in one gather
+            tier = blocks[i][0]
+            j = i
+            while j < len(blocks) and blocks[j][0] is tier:
+                j += 1
+            out += self.pools[tier].export([b for _, b in blocks[i:j]])
+            i = j
+        return out
+
+    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        self.pools[Tier.DEVICE].load(blocks, payloads)
+
+    def transfer_s(self, nbytes: int) -> float:
+        return 0.0  # the transfer is real: its time is its own

@@ -303,6 +303,47 @@ class KVPool:
         vs = self.v_scale[layer].view(kv, self.n_blocks, bs).index_select(1, blocks).view(kv, -1)
         return k, v, ks, vs
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block's K, V (and int8 scales) over every layer: a transfer payload (`export`)."""
+        per_token_head = self.head_dim * self.k.element_size() + (4 if self.quantized else 0)
+        return 2 * self.k.shape[0] * self.kv_heads * self.block_size * per_token_head
+
+    def _parts(self) -> list[tuple[torch.Tensor, int]]:
+        """Each stored tensor viewed [layers, kv_heads, blocks, per-block values], with its per-block width."""
+        n, bs, d = self.n_blocks, self.block_size, self.head_dim
+        out = [(t.view(*t.shape[:2], n, bs * d), bs * d) for t in (self.k, self.v)]
+        if self.k_scale is not None and self.v_scale is not None:
+            out += [(t.view(*t.shape[:2], n, bs), bs) for t in (self.k_scale, self.v_scale)]
+        return out
+
+    def export(self, blocks: Sequence[int]) -> list[bytes]:
+        """The payloads of `blocks`: per block, K then V then (int8) K and V scales, each [layers, kv_heads,
+        block_size, head_dim] (scales without head_dim) in native byte order."""
+        if not blocks:
+            return []
+        idx = torch.tensor(blocks, dtype=torch.long)
+        rows = [t.index_select(2, idx).permute(2, 0, 1, 3).contiguous().view(torch.uint8).reshape(len(blocks), -1)
+                for t, _ in self._parts()]
+        packed = torch.cat(rows, dim=1).numpy()
+        return [packed[i].tobytes() for i in range(len(blocks))]
+
+    def load(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Writes `export` payloads into `blocks` (same layout and element type)."""
+        if not blocks:
+            return
+        m = len(blocks)
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(m, -1)
+        if raw.shape[1] != self.block_bytes:
+            raise ValueError(f"payloads of {raw.shape[1]} bytes, blocks of {self.block_bytes}")
+        idx = torch.tensor(blocks, dtype=torch.long)
+        at = 0
+        for t, width in self._parts():
+            size = t.shape[0] * t.shape[1] * width * t.element_size()
+            part = raw[:, at:at + size].contiguous().view(t.dtype).view(m, t.shape[0], t.shape[1], width)
+            t.index_copy_(2, idx, part.permute(1, 2, 0, 3))
+            at += size
+
     def copy_to(self, other: KVPool, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copies blocks `src[i]` of this pool into blocks `dst[i]` of `other` (every layer)."""
         if not src:

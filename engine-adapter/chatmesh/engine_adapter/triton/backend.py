@@ -49,10 +49,16 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    PullOutcome,
+    PullReport,
     Residency,
+    ServeRequest,
     Started,
     TierStats,
+    TransferEvent,
+    TransferStats,
     Usage,
+    cannot_transfer,
 )
 from chatmesh.engine_adapter import settings as engine_settings
 from chatmesh.engine_adapter.residency import FROM_START, ResidencyJournal
@@ -109,6 +115,7 @@ class TritonBackend:
         self.server = server
         self._client: grpcclient.InferenceServerClient | None = None
         self._stats = EngineStats(options.replica_id, self.name, 0, 0, 0, TierStats(0, 0, 0), TierStats(0, 0, 0))
+        self._draining = False
         self._model = NOT_REPORTED
         self._stats_epoch = ""
         self._stats_version = -1
@@ -202,7 +209,8 @@ class TritonBackend:
                     async for get in responses:
                         for event in self._events(get, prompt):
                             if isinstance(event, Started):
-                                held = event
+                                held = event if params.source is None else dataclasses.replace(
+                                    event, pull=PullReport(params.source.replica_id, PullOutcome.UNSUPPORTED))
                                 continue
                             streamed = True
                             if held is not None:
@@ -337,7 +345,8 @@ class TritonBackend:
         if snapshot.epoch == self._stats_epoch and snapshot.version <= self._stats_version:
             return  # an older snapshot that arrived late
         self._stats_epoch, self._stats_version = snapshot.epoch, snapshot.version
-        self._stats = dataclasses.replace(snapshot.stats, replica_id=self.options.replica_id, backend=self.name)
+        self._stats = dataclasses.replace(snapshot.stats, replica_id=self.options.replica_id, backend=self.name,
+                                          transfer=TransferStats(), draining=self._draining)
         if snapshot.model is not None:
             self._model = snapshot.model
 
@@ -346,6 +355,13 @@ class TritonBackend:
 
     async def evict_salt(self, salt: bytes) -> int:
         return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_SALT, salt))
+
+    def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
+        raise cannot_transfer(self.name)  # its KV lives inside TensorRT-LLM (docs/triton.md); stats say so
+
+    def drain(self) -> None:
+        self._draining = True
+        self._stats = dataclasses.replace(self._stats, draining=True)
 
 
 def _infer_inputs(tensors: Mapping[str, wire.Array]) -> list[Any]:

@@ -39,9 +39,12 @@ from chatmesh.engine_adapter.backend import (
     GenerateEvent,
     GenerateParams,
     Residency,
+    ServeRequest,
     Started,
     TierStats,
+    TransferEvent,
     Usage,
+    cannot_transfer,
 )
 from chatmesh.engine_adapter.triton.kv_events import KvEventMap
 from chatmesh.mesh import logs
@@ -198,6 +201,12 @@ class TrtLlmBackend:
 
     def residency(self, since: int) -> Residency | None:
         return Residency.of(self.kv_map.journal.changes(since))
+
+    def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
+        raise cannot_transfer(self.name)
+
+    def drain(self) -> None:
+        pass  # Triton drains its own models
 
     def stats(self) -> EngineStats:
         kv = self._iteration.get("kvCacheStats", {})

@@ -253,7 +253,9 @@ class Snapshot:
 
 
 def stats_to_json(snapshot: Snapshot) -> str:
-    raw: dict[str, object] = {"epoch": snapshot.epoch, "version": snapshot.version, "stats": asdict(snapshot.stats)}
+    stats = asdict(snapshot.stats)
+    stats.pop("transfer", None)  # the replica outside Triton reports its own (it cannot transfer: backend.py)
+    raw: dict[str, object] = {"epoch": snapshot.epoch, "version": snapshot.version, "stats": stats}
     if snapshot.model is not None:
         raw["model"] = asdict(snapshot.model)
     return json.dumps(raw, separators=(",", ":"))
@@ -262,6 +264,7 @@ def stats_to_json(snapshot: Snapshot) -> str:
 def stats_from_json(text: str) -> Snapshot:
     raw = json.loads(text)
     stats = raw["stats"]
+    stats.pop("transfer", None)
     stats["device"] = TierStats(**stats["device"])
     stats["host"] = TierStats(**stats["host"])
     model = ModelIdentity(**raw["model"]) if "model" in raw else None
