@@ -136,7 +136,8 @@ async def test_pull_prefix_serves_only_an_engine_acting_for_the_blocks_owner(
     assert layout is not None
     wire_layout = engine_service.layout_to_proto(layout)
     issuer = issuer_of(mesh_certs)
-    alice, bob = issuer.mint(OwnerId("alice")).token, issuer.mint(OwnerId("bob")).token
+    alice = issuer.mint(OwnerId("alice"), presenter=identity.CHAT).token  # chat's, forwarded by the puller
+    bob = issuer.mint(OwnerId("bob"), presenter=identity.CHAT).token
 
     code, served = await _call(mesh_certs, identity.ENGINE, a, _pull("alice", private, wire_layout), alice)
     assert code == grpc.StatusCode.OK

@@ -169,6 +169,19 @@ class SimExecutor:
     def release(self, seq_id: int) -> None:
         self._plans.pop(seq_id, None)
 
+    @property
+    def kv_format(self) -> KvFormat:
+        return self._format
+
+    def export_blocks(self, blocks: Sequence[tuple[Tier, int]]) -> list[bytes]:
+        return [b""] * len(blocks)
+
+    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        pass
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.link.transfer_s(nbytes)
+
 
 def end_token(codec: TextCodec) -> int:
     """The id a sim reply ends with: the chat format's end of turn when the codec is a model profile, else its
@@ -249,19 +262,6 @@ def _rule(i: int, rule: Any, codec: TextCodec) -> ScriptedReply:
     if syntax is not HERMES and (len(written) > 1 or text):
         raise ValueError(f"CHATMESH_SIM_REPLIES rule {i}: {syntax.name} writes one call per reply and no text")
     return ScriptedReply(rule["when"], "\n".join([text, *written] if text else written))
-
-    @property
-    def kv_format(self) -> KvFormat:
-        return self._format
-
-    def export_blocks(self, blocks: Sequence[tuple[Tier, int]]) -> list[bytes]:
-        return [b""] * len(blocks)
-
-    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
-        pass
-
-    def transfer_s(self, nbytes: int) -> float:
-        return self.link.transfer_s(nbytes)
 
 
 def codec_for(cfg: Config) -> TextCodec:

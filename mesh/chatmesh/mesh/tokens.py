@@ -69,9 +69,10 @@ CLOCK_SKEW_S = 5  # how far a verifier's clock may be from the gateway's: iat in
 MAX_TOKEN_BYTES = 2048
 CACHE_ENTRIES = 8192
 # Identities that present tokens minted for others, forwarding the token a request arrived with: chat, to the
-# store, the engine and the peer chat process generating a turn (StopTurn). Every other presenter must be the
-# token's `azp`.
-FORWARDERS: tuple[Identity, ...] = (ident.CHAT,)
+# store, the engine and the peer chat process generating a turn (StopTurn); the engine, to the replica it pulls a
+# turn's cached prefix from (PullPrefix, the only RPC of another service an engine may call). Every other
+# presenter must be the token's `azp`.
+FORWARDERS: tuple[Identity, ...] = (ident.CHAT, ident.ENGINE)
 # Scopes of the tokens internal clients get (their grant names them): the ChatService RPCs each opens.
 SCOPES: dict[str, frozenset[str]] = {
     "read": frozenset({"GetConversation", "ListConversations", "GetUsage", "ExportUserData", "GetTurn",
