@@ -112,3 +112,45 @@ async def test_metrics_count_picks_spills_and_load() -> None:
     assert 'chatmesh_router_spills_total{reason="excluded"} 1.0' in text
     assert f'chatmesh_router_replica_load{{replica="{home.replica_id}"}} 1.0' in text
     assert 'chatmesh_router_replica_serving{replica="engine-2"} 1.0' in text
+
+
+async def test_a_moved_turn_names_its_source_and_a_draining_replica_is_listed_so() -> None:
+    from typing import Any, cast
+
+    from chatmesh.mesh.ids import ConversationId, ReplicaId
+    from chatmesh.router.follow import Follow
+    from chatmesh.router.link import DEFAULT_COST
+    from chatmesh.router.membership import Membership, parse_replicas
+    from chatmesh.router.service import Metrics, RouteServicer
+
+    policy = Follow(min_spill_load=0, pulls=DEFAULT_COST)
+    membership = Membership(policy, parse_replicas(REPLICAS, "unused"), watch=False)
+    servicer = RouteServicer(membership, Metrics(membership))
+    ctx = cast(Any, object())
+    e0, e1 = ReplicaId("engine-0"), ReplicaId("engine-1")
+    policy.placement.report(e0, [(ConversationId("c-pull"), 3000)])
+    # no engine has said it serves or receives pulls yet: a move prefills
+    spill = await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-pull",
+                                                                    exclude_replica_ids=["engine-0"]), ctx)
+    assert spill.outcome == route_pb2.PICK_OUTCOME_SPILL and spill.source_replica_id == ""
+    assert spill.source_cached_tokens == 0
+    policy.placement.report(e0, [(ConversationId("c-pull"), 3000)], full=True)
+    policy.placement.report(ReplicaId(spill.replica_id), [(ConversationId("c-pull"), 0)])
+    for rid in ("engine-0", "engine-1", "engine-2"):
+        policy.set_pulls(ReplicaId(rid), True, True)
+    membership.mark(e0, False, "health NOT_SERVING")  # SIGTERM: it still serves pulls
+    moved = await servicer.PickReplica(route_pb2.PickReplicaRequest(conversation_id="c-pull"), ctx)
+    assert moved.outcome == route_pb2.PICK_OUTCOME_SPILL and moved.home_replica_id == "engine-0"
+    assert (moved.source_replica_id, moved.source_address, moved.source_cached_tokens) == (
+        "engine-0", "127.0.0.1:1", 3000)
+    listed = {r.replica_id: r for r in (await servicer.ListReplicas(route_pb2.ListReplicasRequest(), ctx)).replicas}
+    assert listed["engine-0"].state == route_pb2.REPLICA_STATE_DRAINING
+    assert listed["engine-0"].serves_pulls and listed["engine-1"].receives_pulls
+    policy.set_pulls(e0, False, False)  # its grace is over
+    assert {r.replica_id: r.state for r in (await servicer.ListReplicas(
+        route_pb2.ListReplicasRequest(), ctx)).replicas}["engine-0"] == route_pb2.REPLICA_STATE_NOT_SERVING
+    text = servicer._metrics.registry.exposition().decode()
+    assert 'chatmesh_router_spills_total{reason="home_draining"} 1.0' in text
+    assert 'chatmesh_router_pull_picks_total{source="engine-0"} 1.0' in text
+    assert 'chatmesh_router_pull_planned_tokens_total{source="engine-0"} 3000.0' in text
+    assert e1 in {ReplicaId(r) for r in listed}

@@ -1,6 +1,6 @@
 """`chatmesh simulate` reproduces the reference's hit-rate table within one point, and its extensions behave:
-the ring's bound trades hit rate for balance, salting costs the system prompt, and following the KV keeps most
-of affinity's hit rate at the balance of a tight bound."""
+the ring's bound trades hit rate for balance, salting costs the system prompt, following the KV keeps most
+of affinity's hit rate at the balance of a tight bound, and with pulls a moved turn keeps its history."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_reference_table_within_one_point() -> None:
 
 
 def test_cli_prints_the_reference_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    assert main(["simulate", "--eps", "0.5", "--plots", str(tmp_path)]) == 0
+    assert main(["simulate", "--eps", "0.5", "--pulls", "off", "--plots", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = re.findall(r"^\s+([\d.]+ M) tokens\s+(\d+)% \[(\d+)%\]\s+(\d+)% \[(\d+)%\]$", out, re.M)
     assert [r[0] for r in rows] == ["0.5 M", "1 M", "2 M", "8 M"], out
@@ -102,3 +102,42 @@ def test_follow_learns_evictions_from_the_engines_reports() -> None:
     first_turns = cfg.conversations
     assert told.placed > 2 * first_turns and deaf.placed == first_turns
     assert told.hit_rate >= deaf.hit_rate - 0.002  # a lost prefix costs the same wherever the turn goes
+
+
+def test_with_pulls_a_tight_bound_keeps_affinitys_hit_rate() -> None:
+    """Issue 29 at small scale (the reference's density on 4 replicas): with pulls, follow at its tight pull bound
+    serves as many prompt tokens without prefill as unbounded consistent hashing, at the balance of the ring's
+    tightest bound, which without pulls pays ~18 points for it; every token is cached, pulled or prefilled once,
+    and the pulls use a sliver of the link."""
+    cfg = SimConfig(conversations=2000, replicas=4)
+    schedule = simulate.arrivals(cfg)
+    cap = 2_000_000
+    ring = simulate.simulate(PolicySpec(Policy.CONSISTENT), cfg, schedule, cap)
+    tight = simulate.simulate(PolicySpec(Policy.BOUNDED, 0.05), cfg, schedule, cap)
+    pulled = simulate.simulate(PolicySpec(Policy.FOLLOW, 0.2, pull=True, pull_eps=0.05), cfg, schedule, cap)
+    assert pulled.served_rate >= ring.served_rate - 0.001
+    assert pulled.p99_max_over_avg <= tight.p99_max_over_avg + 0.01
+    assert tight.served_rate < ring.served_rate - 0.1
+    assert pulled.pulled_rate > 0.03 and pulled.pulls > 0.05 * pulled.turns
+    assert pulled.hit_rate + pulled.pulled_rate + pulled.prefilled_rate == pytest.approx(1.0)
+    assert pulled.pulled_bytes == pytest.approx(pulled.pulled_rate * sum(
+        1650 + 550 * a.turn for a in schedule) * cfg.cost.kv_bytes_per_token, rel=1e-9)
+    assert 0 < pulled.link_mean_share < pulled.link_peak_share < 0.1
+    # the same schedule through the ring's tight bound with pulls: the history follows it too, at more pulls
+    ring_pulled = simulate.simulate(PolicySpec(Policy.BOUNDED, 0.05, pull=True), cfg, schedule, cap)
+    assert ring_pulled.served_rate > tight.served_rate + 0.1 and ring_pulled.pulls > pulled.pulls
+
+
+def test_cli_with_pulls_prints_where_prompt_tokens_come_from(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path) -> None:
+    assert main(["simulate", "--conversations", "400", "--replicas", "4", "--caches", "2", "--eps", "0.05",
+                 "--policies", "consistent,bounded,follow", "--plots", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "follow e=0.2 " in out and "follow e=0.05 +pull" in out and "bounded e=0.05 +pull" in out
+    table = out.split("prompt tokens by source")[1]
+    row = re.search(r"^\s+follow e=0.05 \+pull\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%", table, re.M)
+    assert row is not None, out
+    assert sum(float(x) for x in row.groups()) == pytest.approx(100.0, abs=0.2)
+    assert "3,200 Gb/s" in table and "MB/s per replica" in table
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "bounded_load_tradeoff.png", "hit_rate_vs_load.png", "owner_salting_cost.png", "prompt_tokens_by_source.png"]

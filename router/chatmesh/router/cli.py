@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity, capacity_plot, follow, simulate
+from chatmesh.router import capacity, capacity_plot, follow, link, simulate
 
 
 def register(sub: Any) -> None:
@@ -72,6 +72,19 @@ def register(sub: Any) -> None:
                    help="bounded-load (ring) eps values to compare, comma-separated (empty: none)")
     p.add_argument("--follow-eps", default=",".join(f"{e:g}" for e in simulate.DEFAULT_FOLLOW_EPSILONS),
                    help="follow-the-KV eps values to compare, comma-separated (empty: none)")
+    p.add_argument("--pulls", choices=("off", "on", "both"), default="both",
+                   help="run every policy without pulls, with them (a turn off its prefix pulls it from the replica "
+                   "caching most of it), or both")
+    p.add_argument("--pull-eps", default=",".join(f"{e:g}" for e in simulate.DEFAULT_PULL_EPSILONS),
+                   help="follow with pulls: the eps of the bound for a prefix a move can pull, comma-separated")
+    p.add_argument("--link-gbps", type=float, default=link.DEFAULT_NIC_GBPS, help="pulls: each NIC's Gb/s")
+    p.add_argument("--link-nics", type=int, default=link.DEFAULT_NICS,
+                   help="pulls: NICs a replica sends over at once (one per GPU of a TP group)")
+    p.add_argument("--link-latency-ms", type=float, default=link.DEFAULT_LATENCY_S * 1e3,
+                   help="pulls: fixed cost of one transfer")
+    p.add_argument("--keep-pulled", action="store_true",
+                   help="pulls: a source keeps its copy where it was in its LRU (default: a served pull makes the "
+                   "copy the next one the source evicts, as the engines do)")
     p.add_argument("--hold-tokens", type=int, default=follow.DEFAULT_HOLD_TOKENS,
                    help="follow: cached prefix tokens that buy one sequence over the bound (0: no overshoot)")
     p.add_argument("--overshoot", type=float, default=follow.DEFAULT_OVERSHOOT,
@@ -155,14 +168,17 @@ def _simulate(args: argparse.Namespace) -> int:
         vnodes=args.vnodes, min_spill_load=args.min_spill_load, report_interval_s=args.report_interval_s,
         engine_load_reports=args.engine_load_reports, block_size=args.block_size, system_tokens=args.system_tokens,
         message_tokens=args.message_tokens, reply_tokens=args.reply_tokens, arrival_window_s=args.arrival_window_s,
-        seed=args.seed)
+        link_gbps=args.link_gbps, link_nics=args.link_nics, link_latency_s=args.link_latency_ms / 1e3,
+        demote_pulled=not args.keep_pulled, seed=args.seed)
     caches = [round(c * 1e6) for c in _floats(args.caches)]
     families = {x.strip() for x in args.policies.split(",") if x.strip()}
     unknown = families - {p.value for p in simulate.Policy}
     if unknown:
         print(f"chatmesh simulate: unknown policies {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    specs = [spec for spec in simulate.default_specs(_floats(args.eps), _floats(args.follow_eps))
+    pulls = {"off": (False,), "on": (True,), "both": (False, True)}[args.pulls]
+    specs = [spec for spec in simulate.default_specs(_floats(args.eps), _floats(args.follow_eps),
+                                                     _floats(args.pull_eps), pulls)
              if spec.policy.value in families]
     specs = [dataclasses.replace(spec, hold_tokens=args.hold_tokens, overshoot=args.overshoot,
                                  floor=args.follow_floor) if spec.policy is simulate.Policy.FOLLOW else spec

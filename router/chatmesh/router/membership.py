@@ -12,7 +12,12 @@ For each replica two watchers run on one channel:
 - load: `GenerateService/WatchStats`; running_sequences + queue_depth becomes the replica's engine load. With the
   follow policy the stream also asks for residency (include_residency): a full listing of the conversations the
   engine caches, then changes, fed to the policy's placement table (follow.py). A new stream starts with a
-  full listing, which replaces what the last one said (the engine may have restarted empty).
+  full listing, which replaces what the last one said (the engine may have restarted empty). With pulls
+  (follow.py), the stats also say whether the engine serves and receives prefix pulls and its KV layout
+  (EngineStats.prefix_transfer): a replica is planned as a pull source only while its stats stream is open and
+  it says it serves them, so a draining engine (SIGTERM: health NOT_SERVING, stats `draining`, pulls still
+  answered through its grace period) stays a source while it takes no turns, and one that is gone is no source.
+  Until its first report a replica neither serves nor receives pulls (an engine that never says so, never).
 Both calls wait for the channel to connect (wait_for_ready) instead of failing while the engine is down, and the
 channel retries its connection at most a second apart (`chatmesh.mesh.channels.RECONNECT`, on every channel
 `open_channel` makes), so an engine that comes back is watched, and routed to, within about a second of
@@ -68,6 +73,9 @@ class ReplicaView:
     load: ReplicaLoad
     reason: str
     cached_conversations: int = 0  # follow policy: conversations whose prefix the replica reports caching
+    serves_pulls: bool = False     # follow with pulls: planned as a source (says it serves them, stream open)
+    receives_pulls: bool = False   # follow with pulls: may be sent a turn that names a source
+    draining: bool = False         # not serving turns, still serving pulls (SIGTERM, within its grace period)
 
 
 class Membership:
@@ -77,14 +85,14 @@ class Membership:
     def __init__(self, ring: Ring, replicas: Sequence[Replica], watch: bool, trust: Trust = Trust.insecure()
                  ) -> None:
         self.ring = ring
+        self.follow = ring if isinstance(ring, Follow) else None
         self.placement = ring.placement if isinstance(ring, Follow) else None
         self._watch = watch
         self._trust = trust  # the router's own: it calls the engines as spiffe://chatmesh/router
         self._reasons: dict[ReplicaId, str] = {}
         self.kv_usage: dict[ReplicaId, float] = {}  # device-tier KV occupancy each engine last reported, 0..1
         for r in replicas:
-            ring.add(r, serving=not watch)
-            self._reasons[r.id] = "connecting" if watch else ""
+            self._add(r)
         self._stats_interval_ms: int | None = None  # set once the watchers run
         self._watching: dict[ReplicaId, tuple[grpc.aio.Channel, list[asyncio.Task[None]]]] = {}
 
@@ -106,10 +114,15 @@ class Membership:
 
     def views(self) -> tuple[ReplicaView, ...]:
         self.ring.expire(time.monotonic())
-        placement = self.placement
-        return tuple(ReplicaView(load, self._reasons[load.replica.id],
-                                 placement.conversations(load.replica.id) if placement is not None else 0)
-                     for load in self.ring.loads())
+        placement, follow = self.placement, self.follow
+        views = []
+        for load in self.ring.loads():
+            rid = load.replica.id
+            serves, receives = follow.pull_roles(rid) if follow is not None else (False, False)
+            draining = follow is not None and follow.draining(rid)
+            views.append(ReplicaView(load, self._reasons[rid], placement.conversations(rid) if placement else 0,
+                                     serves, receives, draining))
+        return tuple(views)
 
     def mark(self, replica_id: ReplicaId, serving: bool, reason: str = "") -> None:
         was = self._reasons[replica_id]
@@ -138,10 +151,15 @@ class Membership:
 
     def add(self, replica: Replica) -> None:
         """A replica joins (discovery.py): on the ring, not serving until its health watch says so."""
-        self.ring.add(replica, serving=not self._watch)
-        self._reasons[replica.id] = "connecting" if self._watch else ""
+        self._add(replica)
         if self._watch and self._stats_interval_ms is not None:
             self._start_watching(replica)
+
+    def _add(self, replica: Replica) -> None:
+        self.ring.add(replica, serving=not self._watch)
+        self._reasons[replica.id] = "connecting" if self._watch else ""
+        if self.follow is not None:
+            self.follow.set_pulls(replica.id, False, False)  # until its stats say otherwise
 
     async def remove(self, replica_id: ReplicaId) -> None:
         """A replica leaves: its watchers stop, then it leaves the ring (its keys move to the next replicas)."""
@@ -180,7 +198,7 @@ class Membership:
 
     async def _watch_stats(self, replica_id: ReplicaId, channel: grpc.aio.Channel, interval_ms: int) -> None:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        placement = self.placement
+        placement, follow = self.placement, self.follow
         request = generate_pb2.WatchStatsRequest(interval_ms=interval_ms, include_residency=placement is not None)
         backoff = BACKOFF_MIN_S
         while True:
@@ -195,9 +213,24 @@ class Membership:
                         r = resp.residency
                         placement.report(replica_id, [(ConversationId(c.conversation_id), c.cached_tokens)
                                                       for c in r.conversations], full=r.full)
+                    if follow is not None:
+                        self._pull_roles(follow, replica_id, resp.stats)
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     delay = 10.0  # an engine without stats: leases alone carry its load
             self.ring.set_engine_load(replica_id, 0)
+            if follow is not None:
+                follow.set_pulls(replica_id, False, False)  # no stream, no word that it still answers pulls
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _pull_roles(self, follow: Follow, replica_id: ReplicaId, stats: generate_pb2.EngineStats) -> None:
+        """What the engine said of pulls: serves / receives, and its layout (only equal layouts exchange)."""
+        pt = stats.prefix_transfer
+        layout = pt.layout.SerializeToString(deterministic=True) if pt.HasField("layout") else None
+        if follow.pull_roles(replica_id) != (pt.serves, pt.receives) or follow.layout(replica_id) != layout:
+            follow.set_pulls(replica_id, pt.serves, pt.receives, layout)
+            log.info("replica_pulls", replica_id=replica_id, serves=pt.serves, receives=pt.receives,
+                     draining=stats.draining)
+        if stats.draining and self._reasons.get(replica_id, "") and not self._reasons[replica_id].startswith("draining"):
+            self._reasons[replica_id] = "draining (serving pulls until its grace period ends)"

@@ -82,6 +82,7 @@ class PickOutcome(enum.Enum):
     SPILL_OVER_BOUND = "spill_over_bound"    # the home was at the load bound
     SPILL_HOME_DOWN = "spill_home_down"      # the home is not serving
     SPILL_EXCLUDED = "spill_excluded"        # the caller excluded the home
+    SPILL_HOME_DRAINING = "spill_home_draining"  # follow.py: the home is shutting down, still serving pulls
     PLACED = "placed"                        # follow.py: no prefix known anywhere; placed where load is lowest
 
     @property
@@ -114,13 +115,16 @@ class Lease(NamedTuple):
 
 class Pick(NamedTuple):
     """The replica chosen for a turn, its home, and the lease to release (`lease_id`, open until
-    released or `expires_at`)."""
+    released or `expires_at`); follow.py with pulls: the replica to pull the prefix from (`source`, None for
+    none) and the tokens the router believes it caches."""
 
     replica: Replica
     home: ReplicaId
     lease_id: LeaseId
     expires_at: float
     outcome: PickOutcome
+    source: Replica | None
+    source_tokens: int
 
 
 _new = tuple.__new__  # builds a Lease/Pick from a tuple without the generated __new__'s Python frame
@@ -322,7 +326,8 @@ class Ring:
             chosen, outcome = self._spill(order, max(self.min_spill_load, math.ceil(limit)), exclude)
         return self.lease_on(chosen, home, outcome, now)
 
-    def lease_on(self, chosen: ReplicaId, home: ReplicaId, outcome: PickOutcome, now: float) -> Pick:
+    def lease_on(self, chosen: ReplicaId, home: ReplicaId, outcome: PickOutcome, now: float,
+                 source: ReplicaId | None = None, source_tokens: int = 0) -> Pick:
         """Opens a lease on the serving replica a pick chose (this walk's, or follow.py's) and returns the pick.
         The caller has run `expire(now)` when due and checked that `chosen` is serving."""
         seq = self._lease_seq + 1
@@ -336,7 +341,8 @@ class Ring:
         self._leases[lease_id] = _new(Lease, (lease_id, chosen, expires_at))
         self._load[chosen] += 1
         self._total += 1  # chosen is serving
-        return _new(Pick, (self._replicas[chosen], home, lease_id, expires_at, outcome))
+        return _new(Pick, (self._replicas[chosen], home, lease_id, expires_at, outcome,
+                           None if source is None else self._replicas[source], source_tokens))
 
     def _spill(self, order: tuple[ReplicaId, ...], bound: int,
                exclude: frozenset[ReplicaId]) -> tuple[ReplicaId, PickOutcome]:

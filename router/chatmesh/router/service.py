@@ -29,7 +29,8 @@ from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import NotFound
 from chatmesh.mesh.ids import ReplicaId, parse_lease_id
 from chatmesh.mesh.server import Service, unary_errors
-from chatmesh.router import discovery, settings
+from chatmesh.router import capacity, discovery, settings
+from chatmesh.router.link import Link, PrefixCost
 from chatmesh.router.follow import Follow
 from chatmesh.router.membership import Membership, parse_replicas
 from chatmesh.router.ring import PickOutcome, Ring, parse_conversation_key
@@ -45,7 +46,8 @@ def outcome_pb(outcome: PickOutcome) -> route_pb2.PickOutcome:
     match outcome:
         case PickOutcome.HOME:
             return route_pb2.PICK_OUTCOME_HOME
-        case PickOutcome.SPILL_OVER_BOUND | PickOutcome.SPILL_HOME_DOWN | PickOutcome.SPILL_EXCLUDED:
+        case (PickOutcome.SPILL_OVER_BOUND | PickOutcome.SPILL_HOME_DOWN | PickOutcome.SPILL_EXCLUDED
+              | PickOutcome.SPILL_HOME_DRAINING):
             return route_pb2.PICK_OUTCOME_SPILL
         case PickOutcome.PLACED:
             return route_pb2.PICK_OUTCOME_PLACED
@@ -78,7 +80,14 @@ class _Collector(Collector):
                                        labels=["outcome"])
         for name, count in self._metrics.releases.items():
             releases.add_metric([name], count)
-        yield from (picks, spills, releases)
+        pulls = CounterMetricFamily("chatmesh_router_pull_picks",
+                                    "picks that named a source replica to pull the prefix from", labels=["source"])
+        pull_tokens = CounterMetricFamily("chatmesh_router_pull_planned_tokens",
+                                          "prefix tokens the router believed those sources held", labels=["source"])
+        for source, (count, tokens) in self._metrics.pulls.items():
+            pulls.add_metric([source], count)
+            pull_tokens.add_metric([source], tokens)
+        yield from (picks, spills, releases, pulls, pull_tokens)
         load = GaugeMetricFamily("chatmesh_router_replica_load",
                                  "in-flight sequences the engine reported plus open leases", labels=["replica"])
         leases = GaugeMetricFamily("chatmesh_router_open_leases", "leases handed out and not yet released",
@@ -104,6 +113,7 @@ class Metrics:
     def __init__(self, membership: Membership, registry: metrics.Registry | None = None) -> None:
         self.picks: collections.Counter[tuple[PickOutcome, ReplicaId]] = collections.Counter()
         self.releases: dict[str, int] = {"released": 0, "unknown": 0}
+        self.pulls: dict[ReplicaId, tuple[int, int]] = {}  # source -> (picks naming it, tokens planned)
         self.registry = registry or metrics.Registry(process=False)
         self.registry.collector(_Collector(membership, self))
 
@@ -121,10 +131,16 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         exclude = frozenset(ReplicaId(r) for r in excluded) if excluded else _NO_EXCLUSIONS
         pick, expires_at_s = self._membership.pick(conversation, exclude)
         self._metrics.picks[pick.outcome, pick.replica.id] += 1
+        source = pick.source
+        if source is not None:
+            count, tokens = self._metrics.pulls.get(source.id, (0, 0))
+            self._metrics.pulls[source.id] = (count + 1, tokens + pick.source_tokens)
         return route_pb2.PickReplicaResponse(
             replica_id=pick.replica.id, address=pick.replica.address, lease_id=pick.lease_id,
             outcome=outcome_pb(pick.outcome), home_replica_id=pick.home,
-            lease_expires_at_ms=int(expires_at_s * 1000))
+            lease_expires_at_ms=int(expires_at_s * 1000),
+            source_replica_id=source.id if source is not None else "",
+            source_address=source.address if source is not None else "", source_cached_tokens=pick.source_tokens)
 
     @unary_errors
     async def ReleaseLease(self, request: route_pb2.ReleaseLeaseRequest,
@@ -144,9 +160,11 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
         return route_pb2.ListReplicasResponse(replicas=[
             route_pb2.ReplicaStatus(
                 replica_id=v.load.replica.id, address=v.load.replica.address,
-                state=route_pb2.REPLICA_STATE_SERVING if v.load.serving else route_pb2.REPLICA_STATE_NOT_SERVING,
+                state=route_pb2.REPLICA_STATE_SERVING if v.load.serving else (
+                    route_pb2.REPLICA_STATE_DRAINING if v.draining else route_pb2.REPLICA_STATE_NOT_SERVING),
                 engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load,
-                reason=v.reason, cached_conversations=v.cached_conversations)
+                reason=v.reason, cached_conversations=v.cached_conversations, serves_pulls=v.serves_pulls,
+                receives_pulls=v.receives_pulls)
             for v in self._membership.views()
         ])
 
@@ -163,8 +181,12 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     replicas = () if dns else parse_replicas(cfg[settings.REPLICAS], cfg[mesh_settings.ENGINE_ADDRESS])
     vnodes, eps, ttl = cfg[settings.ROUTER_VNODES], cfg[settings.ROUTER_EPS], cfg[settings.ROUTER_LEASE_TTL_S]
     floor = cfg[settings.ROUTER_MIN_SPILL_LOAD]
+    pulls = PrefixCost.from_plan(capacity.plan(), Link.from_gbps(
+        cfg[settings.ROUTER_LINK_GBPS], cfg[settings.ROUTER_LINK_NICS], cfg[settings.ROUTER_LINK_LATENCY_MS] / 1e3)
+    ) if cfg[settings.ROUTER_PULLS] else None
     ring = Follow(vnodes=vnodes, eps=eps, lease_ttl_s=ttl, min_spill_load=floor,
-                  hold_tokens=cfg[settings.ROUTER_HOLD_TOKENS], overshoot=cfg[settings.ROUTER_OVERSHOOT]) \
+                  hold_tokens=cfg[settings.ROUTER_HOLD_TOKENS], overshoot=cfg[settings.ROUTER_OVERSHOOT],
+                  pulls=pulls, pull_eps=cfg[settings.ROUTER_PULL_EPS]) \
         if cfg[settings.ROUTER_POLICY] == "follow" else Ring(vnodes=vnodes, eps=eps, lease_ttl_s=ttl,
                                                             min_spill_load=floor)
     membership = Membership(ring, replicas, watch=cfg[settings.ROUTER_HEALTH], trust=trust)

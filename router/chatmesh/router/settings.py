@@ -4,7 +4,7 @@ chatmesh.mesh.settings)."""
 from __future__ import annotations
 
 from chatmesh.mesh.config import Setting, parse_bool
-from chatmesh.router import follow, ring
+from chatmesh.router import follow, link, ring
 
 REPLICAS = Setting(
     "CHATMESH_REPLICAS", "",
@@ -34,6 +34,24 @@ ROUTER_HOLD_TOKENS = Setting(
 ROUTER_OVERSHOOT = Setting(
     "CHATMESH_ROUTER_OVERSHOOT", follow.DEFAULT_OVERSHOOT,
     "follow: no replica goes past ceil((1+eps+overshoot) x average load) while another has room", float)
+ROUTER_PULLS = Setting(
+    "CHATMESH_ROUTER_PULLS", True,
+    "follow: a turn that moves off its prefix names the replica to pull it from, when the engines on both sides "
+    "say they serve and receive pulls and pulling costs less than prefill (false: every move prefills)", parse_bool)
+ROUTER_PULL_EPS = Setting(
+    "CHATMESH_ROUTER_PULL_EPS", follow.DEFAULT_PULL_EPS,
+    "follow with pulls: the bound's slack for a conversation whose prefix a move can pull (a move costs a pull, "
+    "not a prefill, so the bound is tighter than CHATMESH_ROUTER_EPS)", float)
+ROUTER_LINK_GBPS = Setting(
+    "CHATMESH_ROUTER_LINK_GBPS", link.DEFAULT_NIC_GBPS,
+    "follow with pulls: each NIC's bandwidth in Gb/s, for pricing a pull (the reference's node: 400 per GPU)", float)
+ROUTER_LINK_NICS = Setting(
+    "CHATMESH_ROUTER_LINK_NICS", link.DEFAULT_NICS,
+    "follow with pulls: NICs a replica's GPUs move its KV over at once (TP 8: 8)", int)
+ROUTER_LINK_LATENCY_MS = Setting(
+    "CHATMESH_ROUTER_LINK_LATENCY_MS", link.DEFAULT_LATENCY_S * 1e3,
+    "follow with pulls: fixed cost of one pull, ms (pulls smaller than it is worth in prefill are never planned)",
+    float)
 ROUTER_VNODES = Setting(
     "CHATMESH_ROUTER_VNODES", ring.DEFAULT_VNODES, "ring points per replica (consistent hashing)", int)
 ROUTER_LEASE_TTL_S = Setting(
