@@ -190,3 +190,18 @@ async def test_only_a_background_response_streams_again(gateway: Gateway, key: s
     made = await client.responses.create(model=MODEL, input="Hi")
     with pytest.raises(openai.BadRequestError):
         await client.responses.retrieve(made.id, stream=True)
+
+
+async def test_websocket_mode_is_refused_with_a_clear_400(gateway: Gateway) -> None:
+    host, port = gateway.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /openai/v1/responses HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    await writer.drain()
+    answer = (await asyncio.wait_for(reader.read(4096), 10)).decode()
+    writer.close()
+    status, _, rest = answer.partition("\r\n")
+    assert status.split()[1] == "400", answer
+    body = json.loads(rest.split("\r\n\r\n", 1)[1])
+    check_error(body)
+    assert body["error"]["code"] == "websocket_not_supported"

@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai import completions, conversations, errors, models, responses
@@ -43,7 +44,18 @@ def route_table() -> list[BaseRoute]:
         ("/conversations/{conversation_id}", conversations.delete, "DELETE"),
         ("/conversations/{conversation_id}/items", conversations.items, "GET"),
     ]
-    return [Route(BASE + path, openai_errors(fn), methods=[method]) for path, fn, method in table]
+    return [*(Route(BASE + path, openai_errors(fn), methods=[method]) for path, fn, method in table),
+            WebSocketRoute(BASE + "/responses", websocket_refused)]
+
+
+async def websocket_refused(websocket: WebSocket) -> None:
+    """Responses' WebSocket mode is an optional extension of Open Responses (its specification: "all messages
+    MUST follow the HTTP protocol"), and chatmesh does not offer it: the handshake is answered with a 400 saying
+    so, in OpenAI's error shape, where a server without the route would close it with a bare 403."""
+    await websocket.send_denial_response(errors.response_for(errors.OpenAIError(
+        400, "websocket_not_supported", "WebSocket mode is not offered by chatmesh: POST /responses with "
+        "stream: true for server-sent events (and background: true to resume them with GET "
+        "/responses/{id}?stream=true&starting_after=N)")))
 
 
 def is_openai_path(path: str) -> bool:
