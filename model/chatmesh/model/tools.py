@@ -65,6 +65,14 @@ class ToolCall:
         return json.loads(self.arguments)
 
 
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool's result as the client sent it back, answering the call `tool_call_id`."""
+
+    tool_call_id: str
+    content: str
+
+
 class ChoiceMode(enum.Enum):
     AUTO = "auto"  # the model decides
     NONE = "none"  # no calls: the reply is text (the tools stay in the prompt, so it stays prefix-stable)

@@ -48,6 +48,7 @@ class NewTurn:
     regenerates: TurnId | None = None
     user_index: int | None = None
     options: str = ""  # the turn's generation options (the caller's JSON)
+    input_parts: str | None = None  # a tool turn's results (rows.parts_json): its input is a tool message
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class FinishValues:
     output_tokens: int
     now_ms: int
     day: str
+    reply_parts: str | None = None  # the reply's tool calls (rows.parts_json)
 
 
 class Backend(abc.ABC):
@@ -93,7 +95,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def finish(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
                      values: FinishValues, serialized: bool = False) -> int | None:
-        """Stores a turn while `guards.lease_held`, atomically: the user message (a regenerate: none, and its
+        """Stores a turn while `guards.lease_held`, atomically: the user message (or a tool turn's tool message,
+        from the record's `input_parts`; a regenerate: none, and its
         earlier replies marked superseded, provided not `guards.later_user_message`), the reply, the turn's
         final state, the usage. Returns the reply's index, or None when a guard did not match (nothing
         written). `serialized` (a retry): the conversation's row lock is taken before the finish reads anything,

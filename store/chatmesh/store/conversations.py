@@ -23,7 +23,7 @@ from chatmesh.store.clock import Clock
 from chatmesh.store.db import Database
 from chatmesh.store.limits import FieldLimits, check_count, check_len
 from chatmesh.store.rows import CONV, MSG, conversation_of, key, message_of, message_values
-from chatmesh.store.values import Conversation, History, Message, MessageStatus, Seed, Summary
+from chatmesh.store.values import Conversation, History, Message, MessageStatus, Role, Seed, Summary
 
 log = logs.get("chatmesh.store")
 MAX_SEED_MESSAGES = 10_000  # messages a conversation may be created with (a client's own history)
@@ -78,13 +78,16 @@ class ConversationRecords:
         if len(seed) > MAX_SEED_MESSAGES:
             raise InvalidArgument(f"messages: at most {MAX_SEED_MESSAGES} seed messages")
         for i, m in enumerate(seed):
-            self.limits.check_text(f"messages[{i}].content", m.content, required=True)
+            self.limits.check_tools(f"messages[{i}]", m.role, m.tool_calls, m.tool_results)
+            self.limits.check_text(f"messages[{i}].content", m.content,
+                                   required=not (m.tool_calls or m.role is Role.TOOL))
             check_count(f"messages[{i}].token_count", m.token_count)
         now = self._clock()
         conv = Conversation(conversation or new_conversation_id(), owner, title, system_prompt_version, now, now,
                             len(seed))
         rows = [message_values(owner, conv.conversation_id, Message(
-            i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(str(uuid.uuid4())), now))
+            i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(str(uuid.uuid4())), now, False,
+            m.tool_calls, m.tool_results))
             for i, m in enumerate(seed)]
         try:
             async with self.db.write() as conn:

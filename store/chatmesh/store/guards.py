@@ -5,7 +5,8 @@ same text, and so does the read that explains a refusal (it selects the rule's v
 - `lease_held`: the turn's record is active (received or running: `chatmesh.mesh.turn.RECORD_ACTIVE`) and its
   lease is the caller's. FinishTurn, FailTurn and UpdateTurnProgress write only while it holds; a finish refused
   by it is explained as "lease not held" (or "already finished", when the record is final).
-- `later_user_message`: a user message follows the message at index `after`. Only the reply to a
+- `later_user_message`: a user message (or a tool message, a tool turn's input) follows the message at index
+  `after`. Only the reply to a
   conversation's last user message can be regenerated, so a regenerate is refused while it holds: when it is
   claimed, and again when it is finished (a turn may have been stored in between).
 - `superseded_replies`: the replies a regenerate's finish marks superseded (kept as alternatives): the current
@@ -25,10 +26,10 @@ def lease_held(lease: str, turns: str = "turns") -> str:
 
 
 def later_user_message(owner: str, conversation: str, after: str) -> str:
-    """SQL true when the conversation has a user message with an index above `after`."""
+    """SQL true when the conversation has a user (or tool) message with an index above `after`."""
     return (f"EXISTS (SELECT 1 FROM messages WHERE messages.owner_id = {owner} "
             f"AND messages.conversation_id = {conversation} AND messages.message_index > {after} "
-            "AND messages.role = 'user')")
+            "AND messages.role IN ('user', 'tool'))")
 
 
 def superseded_replies(owner: str, conversation: str, after: str) -> str:

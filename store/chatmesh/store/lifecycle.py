@@ -9,6 +9,7 @@ scans, which by nature look across owners; each of its deletes is then owner-sco
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -21,8 +22,8 @@ from chatmesh.mesh.turn import RECORD_ACTIVE
 from chatmesh.store.clock import DAY_MS, Clock, utc_day
 from chatmesh.store.db import Database
 from chatmesh.store.limits import FieldLimits
-from chatmesh.store.rows import CONV, MSG, TURN, USAGE, message_of
-from chatmesh.store.values import DailyUsage, Purged, TurnRecordState, Usage
+from chatmesh.store.rows import CONV, MSG, TURN, USAGE, message_of, parts_of
+from chatmesh.store.values import DailyUsage, Purged, ToolCall, ToolResult, TurnRecordState, Usage
 
 log = logs.get("chatmesh.store")
 PURGE_BATCH = 500
@@ -105,20 +106,22 @@ class OwnerData:
                                        .order_by(MSG.c.conversation_id, MSG.c.message_index))).all()
             days = (await conn.execute(select(USAGE).where(USAGE.c.owner_id == owner).order_by(USAGE.c.day))).all()
             pending = (await conn.execute(
-                select(TURN.c.conversation_id, TURN.c.turn_id, TURN.c.state, TURN.c.content, TURN.c.partial_text)
+                select(TURN.c.conversation_id, TURN.c.turn_id, TURN.c.state, TURN.c.content, TURN.c.partial_text,
+                       TURN.c.input_parts)
                 .where(TURN.c.owner_id == owner, TURN.c.content.is_not(None))
                 .order_by(TURN.c.conversation_id, TURN.c.created_at_ms))).all()
         unfinished: dict[str, list[dict[str, Any]]] = {}
         for t in pending:  # user text held by turns not (yet) stored is the owner's data too
             unfinished.setdefault(t.conversation_id, []).append({
-                "turn_id": t.turn_id, "state": t.state, "content": t.content, "partial_reply": t.partial_text})
+                "turn_id": t.turn_id, "state": t.state, "content": t.content, "partial_reply": t.partial_text,
+                **_tools_json(*parts_of(t.input_parts))})
         by_conv: dict[str, list[dict[str, Any]]] = {}
         for m in msgs:
             msg = message_of(m)
             by_conv.setdefault(m.conversation_id, []).append({
                 "index": msg.index, "role": msg.role.value, "content": msg.content, "token_count": msg.token_count,
                 "status": msg.status.value, "turn_id": msg.turn_id, "created_at_ms": msg.created_at_ms,
-                "superseded": msg.superseded})
+                "superseded": msg.superseded, **_tools_json(msg.tool_calls, msg.tool_results)})
         conversations = []
         for c in convs:
             summary = None if c.summary_text is None else {
@@ -179,3 +182,13 @@ class OwnerData:
                 break
         log.info("purged", conversations=len(purged), abandoned_turns=abandoned)
         return Purged(purged, abandoned)
+
+
+def _tools_json(calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> dict[str, Any]:
+    """A message's tool calls or results in the export (absent when it has none)."""
+    out: dict[str, Any] = {}
+    if calls:
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+    if results:
+        out["tool_results"] = [{"tool_call_id": r.tool_call_id, "content": r.content} for r in results]
+    return out

@@ -3,9 +3,11 @@ them with INVALID_ARGUMENT naming the field (before anything is written)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chatmesh.mesh.errors import InvalidArgument
+from chatmesh.store.values import Role, ToolCall, ToolResult
 
 MAX_LEASE_TTL_MS = 86_400_000
 OPTIONS_OVERHEAD_BYTES = 64 * 1024  # a turn's options past its instructions (sampling, stops, tools)
@@ -35,6 +37,20 @@ class FieldLimits:
         if size > limit:
             raise InvalidArgument(f"generation_options is {size} bytes, over the limit of {limit} bytes "
                                   "(CHATMESH_MAX_MESSAGE_BYTES plus 64 KiB)")
+
+    def check_tools(self, field: str, role: Role, calls: Sequence[ToolCall], results: Sequence[ToolResult]) -> None:
+        """Tool calls only on an assistant message, results only (and always) on a tool message, within the
+        message size limit."""
+        if calls and role is not Role.ASSISTANT:
+            raise InvalidArgument(f"{field}.tool_calls: only an assistant message has tool calls")
+        if (role is Role.TOOL) != bool(results):
+            raise InvalidArgument(f"{field}.tool_results: a tool message, and only one, carries tool results")
+        for i, c in enumerate(calls):
+            if not c.id or not c.name:
+                raise InvalidArgument(f"{field}.tool_calls[{i}]: id and name are required")
+        self.check_text(f"{field}.tool_calls", "".join(c.arguments + c.name + c.id for c in calls), required=False)
+        self.check_text(f"{field}.tool_results", "".join(r.content + r.tool_call_id for r in results),
+                        required=False)
 
     def ttl(self, lease_ttl_ms: int) -> int:
         """The lease a request asks for (0: the default), checked."""

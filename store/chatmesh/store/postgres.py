@@ -63,17 +63,17 @@ _PG_INSERT_TURN = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
     "SELECT conversations.owner_id, conversations.conversation_id, {turn}, {fp}, 'received', {content}, {lease}, "
     "{holder}, {expires}::bigint, {regenerates}::varchar, {user_index}::integer, NULL, '', 0, 0, 0, 0, "
-    "{now}::bigint, {now}::bigint, {options}::text "
+    "{now}::bigint, {now}::bigint, {options}::text, {parts}::text "
     "FROM conversations WHERE conversations.owner_id = $1 AND conversations.conversation_id = $2 "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 PG_CLAIM = _PG_INSERT_TURN.format(turn="$3::varchar", fp="$4::varchar", content="$5::text", lease="$6::varchar",
                                   holder="$7::varchar", expires="$8", now="$9", regenerates="$10",
-                                  user_index="$11", options="$12")
+                                  user_index="$11", options="$12", parts="$13")
 # With the context: the read runs in the same statement (same snapshot; the new turn is not a message yet).
 PG_CLAIM_WITH_CONTEXT = (
     "WITH claimed AS (" + _PG_INSERT_TURN.format(
         turn="$4::varchar", fp="$5::varchar", content="$6::text", lease="$7::varchar", holder="$8::varchar",
-        expires="$9", now="$10", regenerates="$11", user_index="$12", options="$13") + ") "
+        expires="$9", now="$10", regenerates="$11", user_index="$12", options="$13", parts="$14") + ") "
     "SELECT (SELECT count(*) FROM claimed), r.* FROM ("
     + _pg_read("conversations.summary_covers_through + 1") + ") AS r")
 PG_READ = _pg_read("$4::integer")
@@ -83,18 +83,18 @@ PG_LOCK_CONVERSATION = f"SELECT FROM conversations WHERE {_PG_OWN.format(t='conv
 _PG_CONV_LOCKED = ("WITH conv AS (SELECT conversations.message_count FROM conversations "
                    f"WHERE {_PG_OWN.format(t='conversations')} FOR NO KEY UPDATE), ")
 _PG_TURN_STORED = ("turn AS (UPDATE turns SET state = $5::varchar, content = NULL, partial_text = '', "
-                   "generation_options = '', "
+                   "generation_options = '', input_parts = NULL, "
                    "{indexes}, prompt_tokens = $9::bigint, cached_prompt_tokens = $10::bigint, "
                    "output_tokens = $11::bigint, updated_at_ms = $12::bigint FROM turns AS prev "
                    f"WHERE {_PG_OWN.format(t='turns')} AND turns.turn_id = $3 AND {lease_held('$4')} "
                    "AND EXISTS (SELECT FROM conv) AND {kind} "
                    f"AND {_PG_OWN.format(t='prev')} AND prev.turn_id = $3 "
-                   "RETURNING turns.user_index, turns.reply_index, prev.content), ")
+                   "RETURNING turns.user_index, turns.reply_index, prev.content, prev.input_parts), ")
 _PG_ADVANCED = ("advanced AS (UPDATE conversations SET message_count = conversations.message_count + {n}, "
                 f"updated_at_ms = $12::bigint WHERE {_PG_OWN.format(t='conversations')} "
                 "AND EXISTS (SELECT FROM turn)), ")
 _PG_REPLY = ("SELECT $1, $2, turn.reply_index, 'assistant', $6::text, $7::integer, $8::varchar, $3, $12::bigint, "
-             "false FROM turn")
+             "false, $14::text FROM turn")
 _PG_METERED = (
     "metered AS (INSERT INTO usage_days (owner_id, day, prompt_tokens, cached_prompt_tokens, output_tokens, turns) "
     "SELECT $1, $13::varchar, $9::bigint, $10::bigint, $11::bigint, 1 FROM turn "
@@ -103,7 +103,7 @@ _PG_METERED = (
     "output_tokens = usage_days.output_tokens + excluded.output_tokens, turns = usage_days.turns + 1) "
     "SELECT turn.reply_index FROM turn")
 _PG_STORED = ("stored AS (INSERT INTO messages (owner_id, conversation_id, message_index, role, content, "
-              "token_count, status, turn_id, created_at_ms, superseded) ")
+              "token_count, status, turn_id, created_at_ms, superseded, parts) ")
 # A plain turn (no regenerate): its user message at message_count, its reply after it.
 PG_FINISH = (
     _PG_CONV_LOCKED
@@ -111,8 +111,9 @@ PG_FINISH = (
                              "reply_index = (SELECT conv.message_count + 1 FROM conv)",
                              kind="turns.regenerates_turn_id IS NULL")
     + _PG_ADVANCED.format(n=2)
-    + _PG_STORED + "SELECT $1, $2, turn.user_index, 'user', turn.content, $14::integer, $15::varchar, $3, "
-    "$12::bigint, false FROM turn UNION ALL " + _PG_REPLY + "), "
+    + _PG_STORED + "SELECT $1, $2, turn.user_index, "
+    "CASE WHEN turn.input_parts IS NULL THEN 'user' ELSE 'tool' END, turn.content, $15::integer, $16::varchar, $3, "
+    "$12::bigint, false, turn.input_parts FROM turn UNION ALL " + _PG_REPLY + "), "
     + _PG_METERED)
 # A regenerate: no user message; the reply at message_count; the earlier replies to its user message
 # superseded; only if no user message followed that one and no finish committed since the statement's snapshot
@@ -212,11 +213,12 @@ class PostgresBackend(Backend):
         if not context_limit:
             rows = await self._fetch(PG_CLAIM, owner, conversation, new.turn, new.fingerprint, new.content,
                                      new.lease, new.lease_holder, new.lease_expires_at_ms, new.now_ms,
-                                     new.regenerates, new.user_index, new.options)
+                                     new.regenerates, new.user_index, new.options, new.input_parts)
             return bool(rows), None
         rows = await self._fetch(PG_CLAIM_WITH_CONTEXT, owner, conversation, context_limit, new.turn,
                                  new.fingerprint, new.content, new.lease, new.lease_holder,
-                                 new.lease_expires_at_ms, new.now_ms, new.regenerates, new.user_index, new.options)
+                                 new.lease_expires_at_ms, new.now_ms, new.regenerates, new.user_index, new.options,
+                                 new.input_parts)
         if not rows:
             return False, None
         return bool(rows[0][0]), history_from([tuple(r)[1:] for r in rows])
@@ -236,7 +238,7 @@ class PostgresBackend(Backend):
         (another replica's claim or takeover) tries the plain one first and, when it writes nothing, the
         regenerate's. A turn refused by both is the caller's to explain."""
         args = (owner, conversation, turn, lease, v.to_state, v.reply_text, v.reply_token_count, v.reply_status,
-                v.prompt_tokens, v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day)
+                v.prompt_tokens, v.cached_prompt_tokens, v.output_tokens, v.now_ms, v.day, v.reply_parts)
         if lease in self._regenerates:
             rows = await self._fetch(PG_FINISH_REGENERATE, *args, serialized=serialized)
         else:

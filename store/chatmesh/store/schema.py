@@ -64,6 +64,7 @@ class MessageRow(Base):
     turn_id: Mapped[str] = mapped_column(ID)
     created_at_ms: Mapped[int] = mapped_column(BigInteger)
     superseded: Mapped[bool] = mapped_column(Boolean, default=False)
+    parts: Mapped[str | None] = mapped_column(Text, nullable=True)  # rows.parts_json: tool calls or results
 
 
 class TurnRow(Base):
@@ -73,7 +74,8 @@ class TurnRow(Base):
     turn is stored and is cleared when it fails. `partial_text` is the reply so far, for attaching, and what an
     attempt that failed or lapsed showed, for the next claim to continue. `generation_options` is the turn's
     options as its first claim sent them (the caller's JSON, not read here), for every later claim; cleared when
-    the turn is stored.
+    the turn is stored. `input_parts` holds a tool turn's results (its input is a tool message, not a user
+    message) while it is unfinished, like `content`.
     """
 
     __tablename__ = "turns"
@@ -102,6 +104,7 @@ class TurnRow(Base):
     created_at_ms: Mapped[int] = mapped_column(BigInteger)
     updated_at_ms: Mapped[int] = mapped_column(BigInteger, index=True)
     generation_options: Mapped[str] = mapped_column(Text, default="", server_default="")
+    input_parts: Mapped[str | None] = mapped_column(Text, nullable=True)  # a tool turn's results, until stored
 
 
 class UsageRow(Base):

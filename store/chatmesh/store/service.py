@@ -32,7 +32,8 @@ from chatmesh.store.db import database_url, make_engine
 from chatmesh.store.migrate import prepare_schema
 from chatmesh.store.values import Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Purged, Reply
 from chatmesh.store.wire import (
-    claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, seed_of, summary_pb, turn_record_pb,
+    claim_pb, conversation_pb, history_pb, message_pb, parse_status, parse_usage, seed_of, summary_pb, tool_calls_of,
+    tool_results_of, turn_record_pb,
     usage_pb,
 )
 from chatmesh.v1 import store_pb2, store_pb2_grpc
@@ -148,7 +149,7 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
             fingerprint=request.fingerprint, lease_ttl_ms=request.lease_ttl_ms,
             regenerates=parse_turn_id(request.regenerates_turn_id, "regenerates_turn_id")
             if request.regenerates_turn_id else None, context_messages=request.context_max_messages,
-            options=request.generation_options)
+            options=request.generation_options, tool_results=tool_results_of(request.tool_results))
         self.metrics.claims[type(outcome)].inc()
         tracing.annotate({"chatmesh.claim": type(outcome).__name__.lower()})
         return claim_pb(outcome)
@@ -161,7 +162,8 @@ class StoreServicer(store_pb2_grpc.StoreServiceServicer):
                       token_count=request.reply_token_count,
                       status=parse_status(request.reply_status, "reply_status", MessageStatus.COMPLETE),
                       usage=parse_usage(request.usage),
-                      user_status=parse_status(request.user_status, "user_status", MessageStatus.COMPLETE))
+                      user_status=parse_status(request.user_status, "user_status", MessageStatus.COMPLETE),
+                      tool_calls=tool_calls_of(request.reply_tool_calls))
         finished = await self.store.turns.finish_turn(
             *self._in_conversation(request, context),
             parse_turn_id(request.turn_id), parse_lease_id(request.lease_id), reply)

@@ -35,10 +35,12 @@ SQ_MESSAGES = (f"SELECT {', '.join(f'messages.{c}' for c in MSG_COLUMNS)} FROM m
 SQ_CLAIM = (
     f"INSERT INTO turns ({', '.join(TURN_COLUMNS)}) "
     "SELECT conversations.owner_id, conversations.conversation_id, ?, ?, 'received', ?, ?, ?, ?, ?, ?, NULL, "
-    "'', 0, 0, 0, 0, ?, ?, ? FROM conversations WHERE conversations.owner_id = ? AND conversations.conversation_id = ? "
+    "'', 0, 0, 0, 0, ?, ?, ?, ? FROM conversations WHERE conversations.owner_id = ? "
+    "AND conversations.conversation_id = ? "
     "ON CONFLICT (owner_id, conversation_id, turn_id) DO NOTHING RETURNING turns.turn_id")
 SQ_TURN_FOR_FINISH = (
-    "SELECT turns.content, turns.regenerates_turn_id, turns.user_index FROM turns WHERE turns.owner_id = ? "
+    "SELECT turns.content, turns.regenerates_turn_id, turns.user_index, turns.input_parts FROM turns "
+    "WHERE turns.owner_id = ? "
     f"AND turns.conversation_id = ? AND turns.turn_id = ? AND {lease_held('?')}")
 SQ_LATER_USER_MESSAGE = f"SELECT {later_user_message('?', '?', '?')}"
 SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_count + ?, updated_at_ms = ? "
@@ -46,8 +48,9 @@ SQ_ADVANCE = ("UPDATE conversations SET message_count = conversations.message_co
               "RETURNING conversations.message_count")
 SQ_SUPERSEDE = f"UPDATE messages SET superseded = 1 WHERE {superseded_replies('?', '?', '?')}"
 SQ_INSERT_MESSAGE = ("INSERT INTO messages (owner_id, conversation_id, message_index, role, content, token_count, "
-                     "status, turn_id, created_at_ms, superseded) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)")
+                     "status, turn_id, created_at_ms, superseded, parts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)")
 SQ_STORE_TURN = ("UPDATE turns SET state = ?, content = NULL, partial_text = '', generation_options = '', "
+                 "input_parts = NULL, "
                  "user_index = ?, reply_index = ?, "
                  "prompt_tokens = ?, cached_prompt_tokens = ?, output_tokens = ?, updated_at_ms = ? "
                  "WHERE turns.owner_id = ? AND turns.conversation_id = ? AND turns.turn_id = ?")
@@ -132,7 +135,8 @@ class SqliteBackend(Backend):
     async def claim(self, owner: OwnerId, conversation: ConversationId, new: NewTurn,
                     context_limit: int) -> tuple[bool, History | None]:
         args = (new.turn, new.fingerprint, new.content, new.lease, new.lease_holder, new.lease_expires_at_ms,
-                new.regenerates, new.user_index, new.now_ms, new.now_ms, new.options, owner, conversation)
+                new.regenerates, new.user_index, new.now_ms, new.now_ms, new.options, new.input_parts, owner,
+                conversation)
 
         def work(conn: sqlite3.Connection) -> tuple[bool, History | None]:
             if not context_limit:
@@ -172,7 +176,7 @@ class SqliteBackend(Backend):
                 return None
             reply_index = int(advanced[0][0]) - 1
             reply = (owner, conversation, reply_index, "assistant", v.reply_text, v.reply_token_count,
-                     v.reply_status, turn, v.now_ms)
+                     v.reply_status, turn, v.now_ms, v.reply_parts)
             if regenerate:
                 user_index = int(row[2])
                 self._exec(conn, SQ_SUPERSEDE, (owner, conversation, user_index))
@@ -181,8 +185,8 @@ class SqliteBackend(Backend):
                 user_index = reply_index - 1
                 self._observe(SQ_INSERT_MESSAGE)
                 conn.executemany(SQ_INSERT_MESSAGE, (
-                    (owner, conversation, user_index, "user", row[0], v.user_token_count, v.user_status, turn,
-                     v.now_ms), reply))
+                    (owner, conversation, user_index, "user" if row[3] is None else "tool", row[0],
+                     v.user_token_count, v.user_status, turn, v.now_ms, row[3]), reply))
             self._exec(conn, SQ_STORE_TURN, (v.to_state, user_index, reply_index, v.prompt_tokens,
                                              v.cached_prompt_tokens, v.output_tokens, v.now_ms, owner,
                                              conversation, turn))

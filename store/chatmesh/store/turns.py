@@ -32,6 +32,7 @@ enforces or explains one renders it from there.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Row, bindparam, select, text, update
@@ -47,10 +48,10 @@ from chatmesh.store.conversations import conversation_row, message_at
 from chatmesh.store.db import Database
 from chatmesh.store.guards import later_user_message, lease_held
 from chatmesh.store.limits import FieldLimits, check_count, check_len
-from chatmesh.store.rows import TURN, key, usage_of
+from chatmesh.store.rows import TURN, key, parts_json, usage_of
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Done, Finished, History, InProgress, Message, MessageStatus, Progress, Reply, Role,
-    TurnRecord, TurnRecordState,
+    ToolResult, TurnRecord, TurnRecordState,
 )
 
 log = logs.get("chatmesh.store")
@@ -85,15 +86,20 @@ class TurnRecords:
     async def begin_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, *, content: str,
                          lease_holder: str, fingerprint: str = "", lease_ttl_ms: int = 0,
                          regenerates: TurnId | None = None, context_messages: int = 0,
-                         options: str = "") -> Claim:
+                         options: str = "", tool_results: Sequence[ToolResult] = ()) -> Claim:
         """Claims `turn` for generation, or says who has it, or returns its stored reply, or a conflict.
         With `context_messages` > 0 a NEW claim also carries the prompt's context (`Claimed.context`): the
         summary and the newest that many messages after it (capped at MAX_CONTEXT_MESSAGES). A new record keeps
-        `options`; a record claimed again returns the ones it kept, and the reply an earlier attempt left."""
+        `options`; a record claimed again returns the ones it kept, and the reply an earlier attempt left. With
+        `tool_results` the turn's input is those results (a tool message), not the user message `content`."""
         check_count("context_max_messages", context_messages)
         self.limits.check_options(options)
         context_messages = min(context_messages, MAX_CONTEXT_MESSAGES)
-        self.limits.check_text("content", content, required=regenerates is None)
+        if tool_results:
+            self.limits.check_tools("tool_results", Role.TOOL, (), tool_results)
+            if content or regenerates is not None:
+                raise InvalidArgument("a turn answering tool calls has no content and regenerates nothing")
+        self.limits.check_text("content", content, required=regenerates is None and not tool_results)
         check_len("fingerprint", fingerprint, self.limits.max_fingerprint_chars)
         check_len("lease_holder", lease_holder, self.limits.max_lease_holder_chars)
         if regenerates == turn:
@@ -102,7 +108,7 @@ class TurnRecords:
         fingerprint = fingerprint or default_fingerprint(content, regenerates)
         for _ in range(CLAIM_ATTEMPTS):
             outcome = await self._claim_once(owner, conversation, turn, content, lease_holder, fingerprint, ttl,
-                                             regenerates, context_messages, options)
+                                             regenerates, context_messages, options, parts_json((), tool_results))
             if outcome is not None:
                 if isinstance(outcome, Claimed):
                     log.debug("turn_claimed", owner_id=owner, conversation_id=conversation, turn_id=turn)
@@ -111,7 +117,7 @@ class TurnRecords:
 
     async def _claim_once(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, content: str,
                           lease_holder: str, fingerprint: str, ttl: int, regenerates: TurnId | None,
-                          context_messages: int, options: str) -> Claim | None:
+                          context_messages: int, options: str, input_parts: str | None) -> Claim | None:
         """A new record through the backend (one round trip, the common case), else the record read and, when
         its claim failed or expired, taken over. None: another racer moved the record on; look again."""
         now = self._clock()
@@ -119,7 +125,7 @@ class TurnRecords:
         if regenerates is not None:
             user_index = await self._regenerated_user_index(owner, conversation, regenerates)
         new = NewTurn(turn, fingerprint, content, new_lease_id(), lease_holder, now + ttl, now, regenerates,
-                      user_index, options)
+                      user_index, options, input_parts)
         claimed, prompt_context = await self.db.backend.claim(owner, conversation, new, context_messages)
         if claimed:
             return Claimed(new.lease, new.lease_expires_at_ms, prompt_context)
@@ -141,7 +147,8 @@ class TurnRecords:
             taken = (await conn.execute(
                 update(TURN).where(TURN.c.owner_id == owner, TURN.c.conversation_id == conversation,
                                    TURN.c.turn_id == turn, TURN.c.state == row.state, seen_lease)
-                .values(state=TurnRecordState.RECEIVED.value, content=content, lease_id=new.lease,
+                .values(state=TurnRecordState.RECEIVED.value, content=content, input_parts=input_parts,
+                        lease_id=new.lease,
                         lease_holder=lease_holder, lease_expires_at_ms=new.lease_expires_at_ms,
                         generation_options=kept, updated_at_ms=now)
                 .returning(TURN.c.turn_id))).first()
@@ -178,6 +185,7 @@ class TurnRecords:
                           reply: Reply) -> Finished:
         """Stores the turn's user message (unless it regenerates), its reply and its usage, once."""
         self.limits.check_text("reply", reply.text, required=False)
+        self.limits.check_tools("reply", Role.ASSISTANT, reply.tool_calls, ())
         for field, value in (("user_token_count", reply.user_token_count), ("reply_token_count", reply.token_count),
                              ("usage.prompt_tokens", reply.usage.prompt_tokens),
                              ("usage.cached_prompt_tokens", reply.usage.cached_prompt_tokens),
@@ -188,7 +196,7 @@ class TurnRecords:
         usage = reply.usage
         values = FinishValues(target.value, reply.user_token_count, reply.user_status.value, reply.text,
                               reply.token_count, reply.status.value, usage.prompt_tokens, usage.cached_prompt_tokens,
-                              usage.output_tokens, now, utc_day(now))
+                              usage.output_tokens, now, utc_day(now), parts_json(reply.tool_calls))
         for attempt in range(CLAIM_ATTEMPTS):
             reply_index = await self.db.backend.finish(owner, conversation, turn, lease, values,
                                                        serialized=attempt > 0)
@@ -196,7 +204,7 @@ class TurnRecords:
                 log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn,
                          state=target.value, output_tokens=usage.output_tokens)
                 return Finished(False, Message(reply_index, Role.ASSISTANT, reply.text, reply.token_count,
-                                               reply.status, turn, now))
+                                               reply.status, turn, now, tool_calls=reply.tool_calls))
             finished = await self._why_refused(owner, conversation, turn, lease, target)
             if finished is not None:
                 return finished
@@ -233,7 +241,8 @@ class TurnRecords:
         async with self.db.single() as conn:
             released = (await conn.execute(
                 update(TURN).where(HELD)
-                .values(state=TurnRecordState.FAILED.value, content=None, partial_text=partial_text, lease_id=None,
+                .values(state=TurnRecordState.FAILED.value, content=None, input_parts=None, partial_text=partial_text,
+                        lease_id=None,
                         lease_expires_at_ms=0, updated_at_ms=now)
                 .returning(TURN.c.turn_id),
                 {"owner": owner, "conversation": conversation, "turn": turn, "lease": lease})).first()

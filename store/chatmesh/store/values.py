@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.mesh.turn import TurnRecordState, Usage
+from chatmesh.model.tools import ToolCall, ToolResult
 
-__all__ = ["Role", "MessageStatus", "TurnRecordState", "Usage", "Conversation", "Message", "Summary", "History",
+__all__ = ["Role", "MessageStatus", "TurnRecordState", "Usage", "ToolCall", "ToolResult", "Conversation", "Message", "Summary", "History",
            "Seed", "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Finished", "Progress", "TurnRecord",
            "DailyUsage", "Purged"]
 
@@ -19,6 +20,7 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # tool results a client sent back: a turn's input, like a user message
 
 
 class MessageStatus(enum.Enum):
@@ -50,6 +52,8 @@ class Message:
     turn_id: TurnId
     created_at_ms: int
     superseded: bool = False
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls, after its text
+    tool_results: tuple[ToolResult, ...] = ()  # a TOOL message's results (its content is "")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class Seed:
     role: Role
     content: str
     token_count: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_results: tuple[ToolResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class Reply:
     status: MessageStatus
     usage: Usage
     user_status: MessageStatus = MessageStatus.COMPLETE
+    tool_calls: tuple[ToolCall, ...] = ()  # the reply's calls, stored with it
 
 
 @dataclass(frozen=True)

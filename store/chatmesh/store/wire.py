@@ -13,7 +13,7 @@ from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Role, Seed, Summary, TurnRecord, TurnRecordState, Usage,
+    MessageStatus, Progress, Role, Seed, Summary, ToolCall, ToolResult, TurnRecord, TurnRecordState, Usage,
 )
 from chatmesh.v1 import common_pb2, store_pb2
 
@@ -27,6 +27,8 @@ def role_pb(role: Role) -> common_pb2.Role:
             return common_pb2.ROLE_USER
         case Role.ASSISTANT:
             return common_pb2.ROLE_ASSISTANT
+        case Role.TOOL:
+            return common_pb2.ROLE_TOOL
         case _:
             typing.assert_never(role)
 
@@ -68,10 +70,23 @@ ROLE_PB = {role: role_pb(role) for role in Role}  # looked up per message: 20 pe
 STATUS_PB = {status: status_pb(status) for status in MessageStatus}
 
 
+def tool_call_pb(c: ToolCall) -> common_pb2.ToolCall:
+    return common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+
+
+def tool_result_pb(r: ToolResult) -> common_pb2.ToolResult:
+    return common_pb2.ToolResult(tool_call_id=r.tool_call_id, content=r.content)
+
+
 def message_pb(m: Message) -> common_pb2.Message:
-    return common_pb2.Message(index=m.index, role=ROLE_PB[m.role], content=m.content, token_count=m.token_count,
-                              status=STATUS_PB[m.status], turn_id=m.turn_id, created_at_ms=m.created_at_ms,
-                              superseded=m.superseded)
+    out = common_pb2.Message(index=m.index, role=ROLE_PB[m.role], content=m.content, token_count=m.token_count,
+                             status=STATUS_PB[m.status], turn_id=m.turn_id, created_at_ms=m.created_at_ms,
+                             superseded=m.superseded)
+    if m.tool_calls:
+        out.tool_calls.extend(tool_call_pb(c) for c in m.tool_calls)
+    if m.tool_results:
+        out.tool_results.extend(tool_result_pb(r) for r in m.tool_results)
+    return out
 
 
 def summary_pb(summary: Summary) -> store_pb2.ConversationSummary:
@@ -145,7 +160,7 @@ def turn_record_pb(turn: TurnRecord) -> store_pb2.ReadTurnResponse:
 # --- protobuf -> values (the callers' reading of the answers) ---
 
 _ROLES = {common_pb2.ROLE_SYSTEM: Role.SYSTEM, common_pb2.ROLE_USER: Role.USER,
-          common_pb2.ROLE_ASSISTANT: Role.ASSISTANT}
+          common_pb2.ROLE_ASSISTANT: Role.ASSISTANT, common_pb2.ROLE_TOOL: Role.TOOL}
 _STATES = {store_pb2.TURN_STATE_RECEIVED: TurnRecordState.RECEIVED, store_pb2.TURN_STATE_RUNNING: TurnRecordState.RUNNING,
            store_pb2.TURN_STATE_STORED: TurnRecordState.STORED, store_pb2.TURN_STATE_STOPPED: TurnRecordState.STOPPED,
            store_pb2.TURN_STATE_FAILED: TurnRecordState.FAILED}
@@ -159,19 +174,31 @@ def role_of(value: common_pb2.Role) -> Role:
 
 
 def seed_pb(m: Seed) -> common_pb2.SeedMessage:
-    return common_pb2.SeedMessage(role=role_pb(m.role), content=m.content, token_count=m.token_count)
+    return common_pb2.SeedMessage(role=role_pb(m.role), content=m.content, token_count=m.token_count,
+                                  tool_calls=[tool_call_pb(c) for c in m.tool_calls],
+                                  tool_results=[tool_result_pb(r) for r in m.tool_results])
+
+
+def tool_calls_of(calls: typing.Iterable[common_pb2.ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, c.arguments) for c in calls)
+
+
+def tool_results_of(results: typing.Iterable[common_pb2.ToolResult]) -> tuple[ToolResult, ...]:
+    return tuple(ToolResult(r.tool_call_id, r.content) for r in results)
 
 
 def seed_of(m: common_pb2.SeedMessage, field: str = "message") -> Seed:
     if m.role == common_pb2.ROLE_UNSPECIFIED:
-        raise InvalidArgument(f"{field}.role is required (system, user or assistant)")
-    return Seed(role_of(m.role), m.content, m.token_count)
+        raise InvalidArgument(f"{field}.role is required (system, user, assistant or tool)")
+    return Seed(role_of(m.role), m.content, m.token_count, tool_calls_of(m.tool_calls),
+                tool_results_of(m.tool_results))
 
 
 def message_of(m: common_pb2.Message) -> Message:
     return Message(index=m.index, role=role_of(m.role), content=m.content, token_count=m.token_count,
                    status=parse_status(m.status, "message.status", MessageStatus.COMPLETE), turn_id=TurnId(m.turn_id),
-                   created_at_ms=m.created_at_ms, superseded=m.superseded)
+                   created_at_ms=m.created_at_ms, superseded=m.superseded, tool_calls=tool_calls_of(m.tool_calls),
+                   tool_results=tool_results_of(m.tool_results))
 
 
 def conversation_of(c: common_pb2.Conversation, message_count: int = 0) -> Conversation:
