@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from chatmesh.mesh import settings
 from chatmesh.mesh.config import Setting
 from chatmesh.mesh.up import Mesh
 from tests.conftest import need
-from tests.e2e.conftest import grpcurl_path
+from tests.e2e.conftest import grpcurl_path, start_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {
@@ -30,6 +31,27 @@ SERVICES = {
 }
 SERVER = {settings.CHAT_ADDRESS: "chat", settings.STORE_ADDRESS: "store", settings.ROUTER_ADDRESS: "router",
           settings.ENGINE_ADDRESS: "engine", settings.MODERATION_ADDRESS: "moderation"}
+
+
+def readme_grants() -> str:
+    """The authorization file the README's typed-client section writes (its `cat > .data/authz.json` block)."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(r"cat > \.data/authz\.json <<'JSON'\n(.*?)\nJSON\n", readme[readme.index("## Typed clients"):], re.S)
+    assert found is not None
+    json.loads(found.group(1))
+    return found.group(1)
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    """The e2e mesh, started as the README's typed-client section says: with its grant for client/dev."""
+    tmp = tmp_path_factory.mktemp("mesh")
+    (tmp / "authz.json").write_text(readme_grants())
+    m = start_mesh(tmp, CHATMESH_MESH_AUTHZ_FILE=str(tmp / "authz.json"))
+    try:
+        yield m
+    finally:
+        m.stop()
 
 
 def grpcurl() -> str:
@@ -159,16 +181,16 @@ def readme_client(mesh: Mesh) -> str:
             .replace(str(settings.CHAT_ADDRESS.default), mesh.cfg[settings.CHAT_ADDRESS]))
 
 
-def test_the_readmes_typed_client_acts_for_alice_with_a_token_from_the_gateway(mesh: Mesh, tmp_path: Path) -> None:
+def test_the_readmes_typed_client_acts_for_local_with_a_token_from_the_gateway(mesh: Mesh, tmp_path: Path) -> None:
     script = tmp_path / "client.py"
     script.write_text(readme_client(mesh))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "output_tokens" in done.stdout and done.stdout.split("\n")[0].strip()
-    # the same client naming bob with alice's token: refused before anything of bob's is touched
+    # the same client naming bob with local's token: refused before anything of bob's is touched
     as_bob = readme_client(mesh)
     for request in ("CreateConversationRequest", "SendTurnRequest"):
-        as_bob = as_bob.replace(f'{request}(owner_id="alice"', f'{request}(owner_id="bob"')
+        as_bob = as_bob.replace(f'{request}(owner_id="local"', f'{request}(owner_id="bob"')
     assert as_bob.count('owner_id="bob"') == 2
     script.write_text(as_bob)
     refused = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)

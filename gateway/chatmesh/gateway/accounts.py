@@ -6,6 +6,8 @@ browser sessions. The gateway creates them at start (`create_all`, idempotent).
 - auth_api_keys: the key's digest, never the key; the key is shown once by `chatmesh keys create`.
   Keys are `cmk_` + 43 URL-safe characters (256 random bits), so a fast digest is enough.
 - auth_sessions: the digest of the cookie value, the CSRF token handed to the page, and an expiry.
+- auth_group_members: which users are in which named group (`chatmesh groups add NAME USER`), for the owner-token
+  grants of internal clients that name a group (mesh/grants.py).
 - auth_frontend_keys: the API keys marked as a trusted front-end (`chatmesh keys create NAME --frontend`): a
   service such as Open WebUI that serves many people through one key and names each end user in a header; only
   such a key may (see chatmesh.gateway.openai.surface).
@@ -70,6 +72,14 @@ frontend_keys = sa.Table(
     "auth_frontend_keys", metadata,
     sa.Column("key_digest", sa.String(64), sa.ForeignKey("auth_api_keys.key_digest", ondelete="CASCADE"),
               primary_key=True),
+    sa.Column("created_at_ms", sa.BigInteger, nullable=False),
+)
+
+group_members = sa.Table(
+    "auth_group_members", metadata,
+    sa.Column("group_name", sa.String(128), primary_key=True),
+    sa.Column("user_id", sa.String(64), sa.ForeignKey("auth_users.user_id", ondelete="CASCADE"), primary_key=True,
+              index=True),
     sa.Column("created_at_ms", sa.BigInteger, nullable=False),
 )
 
@@ -160,6 +170,37 @@ class Accounts:
         async with self._engine.connect() as conn:
             found = await conn.scalar(sa.select(users.c.user_id).where(users.c.name == name))
         return ids.OwnerId(found) if found is not None else None
+
+    async def user_name(self, owner: ids.OwnerId) -> str | None:
+        """The name of the user whose id is `owner` (None: no such user)."""
+        async with self._engine.connect() as conn:
+            found = await conn.scalar(sa.select(users.c.name).where(users.c.user_id == owner))
+        return str(found) if found is not None else None
+
+    async def in_group(self, owner: ids.OwnerId, group: str) -> bool:
+        async with self._engine.connect() as conn:
+            found = await conn.scalar(sa.select(group_members.c.user_id).where(
+                group_members.c.group_name == group, group_members.c.user_id == owner))
+        return found is not None
+
+    async def set_group(self, group: str, name: str, member: bool) -> bool:
+        """Puts user `name` in `group` (or, `member` false, takes it out); whether anything changed."""
+        if not group or len(group) > 128 or not group.isprintable():
+            raise errors.InvalidArgument("group must be 1-128 printable characters")
+        owner = await self.user_named(name)
+        if owner is None:
+            raise errors.NotFound(f"no user {name!r}")
+        async with self._engine.begin() as conn:
+            if not member:
+                done = await conn.execute(group_members.delete().where(
+                    group_members.c.group_name == group, group_members.c.user_id == owner))
+                return bool(done.rowcount)
+            if await conn.scalar(sa.select(group_members.c.user_id).where(
+                    group_members.c.group_name == group, group_members.c.user_id == owner)) is not None:
+                return False
+            await conn.execute(group_members.insert().values(group_name=group, user_id=owner,
+                                                             created_at_ms=_now_ms()))
+        return True
 
     async def create_key(self, name: str, label: str = "", *, frontend: bool = False) -> str:
         """A new API key of user `name`; `frontend` marks it a trusted front-end (it may name end users)."""

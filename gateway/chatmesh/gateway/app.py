@@ -50,7 +50,7 @@ from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
 from chatmesh.gateway.login_throttle import LoginThrottle
-from chatmesh.gateway.owner_tokens import EdgeTokens, serve_token_service
+from chatmesh.gateway.owner_tokens import Directory, EdgeTokens, serve_token_service
 from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.observe import EdgeMetrics, Observe
@@ -206,13 +206,13 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         trust = service_trust(cfg, "gateway")
         channel = chat_channel(cfg, trust)
         owner_tokens = EdgeTokens.from_trust(trust, cfg[mesh_settings.OWNER_TOKEN_TTL_S])
-        token_server = await serve_token_service(cfg, trust, owner_tokens)
         limits = _limits(cfg)
         accounts = accounts_for(cfg)
         await accounts.create_tables()
         app.state.accounts = accounts
         local = ids.parse_owner_id(cfg[settings.LOCAL_USER], "CHATMESH_LOCAL_USER") \
             if cfg[settings.AUTH] == "local" else None
+        token_server = await serve_token_service(cfg, trust, owner_tokens, Directory(accounts, local))
         served = await asyncio.to_thread(served_model, cfg)  # the profile's model id and context (chat's too)
         app.state.edge = routes.Edge(
             chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), tokens=owner_tokens,

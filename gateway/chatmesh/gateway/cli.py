@@ -5,6 +5,8 @@
     chatmesh keys create alice --label laptop   # prints the key once; only its digest is stored
     chatmesh keys create webui --frontend       # a trusted front-end's key: it may name end users (Open WebUI)
     chatmesh keys revoke cmk_...
+    chatmesh groups add support alice bob       # a group an internal client's owner-token grant may name
+    chatmesh groups remove support bob
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def register(sub: Any) -> None:
     config.add_flags(keys)
     keys.set_defaults(handler=_keys)
 
+    groups = sub.add_parser("groups", help="named groups of users (an internal client's owner-token grant may name "
+                                           "one: CHATMESH_MESH_AUTHZ_FILE owner_token_grants)")
+    groups.add_argument("action", choices=("add", "remove"))
+    groups.add_argument("group")
+    groups.add_argument("names", nargs="+", metavar="USER", help="user names")
+    config.add_flags(groups)
+    groups.set_defaults(handler=_run)
+
 
 def accounts_for(cfg: Config) -> Accounts:
     url = cfg[settings.AUTH_DATABASE_URL] or cfg[store_settings.DATABASE_URL]
@@ -55,6 +65,9 @@ async def _with_accounts(cfg: Config, args: argparse.Namespace, password: str | 
         await accounts.create_tables()
         if args.command == "users":
             return await accounts.create_user(args.name, password)
+        if args.command == "groups":
+            changed = [n for n in args.names if await accounts.set_group(args.group, n, args.action == "add")]
+            return f"{args.action}: {', '.join(changed) or 'nothing changed'}"
         if args.action == "create":
             return await accounts.create_key(args.subject, args.label, frontend=args.frontend)
         return "revoked" if await accounts.revoke_key(args.subject) else "no such active key"

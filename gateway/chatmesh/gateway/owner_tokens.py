@@ -13,21 +13,29 @@ behind the edge verifies.
 
 `OwnerTokenService` (protos/chatmesh/v1/owner_token.proto) on CHATMESH_OWNER_TOKEN_ADDRESS, mutual TLS only and
 callable by spiffe://chatmesh/client/* identities only (`AUTHZ`): an internal service that acts for users (the
-README's typed client) asks it for a token naming the owner, and conversation, it acts for. Each issue is logged
-with the caller's identity, the owner and conversation ids and the key id, never the token.
+README's typed client) asks it for a token naming the owner, and conversation, it acts for. It mints only what
+the caller's grant allows (mesh/grants.py, in CHATMESH_MESH_AUTHZ_FILE; no grant, no token): an owner the grant
+covers and the gateway knows (a user of its accounts, or the development user), the grant's scopes or fewer, and
+its per-turn prompt budget; the token names the caller as its presenter, so no other identity can use it. Each
+issue and each refusal is logged with the caller's identity and ids only (owner, conversation, key, scopes),
+never the token: the audit trail of who acted for whom.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn, Protocol, assert_never
 
 import grpc
 
 from chatmesh.gateway.identity import Principal
-from chatmesh.mesh import authz, identity, logs, tokens
+from chatmesh.mesh import authz, grants, identity, logs, tokens
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument, PermissionDenied
+from chatmesh.mesh.grants import Grant, Owners
+from chatmesh.mesh.identity import Identity
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_owner_id
 from chatmesh.mesh.server import Running, Service, start_server, unary_errors
 from chatmesh.mesh.settings import OWNER_TOKEN_ADDRESS
@@ -81,9 +89,50 @@ class EdgeTokens:
         return minted.token
 
 
+class Accounts(Protocol):
+    """What the grants need of the gateway's accounts (chatmesh.gateway.accounts.Accounts)."""
+
+    async def user_name(self, owner: OwnerId) -> str | None: ...
+
+    async def in_group(self, owner: OwnerId, group: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Directory:
+    """The owners the gateway knows: its accounts' users, and the development user (CHATMESH_AUTH=local)."""
+
+    accounts: Accounts | None
+    local_owner: OwnerId | None = None
+
+    async def name_of(self, owner: OwnerId) -> str | None:
+        if owner == self.local_owner:
+            return owner
+        return await self.accounts.user_name(owner) if self.accounts is not None else None
+
+    async def covers(self, grant: Grant, owner: OwnerId) -> bool:
+        """Whether `grant` lets its client act for `owner` (never for an owner the gateway does not know)."""
+        name = await self.name_of(owner)
+        if name is None:
+            return False
+        match grant.owners:
+            case Owners.ALL:
+                return True
+            case Owners.NONE:
+                return False
+            case Owners.LISTED:
+                return owner in grant.listed or name in grant.listed
+            case Owners.GROUP:
+                return self.accounts is not None and await self.accounts.in_group(owner, grant.group)
+            case _:
+                assert_never(grant.owners)
+
+
 class OwnerTokenServicer(owner_token_pb2_grpc.OwnerTokenServiceServicer):
-    def __init__(self, issuer: tokens.Issuer) -> None:
+    def __init__(self, issuer: tokens.Issuer, grants_by_client: Mapping[Identity, Grant] | None = None,
+                 directory: Directory = Directory(None)) -> None:
         self.issuer = issuer
+        self.grants = dict(grants_by_client or {})
+        self.directory = directory
 
     @unary_errors
     async def IssueOwnerToken(self, request: owner_token_pb2.IssueOwnerTokenRequest,
@@ -96,13 +145,36 @@ class OwnerTokenServicer(owner_token_pb2_grpc.OwnerTokenServiceServicer):
         caller = authz.caller.get()
         if caller is None:  # the guard in front of every RPC names the caller; without it nobody may mint
             raise PermissionDenied("owner tokens are issued to mesh identities only")
-        minted = self.issuer.mint(owner, conversation, ttl_s=request.ttl_s or None, presenter=caller.identity)
+        grant = self.grants.get(caller.identity)
+        if grant is None:
+            self._refuse(caller.identity, owner, conversation, "no_grant",
+                         f"{caller.identity} has no owner-token grant (CHATMESH_MESH_AUTHZ_FILE \"{grants.KEY}\")")
+        if not await self.directory.covers(grant, owner):
+            self._refuse(caller.identity, owner, conversation, "owner_not_granted",
+                         f"{caller.identity}'s grant does not cover owner {owner!r} (not among its owners, or no "
+                         f"user of this gateway)")
+        outside = [s for s in request.scopes if s not in grant.scopes
+                   and not any(s in tokens.SCOPES.get(g, ()) for g in grant.scopes)]
+        if outside:
+            self._refuse(caller.identity, owner, conversation, "scope_not_granted",
+                         f"{caller.identity}'s grant does not include scopes {outside} (it has "
+                         f"{', '.join(grant.scopes)})")
+        scopes = tuple(request.scopes) or grant.scopes
+        allowance = grant.prompt_tokens_per_turn if Grant(grant.owners, scopes).sends_turns else None
+        minted = self.issuer.mint(owner, conversation, ttl_s=request.ttl_s or None, presenter=caller.identity,
+                                  scopes=scopes, prompt_allowance=allowance)
         log.info("owner_token_issued", caller=caller.identity, owner_id=owner,
                  conversation_id=conversation or "", key_id=minted.claims.key_id,
-                 expires_at=minted.claims.expires_at)
+                 expires_at=minted.claims.expires_at, scopes=list(scopes), prompt_token_allowance=allowance or 0)
         return owner_token_pb2.IssueOwnerTokenResponse(
             token=minted.token, expires_at_ms=minted.claims.expires_at * 1000, metadata_key=tokens.METADATA_KEY,
-            key_id=minted.claims.key_id)
+            key_id=minted.claims.key_id, scopes=scopes, prompt_token_allowance=allowance or 0)
+
+    def _refuse(self, caller: Identity, owner: OwnerId, conversation: ConversationId | None, reason: str,
+                message: str) -> NoReturn:
+        log.warning("owner_token_refused", caller=caller, owner_id=owner, conversation_id=conversation or "",
+                    reason=reason)
+        raise PermissionDenied(message)
 
 
 @dataclass
@@ -119,8 +191,9 @@ class TokenServer:
         await self.running.stop(self.service, grace_s)
 
 
-def token_service(issuer: tokens.Issuer) -> Service:
-    servicer = OwnerTokenServicer(issuer)
+def token_service(issuer: tokens.Issuer, grants_by_client: Mapping[Identity, Grant] | None = None,
+                  directory: Directory = Directory(None)) -> Service:
+    servicer = OwnerTokenServicer(issuer, grants_by_client, directory)
 
     def register(server: grpc.aio.Server) -> list[str]:
         owner_token_pb2_grpc.add_OwnerTokenServiceServicer_to_server(servicer, server)
@@ -129,10 +202,16 @@ def token_service(issuer: tokens.Issuer) -> Service:
     return Service(name="gateway", register=register, authz=AUTHZ)
 
 
-async def serve_token_service(cfg: Config, trust: Trust, edge: EdgeTokens) -> TokenServer | None:
+def grants_of(trust: Trust) -> dict[Identity, Grant]:
+    """The owner-token grants of the process's authorization file (none without one)."""
+    return grants.parse(authz.read_file(trust.authz_file)) if trust.authz_file is not None else {}
+
+
+async def serve_token_service(cfg: Config, trust: Trust, edge: EdgeTokens, directory: Directory
+                              ) -> TokenServer | None:
     """Starts OwnerTokenService on CHATMESH_OWNER_TOKEN_ADDRESS (None: the address is empty, or plaintext)."""
     address = cfg[OWNER_TOKEN_ADDRESS]
     if not address or edge.issuer is None:
         return None
-    service = token_service(edge.issuer)
+    service = token_service(edge.issuer, grants_of(trust), directory)
     return TokenServer(service, await start_server(service, address, trust=trust), host_of(address))

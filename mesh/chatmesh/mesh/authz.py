@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 
+from chatmesh.mesh import grants, logs
 from chatmesh.mesh import identity as ident
-from chatmesh.mesh import logs
 from chatmesh.mesh.identity import Identity
 
 log = logs.get("chatmesh.authz")
@@ -65,15 +65,32 @@ def table(service_name: str, rules: Rules) -> dict[str, tuple[Identity, ...]]:
     return {f"/{service_name}/{name}": tuple(allowed) for name, allowed in rules.items()}
 
 
-def read_overrides(path: Path) -> dict[str, tuple[Identity, ...]]:
+def read_file(path: Path) -> dict[str, object]:
+    """The authorization file's JSON object: RPC paths ("/chatmesh.v1.Service/Rpc") to the identities allowed,
+    and "owner_token_grants" (grants.py)."""
     try:
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict):
-            raise ValueError("expected an object")
-        return {str(k): tuple(ident.parse(str(v), pattern=True) for v in vs) for k, vs in doc.items()}
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: expected {{\"/chatmesh.v1.Service/Rpc\": "
-                         f"[\"spiffe://chatmesh/...\", ...]}} ({err})") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: unreadable ({err})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: expected a JSON object")
+    return doc
+
+
+def read_overrides(path: Path) -> dict[str, tuple[Identity, ...]]:
+    """The authorization rules of the file (its grants are the gateway's: grants.py)."""
+    doc = read_file(path)
+    rules = {k: v for k, v in doc.items() if k != grants.KEY}
+    usage = (f"CHATMESH_MESH_AUTHZ_FILE {path}: expected {{\"/chatmesh.v1.Service/Rpc\": [\"spiffe://chatmesh/...\", "
+             f"...], \"{grants.KEY}\": {{...}}}}")
+    odd = sorted(k for k, v in rules.items() if not (k.startswith("/") and isinstance(v, list)))
+    if odd:
+        raise ValueError(f"{usage} (unknown entries {odd})")
+    try:
+        return {k: tuple(ident.parse(str(v), pattern=True) for v in vs) for k, vs in rules.items()
+                if isinstance(vs, list)}
+    except ValueError as err:
+        raise ValueError(f"{usage} ({err})") from None
 
 
 class Policy:

@@ -4,7 +4,7 @@ An owner-scoped request names its owner in a field (`owner_id`); the field is be
 an owner token (tokens.py) that verifies and is for that owner, and, if the token is bound to a conversation,
 for that conversation, named by the call (a bound token opens no call that names none; owner-wide calls, such
 as export or delete-everything, need an owner-wide token). The token must also be presented by the identity it
-was minted for (`azp`), or by a forwarder (`tokens.FORWARDERS`: chat, passing on its request's token); and
+was minted for (`azp`), or by a forwarder (`tokens.FORWARDERS`: chat or an engine, passing on its request's token); and
 where it enters the mesh, the RPC must be among its scopes. The guard raises typed core errors, which the
 bootstrap's one mapping turns into status codes: no token, or one that is expired, tampered with or signed by
 an unknown or retired key -> Unauthenticated; a valid token for another owner, conversation, presenter or RPC

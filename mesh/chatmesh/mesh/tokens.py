@@ -21,8 +21,9 @@ What a verifier refuses, besides a bad signature or an unknown key:
   once, not when the cache forgets it);
 - (owner_guard.py) a token presented by anyone but its `azp` (the authorized party it was minted for, as in
   OpenID Connect: the sender constraint of RFC 8705, by identity rather than by certificate thumbprint, so a
-  token survives its presenter's certificate rotation) or a mesh service that forwards a request's token (`FORWARDERS`: chat, to the store, the engine
-  and a peer chat process). A token minted for client/dev and replayed by the gateway's identity, or the
+  token survives its presenter's certificate rotation) or a mesh service that forwards a request's token
+  (`FORWARDERS`: chat, to the store, the engine and a peer chat process; an engine, to the engine it pulls a
+  prefix from). A token minted for client/dev and replayed by the gateway's identity, or the
   gateway's token replayed by client/dev, is refused.
 
 Scopes (`scp`, set on the tokens OwnerTokenService issues to internal clients, from their grant): which

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63hatmesh/v1/owner_token.proto\x12\x0b\x63hatmesh.v1\"R\n\x16IssueOwnerTokenRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x05\"e\n\x17IssueOwnerTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x15\n\rexpires_at_ms\x18\x02 \x01(\x03\x12\x14\n\x0cmetadata_key\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t2q\n\x11OwnerTokenService\x12\\\n\x0fIssueOwnerToken\x12#.chatmesh.v1.IssueOwnerTokenRequest\x1a$.chatmesh.v1.IssueOwnerTokenResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63hatmesh/v1/owner_token.proto\x12\x0b\x63hatmesh.v1\"b\n\x16IssueOwnerTokenRequest\x12\x10\n\x08owner_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\r\n\x05ttl_s\x18\x03 \x01(\x05\x12\x0e\n\x06scopes\x18\x04 \x03(\t\"\x95\x01\n\x17IssueOwnerTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x15\n\rexpires_at_ms\x18\x02 \x01(\x03\x12\x14\n\x0cmetadata_key\x18\x03 \x01(\t\x12\x0e\n\x06key_id\x18\x04 \x01(\t\x12\x0e\n\x06scopes\x18\x05 \x03(\t\x12\x1e\n\x16prompt_token_allowance\x18\x06 \x01(\x03\x32q\n\x11OwnerTokenService\x12\\\n\x0fIssueOwnerToken\x12#.chatmesh.v1.IssueOwnerTokenRequest\x1a$.chatmesh.v1.IssueOwnerTokenResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.owner_token_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ISSUEOWNERTOKENREQUEST']._serialized_start=46
-  _globals['_ISSUEOWNERTOKENREQUEST']._serialized_end=128
-  _globals['_ISSUEOWNERTOKENRESPONSE']._serialized_start=130
-  _globals['_ISSUEOWNERTOKENRESPONSE']._serialized_end=231
-  _globals['_OWNERTOKENSERVICE']._serialized_start=233
-  _globals['_OWNERTOKENSERVICE']._serialized_end=346
+  _globals['_ISSUEOWNERTOKENREQUEST']._serialized_end=144
+  _globals['_ISSUEOWNERTOKENRESPONSE']._serialized_start=147
+  _globals['_ISSUEOWNERTOKENRESPONSE']._serialized_end=296
+  _globals['_OWNERTOKENSERVICE']._serialized_start=298
+  _globals['_OWNERTOKENSERVICE']._serialized_end=411
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,10 @@ class OwnerTokenServiceStub:
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     def __init__(self, channel):
@@ -51,11 +54,15 @@ class OwnerTokenServiceServicer:
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     def IssueOwnerToken(self, request, context):
-        """Mints an owner token for one owner, optionally bound to one conversation.
+        """Mints an owner token for one owner, optionally bound to one conversation. PERMISSION_DENIED when the caller's
+        grant does not cover the owner or a scope asked for (an owner the gateway does not know is never covered).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +89,10 @@ class OwnerTokenService:
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     @staticmethod

@@ -31,7 +31,10 @@ class OwnerTokenServiceStub:
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     @_typing.overload
@@ -39,7 +42,9 @@ class OwnerTokenServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> OwnerTokenServiceAsyncStub: ...
     IssueOwnerToken: _grpc.UnaryUnaryMultiCallable[_owner_token_pb2.IssueOwnerTokenRequest, _owner_token_pb2.IssueOwnerTokenResponse]
-    """Mints an owner token for one owner, optionally bound to one conversation."""
+    """Mints an owner token for one owner, optionally bound to one conversation. PERMISSION_DENIED when the caller's
+    grant does not cover the owner or a scope asked for (an owner the gateway does not know is never covered).
+    """
 
 @_typing.type_check_only
 class OwnerTokenServiceAsyncStub(OwnerTokenServiceStub):
@@ -47,19 +52,27 @@ class OwnerTokenServiceAsyncStub(OwnerTokenServiceStub):
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     IssueOwnerToken: _aio.UnaryUnaryMultiCallable[_owner_token_pb2.IssueOwnerTokenRequest, _owner_token_pb2.IssueOwnerTokenResponse]  # type: ignore[assignment]
-    """Mints an owner token for one owner, optionally bound to one conversation."""
+    """Mints an owner token for one owner, optionally bound to one conversation. PERMISSION_DENIED when the caller's
+    grant does not cover the owner or a scope asked for (an owner the gateway does not know is never covered).
+    """
 
 class OwnerTokenServiceServicer(metaclass=_abc_1.ABCMeta):
     """Owner tokens for internal services that act for users (identities spiffe://chatmesh/client/<name>), served by
     the gateway on its own gRPC port (CHATMESH_OWNER_TOKEN_ADDRESS) with mutual TLS. The gateway mints the same
     tokens for the users it authenticates itself. An owner token is a short-lived signed statement "this call acts
     for owner O (in conversation C)"; ChatService, the store and the engine accept an owner-scoped call only with a
-    valid token for the owner the request names. Only client identities may call this service.
+    valid token for the owner the request names, presented by the identity it was minted for (or by chat, which
+    forwards it). Only client identities may call this service, and each gets only what its grant allows (the
+    "owner_token_grants" of CHATMESH_MESH_AUTHZ_FILE: which owners, which scopes, what prompt budget per turn);
+    without a grant, nothing. Every token issued is logged with ids only.
     """
 
     @_abc_1.abstractmethod
@@ -68,6 +81,8 @@ class OwnerTokenServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _owner_token_pb2.IssueOwnerTokenRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_owner_token_pb2.IssueOwnerTokenResponse, _abc.Awaitable[_owner_token_pb2.IssueOwnerTokenResponse]]:
-        """Mints an owner token for one owner, optionally bound to one conversation."""
+        """Mints an owner token for one owner, optionally bound to one conversation. PERMISSION_DENIED when the caller's
+        grant does not cover the owner or a scope asked for (an owner the gateway does not know is never covered).
+        """
 
 def add_OwnerTokenServiceServicer_to_server(servicer: OwnerTokenServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
