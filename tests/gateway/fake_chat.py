@@ -56,6 +56,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.chunks: list[str] = ["Hello", ", ", "world", "."]
         self.delay_s = 0.0
         self.cancelled: list[str] = []
+        self.released: list[tuple[str, bool]] = []  # StopTurn with release: (turn id, whether it still ran)
         self.owners_seen: list[str] = []
         self.prompt_tokens = 7
         self.options: list[chat_pb2.TurnOptions] = []
@@ -131,6 +132,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
         assert turn is not None
         running = not turn.done.is_set()
+        if request.release:
+            self.released.append((request.turn_id, running))
+            return chat_pb2.StopTurnResponse(stopped=running)
         turn.stop = True
         return chat_pb2.StopTurnResponse(stopped=running)
 

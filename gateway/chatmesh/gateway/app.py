@@ -3,10 +3,13 @@
 Lifespan: the gRPC channel to ChatService, the auth tables, the limits backend and the gRPC OwnerTokenService
 (owner_tokens.py) are opened when the app starts and closed when it stops, all inside the server's event loop.
 
-Shutdown on SIGTERM/SIGINT (uvicorn's handler): the listening socket closes, open SSE relays get
+Shutdown on SIGTERM/SIGINT (uvicorn's handler): the listening socket closes and the gateway drains (drain.py):
+every new request, kept-alive connections' included, is refused 503 with Retry-After and `Connection: close`, so
+its client retries elsewhere and nothing starts that the drain would cut; open SSE relays get
 CHATMESH_SHUTDOWN_GRACE_S to finish their turns, the rest are ended (their gRPC calls cancelled, so chat stores
-the partial replies as stopped), then uvicorn closes idle connections and runs the lifespan shutdown. The
-process returns 0 instead of re-raising the signal, and nothing is logged with a traceback.
+the partial replies as stopped), then uvicorn closes idle connections and runs the lifespan shutdown. The exit
+comes within the grace (plus the close), sooner when the open streams end first. The process returns 0 instead
+of re-raising the signal, and nothing is logged with a traceback.
 
 Identity: CHATMESH_AUTH=local serves one development user and is refused on any address but loopback.
 
@@ -46,6 +49,7 @@ from chatmesh.gateway.openai.models import served_model
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_options
+from chatmesh.gateway.drain import Drain, DrainGuard
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
@@ -198,6 +202,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
     """The app; with `metrics_port`, its Prometheus metrics are served there while it runs (`chatmesh serve
     gateway` passes CHATMESH_GATEWAY_METRICS_PORT; tests leave it off)."""
     relays = Relays()
+    drain = Drain()
     registry = metrics.Registry()
     observed = EdgeMetrics(registry, lambda: len(relays.open))
 
@@ -252,12 +257,13 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
         ApiError: _api_error, BodyTimeout: _body_timeout, ClientDisconnect: _client_gone,
         HTTPException: _http_error, Exception: _unexpected},
-        middleware=[Middleware(Observe, metrics=observed),
+        middleware=[Middleware(Observe, metrics=observed), Middleware(DrainGuard, drain=drain),
                     Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
     app.router.redirect_slashes = False  # see _slash_redirect
     app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
     app.state.login_throttle = LoginThrottle(cfg[settings.KEY_PEPPER])
     app.state.relays = relays
+    app.state.drain = drain
     app.state.metrics = registry
     app.state.observed = observed
     app.state.accounts = None
@@ -268,14 +274,16 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
 class _Server(uvicorn.Server):
     """uvicorn with a drain step for open SSE relays and no re-raised signal at exit (see the module header)."""
 
-    def __init__(self, config: uvicorn.Config, relays: Relays, grace_s: float):
+    def __init__(self, config: uvicorn.Config, relays: Relays, grace_s: float, drain: Drain):
         super().__init__(config)
         self._relays = relays
         self._grace_s = grace_s
+        self._drain = drain
 
     async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         for server in self.servers:
             server.close()
+        self._drain.begin()
         if self._relays.open:
             log.info("draining_streams", open=len(self._relays.open), grace_s=self._grace_s)
         await self._relays.drain(self._grace_s)
@@ -312,7 +320,7 @@ def server_for(cfg: Config, app: Starlette | None = None, port: int | None = Non
         ssl_certfile=cert or None, ssl_keyfile=key or None, log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=int(grace) + 2, server_header=False,
         **uvicorn_options(cfg[settings.HEADER_TIMEOUT_S], cfg[settings.IDLE_TIMEOUT_S]))
-    return _Server(config, app.state.relays, grace)
+    return _Server(config, app.state.relays, grace, app.state.drain)
 
 
 # Garbage collection for a process that holds thousands of open streams. Every open stream keeps a few hundred
@@ -361,9 +369,11 @@ async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (tests): the caller sets `stop`
             loop.add_signal_handler(sig, stop.set)
     relays: Relays = app.state.relays
+    drain: Drain = app.state.drain
 
     async def shutdown_trigger() -> None:
         await stop.wait()
+        drain.begin()
         await relays.drain(grace)
 
     await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from chatmesh.gateway.limits import Budget, LimitBackend, StreamLease
 from chatmesh.gateway.metering import TurnCharge, over_allowance
 from chatmesh.gateway.owner_tokens import EdgeTokens
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.gateway.sse import PromptOverAllowance, Relays, TurnCall, TurnRelay, open_relay
+from chatmesh.gateway.sse import PromptOverAllowance, Relays, Release, TurnCall, TurnRelay, open_relay
 from chatmesh.gateway.tokens import MessageTokens
 from chatmesh.gateway.observe import EdgeMetrics
 from chatmesh.mesh import ids, logs, tracing
@@ -71,9 +71,10 @@ class Edge:
             raise
         return StreamSlot(owner, lease, charge)
 
-    async def relay(self, owner: ids.OwnerId, make: Callable[[int], TurnCall], *, new_turn: bool) -> TurnRelay:
+    async def relay(self, owner: ids.OwnerId, make: Callable[[int], TurnCall], *, new_turn: bool,
+                    release: Release | None = None) -> TurnRelay:
         """Takes a stream slot (`take_stream`), starts the gRPC turn stream `make(allowance)` and relays it; the
-        reservation is settled as chatmesh.gateway.metering says."""
+        reservation is settled as chatmesh.gateway.metering says. `release`: a new turn's (`releaser`)."""
         slot = await self.take_stream(owner, new_turn=new_turn)
         call: TurnCall | None = None
         try:
@@ -81,11 +82,19 @@ class Edge:
             return await open_relay(
                 call, sanitiser=Sanitiser(self.allowlist), heartbeat_s=self.heartbeat_s, relays=self.relays,
                 on_end=lambda outcome: self.ended(slot, outcome), on_started=slot.started,
-                ttft=self.observed.ttft.labels() if new_turn else None)
+                ttft=self.observed.ttft.labels() if new_turn else None, release=release)
         except BaseException as exc:
             if call is not None:
                 call.cancel()
             raise await self.refuse(slot, exc) from None
+
+    def releaser(self, who: Principal, conversation: ids.ConversationId, turn: ids.TurnId) -> Release:
+        """How a new turn's relay releases it when its client saw none of it (sse.py's module header)."""
+        def release() -> Awaitable[chat_pb2.StopTurnResponse]:
+            return self.chat.StopTurn(chat_pb2.StopTurnRequest(
+                owner_id=who.owner, conversation_id=conversation, turn_id=turn, release=True),
+                timeout=self.deadline_s, metadata=self.tokens.metadata(who, conversation))
+        return release
 
     async def refuse(self, slot: StreamSlot, exc: BaseException) -> BaseException:
         """Gives a slot back whose turn never started; returns what to raise for `exc`."""
@@ -207,7 +216,7 @@ async def send_turn(request: Request) -> Response:
             owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id, content=turn.content,
             prompt_token_allowance=allowance), metadata=edge.tokens.metadata(who, conversation))
 
-    return await edge.relay(who.owner, send, new_turn=True)
+    return await edge.relay(who.owner, send, new_turn=True, release=edge.releaser(who, conversation, turn.turn_id))
 
 
 async def regenerate_turn(request: Request) -> Response:
@@ -223,7 +232,7 @@ async def regenerate_turn(request: Request) -> Response:
             owner_id=who.owner, conversation_id=conversation, turn_id=new_turn, prompt_token_allowance=allowance),
             metadata=edge.tokens.metadata(who, conversation))
 
-    return await edge.relay(who.owner, regenerate, new_turn=True)
+    return await edge.relay(who.owner, regenerate, new_turn=True, release=edge.releaser(who, conversation, new_turn))
 
 
 async def attach_turn(request: Request) -> Response:

@@ -10,9 +10,12 @@ a JSON error with its proper status. Then `TurnRelay` (a raw ASGI response) runs
   SSE comment so proxies and browsers keep the connection open.
 
 Whichever ends first ends the other. On disconnect the gRPC call is cancelled, which cancels the turn in the chat
-service (I5: the partial reply is stored as stopped). Each ASGI `send` writes one whole frame, so the two tasks
-never interleave bytes. On gateway shutdown `Relays.drain` gives open streams `grace_s` to finish, then ends them
-the same way.
+service (I5: the partial reply is stored as stopped), except when this relay wrote none of the reply's text to
+its client (the stream was cut at the response headers, the SDK's retry is coming): then the relay of the
+stream a new turn is generated for (its `turn.started` not a replay) first asks chat to release the turn (`release`: StopTurn with release), so nothing is stored for it and the
+retry generates it (or, if the retry is already following it, it goes on for that retry) instead of replaying an
+empty stopped reply. Each ASGI `send` writes one whole frame, so the two tasks never interleave bytes. On gateway
+shutdown `Relays.drain` gives open streams `grace_s` to finish, then ends them the same way.
 
 Framing: what each event becomes on the wire is a `Framing` (chatmesh's own `turn.*` events by default; the
 OpenAI-compatible surface passes its own, `chat.completion.chunk` or `response.*` events), so both surfaces share
@@ -60,6 +63,8 @@ _STREAM_MESSAGES = (chat_pb2.SendTurnResponse, chat_pb2.AttachTurnResponse, chat
 TurnCall = grpc.aio.UnaryStreamCall[Any, Any]
 OnEnd = Callable[[events.Outcome], Awaitable[None]]
 OnStarted = Callable[[bool, int | None], Awaitable[None]]  # (replayed, the prompt's size if reported)
+Release = Callable[[], Awaitable[object]]  # asks chat to release the relay's turn (its client saw none of it)
+RELEASE_TIMEOUT_S = 2.0
 
 
 class PromptOverAllowance(ApiError):
@@ -168,9 +173,10 @@ async def next_event(call: TurnCall) -> chat_pb2.TurnEvent | None:
 
 async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
                      on_end: OnEnd, on_started: OnStarted = _noop_started,
-                     ttft: metrics.HistogramChild | None = None) -> TurnRelay:
+                     ttft: metrics.HistogramChild | None = None, release: Release | None = None) -> TurnRelay:
     """Awaits the first event of `call` (see `first_event`), then relays the stream in chatmesh's own events."""
-    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started, ttft=ttft)
+    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started, ttft=ttft,
+                     release=release)
 
 
 class TurnRelay(Response):
@@ -179,8 +185,11 @@ class TurnRelay(Response):
 
     def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
                  relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started,
-                 framing: Framing | None = None, ttft: metrics.HistogramChild | None = None):
+                 framing: Framing | None = None, ttft: metrics.HistogramChild | None = None,
+                 release: Release | None = None):
         super().__init__(status_code=200, media_type="text/event-stream")
+        self._release = release  # a new turn's: asked when its client goes having been shown no text
+        self._ending = False  # `end()` was called
         self._framing: Framing = framing or ChatmeshFraming()
         self._ttft = ttft  # where a new turn's time to first text is observed (None: not measured, an attach)
         self._arrived = time.perf_counter()  # replaced by the request's arrival time (observe.Observe) when known
@@ -199,6 +208,13 @@ class TurnRelay(Response):
         self._tasks: list[asyncio.Task[None]] = []
 
     def end(self) -> None:
+        """Ends the stream (shutdown, past the grace) as its client going away would: a turn it showed none of
+        is released first, any other stopped where its client was."""
+        self._ending = True
+        if self._tasks:
+            self._tasks[1].cancel()  # the watcher: the pump goes on until the release, if any, is sent
+
+    def _stop_tasks(self) -> None:
         for task in self._tasks:
             task.cancel()
 
@@ -209,6 +225,8 @@ class TurnRelay(Response):
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             self._last_send = asyncio.get_running_loop().time()
             self._tasks = [asyncio.create_task(self._pump(send)), asyncio.create_task(self._watch(receive, send))]
+            if self._ending:
+                self._tasks[1].cancel()
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
             if self._final_written and not self._tasks[1].done():  # the client is still there
                 closing = await self._framing.end(self._outcome)
@@ -218,7 +236,10 @@ class TurnRelay(Response):
             pass
         finally:
             self._relays.open.discard(self)
-            self.end()
+            cut = not self._final_written and not (self._tasks and self._tasks[0].done())  # the turn still runs
+            if cut and self._ttft_s is None and self._release is not None and self._generates():
+                await self._released()  # before the pump is ended: cancelling its read cancels the call
+            self._stop_tasks()
             self._call.cancel()  # no-op once the stream finished; otherwise cancels the turn (client gone)
             await asyncio.gather(*self._tasks, return_exceptions=True)
             try:
@@ -231,6 +252,22 @@ class TurnRelay(Response):
                     self._outcome, replayed=started.replayed,
                     started_prompt_tokens=started.prompt_tokens if started.HasField("prompt_tokens") else None)
             await self._on_end(self._outcome)
+
+    def _generates(self) -> bool:
+        """Whether this stream is the one its turn is generated for (not a retry's attach, not a replay: those
+        have no turn of their own to release)."""
+        first = self._first
+        return first.WhichOneof("kind") == "started" and not first.started.replayed
+
+    async def _released(self) -> None:
+        """Asks chat to release the turn before the call is cancelled (module header); a failure leaves the
+        cancel to stop it, as before."""
+        assert self._release is not None
+        try:
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                await self._release()
+        except (TimeoutError, grpc.aio.AioRpcError) as err:
+            log.info("turn_release_failed", error=type(err).__name__)
 
     def _first_text(self) -> None:
         self._ttft_s = time.perf_counter() - self._arrived

@@ -2,7 +2,8 @@
 collected whole for a non-streaming request. Both hold the owner's stream slot until the turn ends and charge its
 prompt tokens, as chatmesh's own routes do. A non-streaming request keeps the turn going if its client goes away
 (so the SDK's retry attaches to it instead of generating again); a stream is the client's, as on chatmesh's own
-routes: when its client goes away the turn stops and the partial reply is kept."""
+routes: when its client goes away the turn stops and the partial reply is kept (or, when none of it had reached
+the client, the turn is released for the SDK's retry to generate)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import grpc
 
 from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError
+from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
@@ -116,8 +118,11 @@ def relay(surface: Surface, slot: StreamSlot, opened: Opened, framing: Framing, 
         if after is not None:
             await after(outcome)
 
+    # A stream cut before any text reached its client (the SDK retries it at once) releases the turn (sse.py).
+    release = surface.edge.releaser(Principal(slot.owner, Via.API_KEY), opened.point.conversation,
+                                    opened.point.turn)
     return TurnRelay(opened.call, opened.first, Sanitiser(surface.edge.allowlist), surface.edge.heartbeat_s,
-                     surface.edge.relays, on_end, slot.started, framing)
+                     surface.edge.relays, on_end, slot.started, framing, release=release)
 
 
 def discard(surface: Surface, owner: ids.OwnerId, opened: Opened) -> After:
