@@ -11,7 +11,7 @@ import pytest
 
 from chatmesh.mesh.cli import main
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity
+from chatmesh.router import capacity, disaggregate, link
 
 REFERENCE_FIGURES = [
     "160 KiB", "20 KiB per GPU", "8.8 GB", "63.2 GB", "3.08 M", "133,333", "1,000,000", "200,000",
@@ -193,7 +193,7 @@ def test_host_tier_at_the_reference() -> None:
 def test_disaggregated_plan() -> None:
     for p in (capacity.plan(), _at(32_000), capacity.plan(workload=dataclasses.replace(
             capacity.Workload(), cached_share=0.5))):
-        d = capacity.disaggregate(p)
+        d = disaggregate.disaggregate(p)
         assert d.transfer_bytes_s == pytest.approx(p.uncached_tokens_per_s * p.kv_bytes_per_token)
         assert d.saved_nodes == 0  # busy time adds up the same in this roofline
         assert d.nodes >= p.time_nodes - d.saved_nodes
@@ -201,17 +201,18 @@ def test_disaggregated_plan() -> None:
         assert d.decode_nodes == max(math.ceil(p.decode_busy_nodes / 0.6) + 1, p.memory_nodes)
         assert d.peak_bytes_s_prefill_node == pytest.approx(p.prefill_tokens_per_s_node * p.kv_bytes_per_token)
         assert d.decode_itl_s < d.aggregated_itl_s
-    d = capacity.disaggregate(capacity.plan())
+    d = disaggregate.disaggregate(capacity.plan())
     assert (d.prefill_nodes, d.decode_nodes) == (9, 13)
     assert d.transfer_bytes_s == pytest.approx(200_000 * 163_840)  # 32.8 GB/s
     assert d.link_share_prefill_node == pytest.approx(44_850 * 163_840 / 400e9, rel=1e-3)
-    long = capacity.disaggregate(_at(32_000))
+    assert d.turn_transfer_s == pytest.approx(link.DEFAULT_LATENCY_S + 600 * 163_840 / 400e9)  # link.py's model
+    long = disaggregate.disaggregate(_at(32_000))
     assert long.decode_binds is capacity.Binds.KV_MEMORY and long.decode_nodes == long.decode_memory_nodes
 
 
 def test_cli_sweep_plot_and_disaggregate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["capacity", "--contexts", "4k,32k", "--disaggregate", "--plots", str(tmp_path),
-                 "--link-gbps", "400", "--host-memory-gib", "512"]) == 0
+                 "--link-nics", "1", "--host-memory-gib", "512"]) == 0
     out = capsys.readouterr().out
     assert "context sweep" in out and "KV memory" in out and "disaggregated" in out and "of 400 Gb/s" in out
     assert "512 GiB per node" in out

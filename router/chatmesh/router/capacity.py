@@ -4,8 +4,8 @@ What. Given a model shape, a precision, a GPU, tensor parallelism and a workload
 `CapacityPlan` with the KV bytes per token, the KV tokens a node holds, the batch those tokens allow, a roofline
 decode step and prefill rate, the node count (the larger of a time bound and a memory bound, and which binds),
 the sequences in flight, the idle history to keep warm and the host tier it needs. `sweep()` plans one workload
-at several context lengths; `disaggregate()` splits a plan into prefill and decode pools with the KV transfer
-between them. `render*()` print them. No I/O here: the CLI (cli.py) prints, capacity_plot.py draws.
+at several context lengths. `render*()` print them. No I/O here: the CLI (cli.py) prints, capacity_plot.py
+draws, and disaggregate.py splits a plan into prefill and decode pools with the KV transfer between them.
 
 Why tokens, split in two. Prefill (the uncached prompt) is compute-bound; decode (one token per sequence per
 step) is bandwidth-bound. A chat prompt outnumbers its reply several times over, and the prefix cache changes
@@ -46,14 +46,6 @@ The model (all per replica of `tp` GPUs; a node of `gpus_per_node` GPUs holds gp
   each GPU's host link; in time means within its own prefill of the uncached rest, so the reload adds nothing to
   TTFT: bandwidth needed per GPU = prefix x KV per GPU / (uncached tokens / prefill rate) = cached / uncached x
   prefill rate x KV per GPU (3.7 GB/s at the defaults, whatever the context), against `host_link_bytes_s`.
-- Disaggregated (`disaggregate()`): a prefill pool sized by uncached prompt tok/s at the prefill MFU and a decode
-  pool by output tok/s at the KV-limited batch (its own time and memory bounds), each rounded up at the target
-  utilisation with its own spare. Every uncached prompt token's KV crosses from prefill to decode once (the
-  decode node keeps the conversation's earlier KV, which affinity routing brings back to it): transfer =
-  uncached prompt tok/s x KV per token, compared per node with `link_bytes_s` (a prefill node at full speed
-  sends prefill rate x KV per token). By this roofline, time is additive, so disaggregation saves no busy time
-  (`saved_nodes` is 0): it costs the second rounding and spare, and buys decode steps without prefill chunks in
-  them (ITL = the decode step, not step + a chunk's prefill time) and pools that scale on their own signals.
 
 Defaults are the reference's: Llama 3.1 70B shape (70.6 B parameters, 80 layers, 8 KV heads, head dim 128),
 FP8, H100 SXM (80 GB, 3.35 TB/s, 1,979 dense FP8 TFLOP/s), TP 8 on 8-GPU nodes, 8 GB reserved, 60% of peak
@@ -63,7 +55,7 @@ bandwidth, 40% of peak FLOP/s, batch 256; 20,000 open conversations, a turn a mi
 node-equivalents, 20 nodes, ~1,698 sequences in flight, 58.6 M idle tokens against 56.3 M free. Added here:
 963 sequences fit per node (time binds; memory alone would need 4 nodes); a host tier of 1,536 GiB per node
 (a DGX H100 has 2 TB) keeps every idle conversation warm where HBM alone keeps 96%; host links at 50 GB/s per
-GPU (PCIe Gen5 x16, achieved); node links of 8 x 400 Gb/s (the DGX's eight ConnectX-7 ports, as link.py).
+GPU (PCIe Gen5 x16, achieved, as roofline.py's host copies).
 At 32,000-token prompts: 95 fit, a 35.6 ms step at batch 95, 164 nodes (157 if 256 fit).
 The efficiencies are assumptions, not measurements: this is a roofline, not a benchmark.
 """
@@ -136,13 +128,12 @@ class ModelShape:
 GIB = 1 << 30
 DEFAULT_HOST_MEMORY_GIB = 1536.0  # of a DGX H100's 2 TB: what a node gives the KV host tier (as `triton render`)
 DEFAULT_HOST_LINK_GBS = 50.0  # per GPU, host <-> device: PCIe Gen5 x16 achieved (of 64), as roofline.py
-DEFAULT_LINK_GBPS = 3200.0  # per node: 8 x 400 Gb/s NICs (a DGX H100's ConnectX-7 ports), as link.py
 DEFAULT_CHUNK_TOKENS = 512  # the prefill chunk an aggregated step carries (Sarathi-Serve; the engine's budget)
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """GPU, precision, parallelism, the assumed achieved fractions of peak, and the node's host and network links."""
+    """GPU, precision, parallelism, the assumed achieved fractions of peak, and the host tier and its link."""
 
     gpu: Gpu = GPUS["h100"]
     precision: Precision = Precision.FP8
@@ -154,7 +145,6 @@ class Hardware:
     max_batch: int = 256
     host_memory_bytes: float = DEFAULT_HOST_MEMORY_GIB * GIB  # per node, for KV spilled from HBM
     host_link_bytes_s: float = DEFAULT_HOST_LINK_GBS * 1e9  # per GPU, host -> device
-    link_bytes_s: float = DEFAULT_LINK_GBPS * 1e9 / 8  # per node, to other nodes (the KV transfer's path)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
@@ -285,7 +275,8 @@ class CapacityPlan:
                 / (self.mean_context_tokens * self.kv_bytes_per_token_gpu))
 
 
-def _ceil_nodes(node_equivalents: float, target_util: float, spare: int) -> int:
+def nodes_for(node_equivalents: float, target_util: float, spare: int) -> int:
+    """Nodes for that much busy time (or in-flight KV) at the target utilisation, plus the spares."""
     return math.ceil(node_equivalents / target_util - 1e-9) + spare
 
 
@@ -299,7 +290,7 @@ def plan(model: ModelShape = ModelShape(), hardware: Hardware = Hardware(),
         raise InvalidArgument("cached share must be in [0, 1] and target utilisation in (0, 1]")
     if min(model.params, model.layers, model.kv_heads, model.head_dim, wl.turn_gap_s, wl.output_tokens,
            hw.max_batch, hw.decode_eff, hw.prefill_mfu, hw.gpu.bandwidth_bytes_s, hw.host_link_bytes_s,
-           hw.link_bytes_s, hw.chunk_tokens) <= 0 or wl.prompt_tokens < 0 or wl.conversations < 0:
+           hw.chunk_tokens) <= 0 or wl.prompt_tokens < 0 or wl.conversations < 0:
         raise InvalidArgument("model shape, turn gap, reply tokens, batch, efficiencies and links must be positive")
     if hw.host_memory_bytes < 0 or wl.spare_nodes < 0:
         raise InvalidArgument("host memory and spare nodes must not be negative")
@@ -337,12 +328,12 @@ def plan(model: ModelShape = ModelShape(), hardware: Hardware = Hardware(),
     decode_node = per_node * batch / step_s
     decode_busy = out_s / decode_node
     busy = decode_busy + prefill_busy
-    time_nodes = _ceil_nodes(busy, wl.target_util, wl.spare_nodes)
+    time_nodes = nodes_for(busy, wl.target_util, wl.spare_nodes)
     in_flight = turns_s * wl.output_tokens * step_s
-    memory_nodes = _ceil_nodes(in_flight / (per_node * fit), wl.target_util, wl.spare_nodes)
+    memory_nodes = nodes_for(in_flight / (per_node * fit), wl.target_util, wl.spare_nodes)
     nodes = max(time_nodes, memory_nodes)
     full_step = step_at(hw.max_batch)
-    full_nodes = _ceil_nodes(out_s * full_step / (per_node * hw.max_batch) + prefill_busy, wl.target_util,
+    full_nodes = nodes_for(out_s * full_step / (per_node * hw.max_batch) + prefill_busy, wl.target_util,
                              wl.spare_nodes)
     binds = Binds.KV_MEMORY if batch < hw.max_batch or memory_nodes > time_nodes else Binds.TIME
     idle = (wl.conversations - in_flight) * ctx
@@ -412,87 +403,18 @@ def sweep(contexts: typing.Sequence[int], model: ModelShape = ModelShape(), hard
     return [plan(model, hardware, dataclasses.replace(workload, prompt_tokens=c)) for c in contexts]
 
 
-# ---- disaggregated prefill and decode ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DisaggregatedPlan:
-    """Prefill and decode pools sized separately, the KV transfer between them, and the aggregated plan beside."""
-
-    aggregated: CapacityPlan
-    prefill_nodes: int
-    decode_time_nodes: int
-    decode_memory_nodes: int
-    decode_nodes: int
-    decode_binds: Binds
-    saved_nodes: int  # busy time disaggregation saves by this model, in nodes at the target: 0 (module doc)
-    transfer_bytes_s: float  # prefill -> decode, fleet-wide: uncached prompt tok/s x KV per token
-    whole_prompt_transfer_bytes_s: float  # if decode nodes kept no prefix and every prompt token's KV crossed
-    transfer_bytes_s_prefill_node: float  # average out of a serving prefill node
-    transfer_bytes_s_decode_node: float  # average into a serving decode node
-    peak_bytes_s_prefill_node: float  # a prefill node at full speed
-    peak_bytes_s_decode_node: float  # a decode node at full speed (its finished turns replaced by new ones)
-    turn_transfer_bytes: float  # one turn's uncached KV
-    turn_transfer_s: float  # over one node's links
-
-    @property
-    def nodes(self) -> int:
-        return self.prefill_nodes + self.decode_nodes
-
-    @property
-    def link_share_prefill_node(self) -> float:
-        """A prefill node at full speed, as a share of its links."""
-        return self.peak_bytes_s_prefill_node / self.aggregated.hardware.link_bytes_s
-
-    @property
-    def link_share_decode_node(self) -> float:
-        return self.peak_bytes_s_decode_node / self.aggregated.hardware.link_bytes_s
-
-    @property
-    def aggregated_itl_s(self) -> float:
-        """An aggregated step carries a prefill chunk beside the decodes."""
-        return self.aggregated.decode_step_s + self.aggregated.chunk_s
-
-    @property
-    def decode_itl_s(self) -> float:
-        return self.aggregated.decode_step_s
-
-
-def disaggregate(p: CapacityPlan) -> DisaggregatedPlan:
-    """Splits `p` into a prefill pool and a decode pool (module doc: what is and is not modelled)."""
-    wl, kv = p.workload, p.kv_bytes_per_token
-    prefill_nodes = _ceil_nodes(p.prefill_busy_nodes, wl.target_util, wl.spare_nodes)
-    decode_time = _ceil_nodes(p.decode_busy_nodes, wl.target_util, wl.spare_nodes)
-    decode_memory = p.memory_nodes
-    decode_nodes = max(decode_time, decode_memory)
-    pooled_busy = p.prefill_busy_nodes + p.decode_busy_nodes
-    saved = math.floor((p.busy_nodes - pooled_busy) / wl.target_util + 1e-9)
-    transfer = p.uncached_tokens_per_s * kv
-    uncached_turn = wl.prompt_tokens * (1 - wl.cached_share)
-    turn_bytes = uncached_turn * kv
-    binds = Binds.KV_MEMORY if p.kv_limited or decode_memory > decode_time else Binds.TIME
-    return DisaggregatedPlan(
-        aggregated=p, prefill_nodes=prefill_nodes, decode_time_nodes=decode_time,
-        decode_memory_nodes=decode_memory, decode_nodes=decode_nodes, decode_binds=binds, saved_nodes=saved,
-        transfer_bytes_s=transfer, whole_prompt_transfer_bytes_s=p.prompt_tokens_per_s * kv,
-        transfer_bytes_s_prefill_node=transfer / max(1, prefill_nodes - wl.spare_nodes),
-        transfer_bytes_s_decode_node=transfer / max(1, decode_nodes - wl.spare_nodes),
-        peak_bytes_s_prefill_node=p.prefill_tokens_per_s_node * kv,
-        peak_bytes_s_decode_node=p.decode_tokens_per_s_node / wl.output_tokens * turn_bytes,
-        turn_transfer_bytes=turn_bytes, turn_transfer_s=turn_bytes / p.hardware.link_bytes_s,
-    )
-
-
 # ---- what `chatmesh capacity` prints -----------------------------------------------------------------------
 
-def _gb(nbytes: float) -> str:
+def gb_text(nbytes: float) -> str:
+    """Bytes as the renderers print them (here and in disaggregate.py)."""
     return f"{nbytes / 1e9:,.1f} GB"
 
 
-def _rate(nbytes_s: float) -> str:
+def rate_text(nbytes_s: float) -> str:
     return f"{nbytes_s / 1e9:,.1f} GB/s" if nbytes_s >= 1e9 else f"{nbytes_s / 1e6:,.0f} MB/s"
 
 
-def _ms(seconds: float) -> str:
+def ms_text(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
@@ -511,7 +433,7 @@ def _binding(p: CapacityPlan) -> list[str]:
         case Binds.KV_MEMORY:
             return [
                 f"  binds                     KV memory: {hw.max_batch} sequences of {p.mean_context_tokens:,.0f} "
-                f"tokens need {_gb(p.full_batch_kv_bytes_gpu)} of KV per GPU, room {_gb(p.kv_room_bytes_gpu)}: "
+                f"tokens need {gb_text(p.full_batch_kv_bytes_gpu)} of KV per GPU, room {gb_text(p.kv_room_bytes_gpu)}: "
                 f"batch {p.batch}",
                 f"{_MORE}{p.time_nodes} nodes by busy time at batch {p.batch}; {mem}",
                 f"{_MORE}{p.nodes_at_full_batch} if the full batch fit ({p.nodes - p.nodes_at_full_batch:+d} for memory); "
@@ -530,17 +452,17 @@ def _host_lines(p: CapacityPlan) -> list[str]:
         f"alone, {h.warm_share:.0%} with the host tier",
         f"{_MORE}{h.host_bytes_needed_node / GIB:,.0f} GiB per node makes the idle history fit; "
         f"{h.host_reload_share:.0%} of returning turns then reload from host, "
-        f"{_rate(h.host_traffic_bytes_s_gpu)} per GPU",
+        f"{rate_text(h.host_traffic_bytes_s_gpu)} per GPU",
     ]
     if h.reload_tokens > 0:
-        within = (f"to arrive within its {_ms(h.prefill_s)} prefill of the rest needs "
-                  f"{_rate(h.reload_bytes_s_needed_gpu)} per GPU" if math.isfinite(h.reload_bytes_s_needed_gpu)
+        within = (f"to arrive within its {ms_text(h.prefill_s)} prefill of the rest needs "
+                  f"{rate_text(h.reload_bytes_s_needed_gpu)} per GPU" if math.isfinite(h.reload_bytes_s_needed_gpu)
                   else "(nothing left to prefill to hide it under)")
         lines += [
             f"  reload from host          a returning turn's {h.reload_tokens:,.0f} cached tokens, "
             f"{h.reload_bytes_gpu / 1e6:,.0f} MB per GPU, {within}",
-            f"{_MORE}at {_rate(hw.host_link_bytes_s)} per GPU it takes {_ms(h.reload_s)}; recomputing it "
-            f"{_ms(h.recompute_s)}",
+            f"{_MORE}at {rate_text(hw.host_link_bytes_s)} per GPU it takes {ms_text(h.reload_s)}; recomputing it "
+            f"{ms_text(h.recompute_s)}",
         ]
     return lines
 
@@ -604,32 +526,3 @@ def render_sweep(plans: typing.Sequence[CapacityPlan]) -> str:
             f"{p.nodes_at_full_batch:>6,}  {p.binds.value}")
     rows.append("  (full batch: the nodes if the KV room held --max-batch sequences; the gap is what memory costs)")
     return "\n".join(rows)
-
-
-def render_disaggregated(d: DisaggregatedPlan) -> str:
-    """The two pools, the transfer between them, and the aggregated plan beside them."""
-    p = d.aggregated
-    hw, wl = p.hardware, p.workload
-    link = hw.link_bytes_s
-    lines = [
-        f"disaggregated: prefill and decode pools, each at {wl.target_util:.0%} target + {wl.spare_nodes} spare",
-        f"  prefill pool              {d.prefill_nodes} nodes: {p.uncached_tokens_per_s:,.0f} uncached tok/s / "
-        f"{p.prefill_tokens_per_s_node:,.0f} per node = {p.prefill_busy_nodes:.1f} busy",
-        f"  decode pool               {d.decode_nodes} nodes: {p.output_tokens_per_s:,.0f} tok/s / "
-        f"{p.decode_tokens_per_s_node:,.0f} per node at batch {p.batch} = {p.decode_busy_nodes:.1f} busy "
-        f"(time {d.decode_time_nodes}, memory {d.decode_memory_nodes}: {d.decode_binds.value} binds)",
-        f"  against aggregated        {d.nodes} nodes vs {p.nodes} ({d.nodes - p.nodes:+d}); busy time saved: "
-        f"{d.saved_nodes} (time adds up the same; each pool rounds up and keeps its own spare)",
-        f"  KV transfer               {p.uncached_tokens_per_s:,.0f} tok/s x {p.kv_bytes_per_token / 1024:,.0f} KiB = "
-        f"{_rate(d.transfer_bytes_s)} ({d.transfer_bytes_s * 8 / 1e9:,.0f} Gb/s) in total; whole prompts would be "
-        f"{_rate(d.whole_prompt_transfer_bytes_s)}",
-        f"  per node                  prefill out {_rate(d.transfer_bytes_s_prefill_node)} average, "
-        f"{_rate(d.peak_bytes_s_prefill_node)} at full speed = {d.link_share_prefill_node:.0%} of "
-        f"{link * 8 / 1e9:,.0f} Gb/s; decode in {_rate(d.transfer_bytes_s_decode_node)} average, "
-        f"{_rate(d.peak_bytes_s_decode_node)} at full speed = {d.link_share_decode_node:.0%}",
-        f"  per turn                  {d.turn_transfer_bytes / 1e6:,.0f} MB of KV: {_ms(d.turn_transfer_s)} on the "
-        f"links, added to TTFT unless sent layer by layer during the prefill",
-        f"  ITL                       aggregated {_ms(p.decode_step_s)} step + {_ms(p.chunk_s)} per "
-        f"{hw.chunk_tokens}-token chunk = {_ms(d.aggregated_itl_s)}; decode pool {_ms(d.decode_itl_s)}",
-    ]
-    return "\n".join(lines)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.router import capacity, capacity_plot, follow, link, simulate
+from chatmesh.router import capacity, capacity_plot, disaggregate, follow, link, simulate
 
 
 def register(sub: Any) -> None:
@@ -39,8 +39,11 @@ def register(sub: Any) -> None:
                    help="host memory per node for the KV tier (a DGX H100 has 2 TB)")
     g.add_argument("--host-link-gbs", type=float, default=h.host_link_bytes_s / 1e9,
                    help="host-to-GPU bandwidth per GPU, GB/s (PCIe Gen5 x16, achieved)")
-    g.add_argument("--link-gbps", type=float, default=h.link_bytes_s * 8 / 1e9,
-                   help="a node's network links in total, Gb/s (8 x 400 Gb/s NICs)")
+    g.add_argument("--link-gbps", type=float, default=link.DEFAULT_NIC_GBPS,
+                   help="with --disaggregate: each NIC's Gb/s (link.py's model, as simulate's)")
+    g.add_argument("--link-nics", type=int, default=link.DEFAULT_NICS, help="with --disaggregate: NICs per node")
+    g.add_argument("--link-latency-ms", type=float, default=link.DEFAULT_LATENCY_S * 1e3,
+                   help="with --disaggregate: set-up time of one KV transfer")
     g.add_argument("--chunk-tokens", type=int, default=h.chunk_tokens,
                    help="prefill chunk an aggregated step carries (for the ITL comparison)")
     g = p.add_argument_group("workload")
@@ -131,7 +134,7 @@ def capacity_plan(args: argparse.Namespace) -> capacity.CapacityPlan:
         capacity.ModelShape(args.params, args.layers, args.kv_heads, args.head_dim),
         capacity.Hardware(gpu, precision, args.tp, args.gpus_per_node, args.reserved_gb * 1e9, args.decode_eff,
                           args.prefill_mfu, args.max_batch, args.host_memory_gib * capacity.GIB,
-                          args.host_link_gbs * 1e9, args.link_gbps * 1e9 / 8, args.chunk_tokens),
+                          args.host_link_gbs * 1e9, args.chunk_tokens),
         capacity.Workload(args.conversations, args.turn_gap_s, args.prompt_tokens, args.output_tokens,
                           args.cached_share, args.target_util, args.spare_nodes),
     )
@@ -144,12 +147,16 @@ def _capacity(args: argparse.Namespace) -> int:
         p = capacity_plan(args)
         contexts = [capacity.parse_tokens(c) for c in args.contexts.split(",") if c.strip()] if args.contexts else []
         plans = capacity.sweep(contexts, p.model, p.hardware, p.workload) if args.contexts else []
+        if not (args.link_gbps > 0 and args.link_nics > 0 and args.link_latency_ms >= 0):
+            raise InvalidArgument("--link-gbps and --link-nics must be positive, --link-latency-ms at least 0")
+        replica_link = link.Link(args.link_gbps * 1e9 / 8 * args.link_nics / p.replicas_per_node,
+                                 args.link_latency_ms / 1e3)  # a node's NICs shared among its replicas
     except InvalidArgument as err:
         print(f"chatmesh capacity: {err}", file=sys.stderr)
         return 2
     print(capacity.render(p))
     if args.disaggregate:
-        print(capacity.render_disaggregated(capacity.disaggregate(p)))
+        print(disaggregate.render(disaggregate.disaggregate(p, replica_link)))
     if plans:
         print(capacity.render_sweep(plans))
         if args.plots:
