@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from chatmesh.chat import context
 from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
-    OutputScreen, Pick, Replica, ResumeRefused, RouteLeaseId, Screening, TurnKey,
+    OutputScreen, Pick, PullSource, Replica, ResumeRefused, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
@@ -285,6 +285,7 @@ class FakeRouter:
         self.open: set[RouteLeaseId] = set()
         self.picks = 0
         self.excluded: list[tuple[ReplicaId, ...]] = []  # each pick's exclusions, in order
+        self.sources: dict[ReplicaId, PullSource] = {}  # a pick of this replica names this pull source
         self.down = False
         self._ids = (RouteLeaseId(f"route-{n}") for n in itertools.count())
 
@@ -298,7 +299,7 @@ class FakeRouter:
             raise errors.Unavailable(f"no healthy replica: all {len(self.replica_ids)} serving replicas are excluded")
         lease = next(self._ids)
         self.open.add(lease)
-        return Pick(usable[0], f"addr-{usable[0]}", lease)
+        return Pick(usable[0], f"addr-{usable[0]}", lease, self.sources.get(usable[0]))
 
     async def release(self, lease: RouteLeaseId) -> None:
         self.open.discard(lease)

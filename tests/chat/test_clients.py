@@ -1,6 +1,7 @@
 """Chat's gRPC clients on real loopback gRPC, where they do more than convert: the router pick's bounded wait (a
 router restarting, or answering that no replica serves yet, holds the turn for a moment instead of failing it)
-and the engine stream's `EngineUnreachable` (nothing reached the replica, so the turn may go to another)."""
+and the engine stream's `EngineUnreachable` (nothing reached the replica, so the turn may go to another), and
+the pick's pull source carried into the engine request."""
 
 from __future__ import annotations
 
@@ -13,15 +14,15 @@ import grpc
 import pytest
 
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcRouter
-from chatmesh.chat.ports import EngineUnreachable, Generation
+from chatmesh.chat.ports import EngineUnreachable, Generation, PullSource
 from chatmesh.mesh import errors
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.ids import ConversationId, OwnerId
+from chatmesh.mesh.ids import ConversationId, OwnerId, ReplicaId
 from chatmesh.mesh.server import serve
 from chatmesh.mesh.trust import Trust
 from chatmesh.router.service import build
-from chatmesh.v1 import route_pb2, route_pb2_grpc
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
 from tests.conftest import free_port
 
 REPLICAS = "engine-0=127.0.0.1:1,engine-1=127.0.0.1:2"
@@ -67,13 +68,15 @@ class _NotYet(route_pb2_grpc.RouteServiceServicer):
     def __init__(self, refusals: int) -> None:
         self.refusals = refusals
         self.calls = 0
+        self.source = ("", "")  # the pull source its picks name (none)
 
     async def PickReplica(self, request: route_pb2.PickReplicaRequest, context: grpc.aio.ServicerContext[
             route_pb2.PickReplicaRequest, route_pb2.PickReplicaResponse]) -> route_pb2.PickReplicaResponse:
         self.calls += 1
         if self.calls <= self.refusals:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy replica: none of 2 replicas is serving")
-        return route_pb2.PickReplicaResponse(replica_id="engine-1", address="127.0.0.1:2", lease_id="l-1")
+        return route_pb2.PickReplicaResponse(replica_id="engine-1", address="127.0.0.1:2", lease_id="l-1",
+                                             source_replica_id=self.source[0], source_address=self.source[1])
 
     async def ReleaseLease(self, request: route_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext[
             route_pb2.ReleaseLeaseRequest, route_pb2.ReleaseLeaseResponse]) -> route_pb2.ReleaseLeaseResponse:
@@ -118,3 +121,43 @@ async def test_an_engine_nothing_listens_at_is_unreachable() -> None:
                 pass
     finally:
         await channels.close()
+
+
+class _Recorder(generate_pb2_grpc.GenerateServiceServicer):
+    """An engine that records each Generate request and answers it finished at once."""
+
+    def __init__(self) -> None:
+        self.requests: list[generate_pb2.GenerateRequest] = []
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext[
+            generate_pb2.GenerateRequest, generate_pb2.GenerateResponse]) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        self.requests.append(request)
+        yield generate_pb2.GenerateResponse(finished=generate_pb2.GenerateFinished(
+            finish_reason=generate_pb2.FINISH_REASON_STOP))
+
+
+async def test_the_picks_pull_source_reaches_the_engine_request() -> None:
+    """PickReplicaResponse.source_* becomes Pick.source, and Generation.source the GenerateRequest's (issue 29)."""
+    servicer = _NotYet(refusals=0)
+    servicer.source = ("engine-0", "127.0.0.1:1")
+    async with fake_router(servicer) as address, open_channel(Trust.insecure(), address, "router") as channel:
+        pick = await GrpcRouter(channel, wait_s=5).pick(CONV)
+    assert pick.source == PullSource(ReplicaId("engine-0"), "127.0.0.1:1")
+    engine = _Recorder()  # type: ignore[abstract]  # only Generate is called
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(engine, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = Channels(Trust.insecure())
+    try:
+        for source in (pick.source, None):
+            generation = Generation(request_id="r", conversation=CONV, turn=None, owner=OwnerId("o"),
+                                    prompt_token_ids=(1,), platform_prefix_tokens=0, max_tokens=1, temperature=0.0,
+                                    top_p=1.0, source=source)
+            async for _ in GrpcEngines(channels).generate(f"127.0.0.1:{port}", generation, 5.0):
+                pass
+    finally:
+        await channels.close()
+        await server.stop(None)
+    assert [(r.source_replica_id, r.source_address) for r in engine.requests] == [
+        ("engine-0", "127.0.0.1:1"), ("", "")]

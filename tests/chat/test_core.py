@@ -19,7 +19,7 @@ import pytest
 from chatmesh.chat import context
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent, TurnEventKind
-from chatmesh.chat.ports import EngineDelta, EngineFinished, EngineStarted, FinishReason, TurnKey
+from chatmesh.chat.ports import EngineDelta, EngineFinished, EngineStarted, FinishReason, PullSource, TurnKey
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, OwnerId, ReplicaId, TurnId
 from chatmesh.mesh.turn import (
@@ -533,6 +533,25 @@ async def replica_unreachable_before_its_first_event_is_left_for_another_within_
     assert path(w) == [(S.RECEIVED, S.QUEUED), (S.QUEUED, S.PREFILL), (S.PREFILL, S.DECODE), (S.DECODE, S.STORED)]
     assert stored(w, conv)[-1] == (Role.ASSISTANT, "Hello there.", MessageStatus.COMPLETE)
     assert w.idle()  # both router leases released
+    return w
+
+
+@scenario
+async def a_pull_source_the_router_names_goes_to_the_engine_with_the_pick_that_named_it() -> World:
+    """The router names a source when the turn moves off the replica caching its prefix (issue 29): the engine
+    call carries the source of the pick it runs on; a reroute carries its own pick's source, not the first's."""
+    w, conv = await fresh()
+    e0, e1 = ReplicaId("engine-0"), ReplicaId("engine-1")
+    w.router.replica_ids.append(e1)
+    w.router.sources = {e0: PullSource(ReplicaId("engine-9"), "addr-engine-9"), e1: PullSource(e0, "addr-engine-0")}
+    w.engine.unreachable.add("addr-engine-0")
+    final = final_of(await w.turn(conv, "Go"))
+    assert isinstance(final, Completed) and final.replica_id == "engine-1"
+    assert [g.source for g in w.engine.generations] == [PullSource(e0, "addr-engine-0")]
+    w.engine.unreachable.clear()
+    w.router.sources = {}
+    assert isinstance(final_of(await w.turn(conv, "Again")), Completed)
+    assert w.engine.generations[-1].source is None  # a pick that names none: the engine prefills what it lacks
     return w
 
 

@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import assert_never
 
 from chatmesh.chat.admission import Admission, judged
@@ -176,8 +176,8 @@ class ClaimedTurn:
             assert pick is not None
             try:
                 ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine,
-                                            pick.address, generation, self.opt.engine_deadline_s,
-                                            self.job.options.stop)
+                                            pick.address, replace(generation, source=pick.source),
+                                            self.opt.engine_deadline_s, self.job.options.stop)
                 return ending, tally, pick
             except EngineUnreachable as err:
                 if len(tried) >= MAX_REROUTES or self.machine.state is not TurnState.QUEUED:

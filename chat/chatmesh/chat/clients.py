@@ -25,7 +25,7 @@ import grpc
 
 from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
-    OutputScreen, Pick, Replica, RouteLeaseId, Screening, TurnKey,
+    OutputScreen, Pick, PullSource, Replica, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.chat.observe import ChatMetrics
 from chatmesh.mesh import errors, tokens, tracing
@@ -238,7 +238,11 @@ class GrpcRouter:
             if span is not None:
                 span.set_attribute("chatmesh.replica.id", resp.replica_id)
                 span.set_attribute("chatmesh.route.spill", resp.outcome == route_pb2.PICK_OUTCOME_SPILL)
-        return Pick(ReplicaId(resp.replica_id), resp.address, RouteLeaseId(resp.lease_id))
+                if resp.source_replica_id:
+                    span.set_attribute("chatmesh.route.source", resp.source_replica_id)
+        source = PullSource(ReplicaId(resp.source_replica_id), resp.source_address) \
+            if resp.source_replica_id and resp.source_address else None
+        return Pick(ReplicaId(resp.replica_id), resp.address, RouteLeaseId(resp.lease_id), source)
 
     async def release(self, lease: RouteLeaseId) -> None:
         await call("router", self.stub.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease),
@@ -291,7 +295,10 @@ class GrpcEngines:
                 turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
                 platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
                 temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed,
-                expected_model=self.expected), timeout=timeout_s, metadata=tokens.forwarded())
+                expected_model=self.expected,
+                source_replica_id=generation.source.replica_id if generation.source is not None else "",
+                source_address=generation.source.address if generation.source is not None else ""),
+                timeout=timeout_s, metadata=tokens.forwarded())
             answered = False
             try:
                 async for resp in rpc:

@@ -96,10 +96,19 @@ RouteLeaseId = NewType("RouteLeaseId", str)  # the router's load lease on a repl
 
 
 @dataclass(frozen=True)
+class PullSource:
+    """The replica to pull a prompt's cached prefix from before prefill, as the router named it."""
+
+    replica_id: ReplicaId
+    address: str
+
+
+@dataclass(frozen=True)
 class Pick:
     replica_id: ReplicaId
     address: str
     lease: RouteLeaseId
+    source: PullSource | None = None  # the turn moved off its prefix: the picked replica pulls it from here
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,9 @@ class Generation:
     # continues that reply, sampling as if it had generated them; a backend that cannot continue it exactly refuses
     # (`ResumeRefused`) rather than splice.
     resumed_tokens: int = 0
+    # The router's pick named a source (the turn moved off the replica caching its prefix): the engine pulls what
+    # its own cache lacks from there before prefill, and prefills what the pull does not bring.
+    source: PullSource | None = None
 
 
 class FinishReason(enum.Enum):

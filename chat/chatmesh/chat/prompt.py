@@ -108,7 +108,8 @@ class Prompts:
             stream = self.engines.generate(pick.address, Generation(
                 request_id=f"summary-{conv}", conversation=conv, turn=None, owner=owner,
                 prompt_token_ids=rendered.token_ids, platform_prefix_tokens=rendered.platform_prefix_tokens,
-                max_tokens=SUMMARY_MAX_TOKENS, temperature=0.0, top_p=1.0), self.opt.engine_deadline_s)
+                max_tokens=SUMMARY_MAX_TOKENS, temperature=0.0, top_p=1.0, source=pick.source),
+                self.opt.engine_deadline_s)
             try:
                 async for event in stream:
                     if isinstance(event, EngineDelta):
