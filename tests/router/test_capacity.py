@@ -187,7 +187,7 @@ def test_host_tier_at_the_reference() -> None:
     assert small.host.warm_share < 1.0 and not small.host.idle_fits
     out = capacity.render(p)
     assert "warm: 96% in HBM alone, 100% with the host tier" in out
-    assert "18 GiB per node makes the idle history fit" in out and "needs 3.7 GB/s per GPU" in out
+    assert "18 GiB per node would make the idle history fit" in out and "needs 3.7 GB/s per GPU" in out
 
 
 def test_disaggregated_plan() -> None:

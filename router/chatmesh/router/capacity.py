@@ -424,19 +424,19 @@ _MORE = " " * 28  # a continued line, under the figures
 def _binding(p: CapacityPlan) -> list[str]:
     """Which resource runs out, by how much, and what more of it would change."""
     hw, wl = p.hardware, p.workload
-    mem = (f"{p.memory_nodes} by KV memory ({p.in_flight:,.0f} in flight / {p.fit_per_node:,} per node at "
+    mem = (f"{p.memory_nodes:,} by KV memory ({p.in_flight:,.0f} in flight / {p.fit_per_node:,} per node at "
            f"{wl.target_util:.0%}, + {wl.spare_nodes})")
     match p.binds:
         case Binds.TIME:
-            return [f"  binds                     time: {p.time_nodes} nodes by busy time at batch {p.batch} "
+            return [f"  binds                     time: {p.time_nodes:,} nodes by busy time at batch {p.batch} "
                     f"(--max-batch); {mem}"]
         case Binds.KV_MEMORY:
             return [
                 f"  binds                     KV memory: {hw.max_batch} sequences of {p.mean_context_tokens:,.0f} "
                 f"tokens need {gb_text(p.full_batch_kv_bytes_gpu)} of KV per GPU, room {gb_text(p.kv_room_bytes_gpu)}: "
                 f"batch {p.batch}",
-                f"{_MORE}{p.time_nodes} nodes by busy time at batch {p.batch}; {mem}",
-                f"{_MORE}{p.nodes_at_full_batch} if the full batch fit ({p.nodes - p.nodes_at_full_batch:+d} for memory); "
+                f"{_MORE}{p.time_nodes:,} nodes by busy time at batch {p.batch}; {mem}",
+                f"{_MORE}{p.nodes_at_full_batch:,} if the full batch fit ({p.nodes - p.nodes_at_full_batch:+,d} for memory); "
                 f"decode per node {p.decode_tokens_per_s_node:,.0f} tok/s, at most "
                 f"{p.decode_ceiling_tokens_per_s_node:,.0f} at any batch at this context",
             ]
@@ -450,14 +450,14 @@ def _host_lines(p: CapacityPlan) -> list[str]:
         f"  host tier                 {hw.host_memory_bytes / GIB:,.0f} GiB per node = "
         f"{h.host_tokens_per_node / 1e6:.2f} M tokens; idle conversations warm: {h.warm_share_hbm:.0%} in HBM "
         f"alone, {h.warm_share:.0%} with the host tier",
-        f"{_MORE}{h.host_bytes_needed_node / GIB:,.0f} GiB per node makes the idle history fit; "
-        f"{h.host_reload_share:.0%} of returning turns then reload from host, "
-        f"{rate_text(h.host_traffic_bytes_s_gpu)} per GPU",
+        f"{_MORE}{h.host_bytes_needed_node / GIB:,.0f} GiB per node would make the idle history fit; with this "
+        f"tier {h.host_reload_share:.0%} of returning turns reload from host, {rate_text(h.host_traffic_bytes_s_gpu)} "
+        f"per GPU",
     ]
     if h.reload_tokens > 0:
         within = (f"to arrive within its {ms_text(h.prefill_s)} prefill of the rest needs "
                   f"{rate_text(h.reload_bytes_s_needed_gpu)} per GPU" if math.isfinite(h.reload_bytes_s_needed_gpu)
-                  else "(nothing left to prefill to hide it under)")
+                  else "with nothing left to prefill to hide it under")
         lines += [
             f"  reload from host          a returning turn's {h.reload_tokens:,.0f} cached tokens, "
             f"{h.reload_bytes_gpu / 1e6:,.0f} MB per GPU, {within}",
@@ -492,7 +492,7 @@ def render(p: CapacityPlan) -> str:
         f"prefill {p.prefill_tokens_per_s_node:,.0f} tok/s",
         f"  busy node-equivalents     {p.busy_nodes:.1f} (decode {p.decode_busy_nodes:.1f}, prefill "
         f"{p.prefill_busy_nodes:.1f} = {p.prefill_share:.0%})",
-        f"  nodes                     {p.nodes} ({p.gpus:,} GPUs) at {wl.target_util:.0%} target "
+        f"  nodes                     {p.nodes:,} ({p.gpus:,} GPUs) at {wl.target_util:.0%} target "
         f"+ {wl.spare_nodes} spare",
         f"  in flight (Little)        {p.in_flight:,.0f} sequences = {p.turns_per_s:,.0f}/s x "
         f"{wl.output_tokens * p.decode_step_s:.1f} s, against {p.batch_slots:,} batch slots",

@@ -115,12 +115,12 @@ def render(d: DisaggregatedPlan) -> str:
     hw, wl = p.hardware, p.workload
     lines = [
         f"disaggregated: prefill and decode pools, each at {wl.target_util:.0%} target + {wl.spare_nodes} spare",
-        f"  prefill pool              {d.prefill_nodes} nodes: {p.uncached_tokens_per_s:,.0f} uncached tok/s / "
+        f"  prefill pool              {d.prefill_nodes:,} nodes: {p.uncached_tokens_per_s:,.0f} uncached tok/s / "
         f"{p.prefill_tokens_per_s_node:,.0f} per node = {p.prefill_busy_nodes:.1f} busy",
-        f"  decode pool               {d.decode_nodes} nodes: {p.output_tokens_per_s:,.0f} tok/s / "
+        f"  decode pool               {d.decode_nodes:,} nodes: {p.output_tokens_per_s:,.0f} tok/s / "
         f"{p.decode_tokens_per_s_node:,.0f} per node at batch {p.batch} = {p.decode_busy_nodes:.1f} busy "
-        f"(time {d.decode_time_nodes}, memory {d.decode_memory_nodes}: {d.decode_binds.value} binds)",
-        f"  against aggregated        {d.nodes} nodes vs {p.nodes} ({d.nodes - p.nodes:+d}); busy time saved: "
+        f"(time {d.decode_time_nodes:,}, memory {d.decode_memory_nodes:,}: {d.decode_binds.value} binds)",
+        f"  against aggregated        {d.nodes:,} nodes vs {p.nodes:,} ({d.nodes - p.nodes:+,d}); busy time saved: "
         f"{d.saved_nodes} (time adds up the same; each pool rounds up and keeps its own spare)",
         f"  KV transfer               {p.uncached_tokens_per_s:,.0f} tok/s x {p.kv_bytes_per_token / 1024:,.0f} KiB = "
         f"{rate_text(d.transfer_bytes_s)} ({d.transfer_bytes_s * 8 / 1e9:,.0f} Gb/s) in total; whole prompts would "
