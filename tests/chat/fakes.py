@@ -20,9 +20,12 @@ from chatmesh.chat.ports import (
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.mesh.turn import RECORD_ACTIVE, RECORD_FINAL, TurnRecordState, Usage, require_record_move
+from chatmesh.model.template import Message as PromptMessage
+from chatmesh.model.template import as_messages
+from chatmesh.model.tools import HERMES, ToolDefinition, ToolSyntax, hermes_reply_text, hermes_tools_text
 from chatmesh.store.values import (
     Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
-    MessageStatus, Progress, Reply, Role, Seed, Summary, TurnRecord,
+    MessageStatus, Progress, Reply, Role, Seed, Summary, ToolResult, TurnRecord,
 )
 
 
@@ -49,6 +52,7 @@ class _Record:
     reply: Message | None = None
     usage: Usage = Usage()
     options: str = ""
+    results: tuple[ToolResult, ...] = ()  # a tool turn's input
 
 
 @dataclass
@@ -93,7 +97,7 @@ class FakeStore:
 
     @staticmethod
     def later_user_message(c: _Conversation, after: int | None) -> bool:
-        return after is not None and any(m.role is Role.USER and m.index > after for m in c.messages)
+        return after is not None and any(m.role in (Role.USER, Role.TOOL) and m.index > after for m in c.messages)
 
     def _regenerated(self, key: TurnKey, c: _Conversation) -> int:
         """The user message index of the turn `key` regenerates, once it may be regenerated."""
@@ -124,7 +128,8 @@ class FakeStore:
             return self.conversations[(owner, conv)].conversation, False
         made = Conversation(conv, owner, title, system_prompt_version, 0, 0, len(seed))
         self.conversations[(owner, conv)] = _Conversation(made, [
-            Message(i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(f"seed-{i}"), 0)
+            Message(i, m.role, m.content, m.token_count, MessageStatus.COMPLETE, TurnId(f"seed-{i}"), 0, False,
+                    m.tool_calls, m.tool_results)
             for i, m in enumerate(seed)])
         return made, True
 
@@ -169,6 +174,7 @@ class FakeStore:
             taken = record.state in RECORD_ACTIVE
             record.state, record.content, record.lease, record.holder = (
                 TurnRecordState.RECEIVED, claim.content, lease, claim.lease_holder)
+            record.results = claim.tool_results
             record.expires_ms = now + claim.lease_ttl_ms
             self.reclaims += 1
             return Claimed(lease, int(record.expires_ms), self._history(c) if claim.context_messages else None,
@@ -176,7 +182,7 @@ class FakeStore:
         lease = next(self.leases)
         self.records[claim.key] = _Record(TurnRecordState.RECEIVED, claim.fingerprint, claim.content, lease,
                                           claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates,
-                                          user_index, options=claim.options)
+                                          user_index, options=claim.options, results=claim.tool_results)
         return Claimed(lease, int(now + claim.lease_ttl_ms), self._history(c) if claim.context_messages else None)
 
     def _record(self, key: TurnKey) -> _Record:
@@ -199,8 +205,9 @@ class FakeStore:
         now = int(self.clock())
         if record.regenerates is None:
             record.user_index = len(c.messages)
-            c.messages.append(Message(len(c.messages), Role.USER, record.content, reply.user_token_count,
-                                      reply.user_status, key.turn, now))
+            c.messages.append(Message(len(c.messages), Role.TOOL if record.results else Role.USER, record.content,
+                                      reply.user_token_count, reply.user_status, key.turn, now,
+                                      tool_results=record.results))
         else:
             if self.later_user_message(c, record.user_index):
                 raise errors.FailedPrecondition(
@@ -208,7 +215,8 @@ class FakeStore:
             after = record.user_index if record.user_index is not None else -1
             c.messages = [replace(m, superseded=True) if m.role is Role.ASSISTANT and m.index > after else m
                           for m in c.messages]
-        stored = Message(len(c.messages), Role.ASSISTANT, reply.text, reply.token_count, reply.status, key.turn, now)
+        stored = Message(len(c.messages), Role.ASSISTANT, reply.text, reply.token_count, reply.status, key.turn, now,
+                         tool_calls=reply.tool_calls)
         c.messages.append(stored)
         record.state, record.reply, record.usage, record.partial = target, stored, reply.usage, ""
         record.options = ""
@@ -441,20 +449,31 @@ class FakePeers:
 
 
 class WordRenderer:
-    """A prefix-stable renderer: each message encodes on its own (a role marker, then one id per word)."""
+    """A prefix-stable renderer: each message encodes on its own (a role marker, then one id per word); tools in
+    the ChatML `<tool_call>` convention (its definitions after the first message, a call as its text)."""
 
-    MARKERS = {context.Speaker.SYSTEM: 1, context.Speaker.USER: 2, context.Speaker.ASSISTANT: 3}
+    MARKERS = {context.Speaker.SYSTEM: 1, context.Speaker.USER: 2, context.Speaker.ASSISTANT: 3,
+               context.Speaker.TOOL: 4}
 
-    def render(self, messages: Sequence[tuple[context.Speaker, str]]) -> context.Rendered:
+    def render(self, messages: Sequence[PromptMessage | tuple[context.Speaker, str]], tools: Sequence[ToolDefinition] = (),
+               prefill: str = "") -> context.Rendered:
         ids: list[int] = []
         prefix = 0
-        for i, (speaker, text) in enumerate(messages):
-            ids.append(self.MARKERS[speaker])
+        for i, m in enumerate(as_messages(messages)):
+            ids.append(self.MARKERS[m.role])
+            text = hermes_reply_text(m.text, m.tool_calls) if m.tool_calls else m.text
             ids.extend(10 + sum(map(ord, word)) % 1000 for word in text.split())
             if i == 0:
                 prefix = len(ids)
+                if tools:
+                    ids.extend(10 + sum(map(ord, word)) % 1000 for word in hermes_tools_text(tools).split())
         ids.append(self.MARKERS[context.Speaker.ASSISTANT])
+        ids.extend(self.continuation(prefill))
         return context.Rendered(tuple(ids), prefix)
+
+    @staticmethod
+    def tool_syntax() -> ToolSyntax:
+        return HERMES
 
     @staticmethod
     def count(text: str) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import assert_never
@@ -56,11 +57,12 @@ from chatmesh.chat.ports import (
     EngineFinished, EngineUnreachable, FinishReason, Generation, Pick, Ports, ResumeRefused, TurnKey,
 )
 from chatmesh.chat.prompt import Prompts
-from chatmesh.chat.stream import Ending, OutputBlocked, StoppedHere, StopString, StreamCut, Tally, relay
+from chatmesh.chat.stream import Calls, Ending, OutputBlocked, StoppedHere, StopString, StreamCut, Tally, relay
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import LeaseId, ReplicaId, TurnId
 from chatmesh.mesh.turn import TurnMachine, TurnState, Usage
-from chatmesh.store.values import History, MessageStatus, Reply
+from chatmesh.model.tools import reply_scanner
+from chatmesh.store.values import History, MessageStatus, Reply, ToolResult
 
 log = logs.get("chatmesh.chat")
 
@@ -69,6 +71,16 @@ MAX_REROUTES = 2  # other replicas a turn tries when its replica fails before it
 
 class LeaseLost(errors.Unavailable):
     """Another process took the turn over (our lease lapsed); this process must not store it."""
+
+
+def input_text(content: str, results: tuple[ToolResult, ...]) -> str:
+    """A turn's input as text: its user message, or its tool results (what is counted and input-checked)."""
+    return "\n".join(r.content for r in results) if results else content
+
+
+def call_id(turn: TurnId, index: int) -> str:
+    """The id of a reply's call `index`: derived from the turn, so every attempt and replay names it the same."""
+    return "call_" + hashlib.sha256(f"{turn}\0{index}".encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,7 @@ class Job:
     options: TurnOptions = DEFAULT_TURN  # how to generate this reply (the record's, for a turn claimed again)
     resume: str = ""  # reply text an earlier attempt showed (the record kept it): the reply continues it
     taken_over: bool = False  # claimed from a holder whose lease lapsed: its sequences are cancelled first
+    results: tuple[ToolResult, ...] = ()  # a tool turn's input: the results answering the last reply's calls
 
 
 class ClaimedTurn:
@@ -98,6 +111,7 @@ class ClaimedTurn:
         self.opt = options
         self.forget = forget  # drops the live turn from this process's registry, before the final event
         self.pick: Pick | None = None  # the replica the turn is on, while its router lease is open
+        self.calls: Calls | None = None  # the reply's tool-call reader, when the turn offers tools
 
     async def run(self) -> None:
         """Generates the turn to its end and publishes the final event; every path stores it once or fails it."""
@@ -137,7 +151,7 @@ class ClaimedTurn:
         try:
             user_tokens = 0
             if screening is not None:
-                user_tokens = self.prompts.count_tokens(self.job.content)
+                user_tokens = self.prompts.count_tokens(input_text(self.job.content, self.job.results))
                 if judged(screening).blocked:
                     await self._end(TurnState.BLOCKED, lambda: self._finish(user_tokens, "", 0, MessageStatus.BLOCKED,
                                                                             Usage()))
@@ -148,9 +162,13 @@ class ClaimedTurn:
             assert view is not None  # read above exactly when the claim brought no whole context
             summary = await self.prompts.summary_for(owner, conv, view)
             options = self.job.options
-            rendered = self.prompts.render(view, summary, self.job.content if self.job.regenerates is None else None,
-                                           self.job.regenerates, options.instructions,
-                                           options.max_reply_tokens(self.opt.limits.reply_tokens))
+            new = self.job.content if self.job.regenerates is None and not self.job.results else None
+            prefill = self.prompts.renderer.tool_syntax().prefill(options.tool_choice) \
+                if options.tools and not self.job.resume else ""
+            rendered = self.prompts.render(view, summary, new, self.job.regenerates, options.instructions,
+                                           options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results,
+                                           options.tools, prefill)
+            self.calls = self._calls(prefill)
             await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()
             if self.job.resume:  # claimed again: the reply continues the text an earlier attempt showed
@@ -160,6 +178,15 @@ class ClaimedTurn:
             return await self._stream(rendered, resumed, user_tokens)
         finally:
             await self._release()
+
+    def _calls(self, prefill: str) -> Calls | None:
+        options = self.job.options
+        if not options.tools:
+            return None
+        syntax = self.prompts.renderer.tool_syntax()
+        turn = self.job.key.turn
+        return Calls(reply_scanner(syntax, options.tools, options.tool_choice, options.parallel_tool_calls),
+                     lambda i: call_id(turn, i), prefill)
 
     async def _release(self) -> None:
         pick, self.pick = self.pick, None
@@ -177,7 +204,7 @@ class ClaimedTurn:
             try:
                 ending, tally = await relay(self.ports.engines, self.ports.moderation, self.live, self.machine,
                                             pick.address, replace(generation, source=pick.source),
-                                            self.opt.engine_deadline_s, self.job.options.stop)
+                                            self.opt.engine_deadline_s, self.job.options.stop, self.calls)
                 return ending, tally, pick
             except EngineUnreachable as err:
                 if len(tried) >= MAX_REROUTES or self.machine.state is not TurnState.QUEUED:
@@ -233,7 +260,8 @@ class ClaimedTurn:
                 return Blocked(stage="output", category=verdict.category, reason=verdict.reason)
             case StopString():
                 await store(TurnState.STORED, MessageStatus.COMPLETE)
-                return Completed(usage=usage, replica_id=pick.replica_id, finish_reason="stop")
+                return Completed(usage=usage, replica_id=pick.replica_id,
+                                 finish_reason="tool_calls" if self.live.calls else "stop")
             case StreamCut():
                 raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing it "
                                          "(no reason); retry with the same turn id")
@@ -244,7 +272,8 @@ class ClaimedTurn:
                         return Stopped(usage=usage)
                     case FinishReason.STOP | FinishReason.LENGTH:
                         await store(TurnState.STORED, MessageStatus.COMPLETE)
-                        return Completed(usage=usage, replica_id=pick.replica_id, finish_reason=reason.value)
+                        return Completed(usage=usage, replica_id=pick.replica_id,
+                                         finish_reason="tool_calls" if self.live.calls else reason.value)
                     case FinishReason.ERROR:
                         raise errors.Unavailable(f"engine {pick.replica_id} ended the generation without finishing "
                                                  f"it ({error or 'no reason'}); retry with the same turn id")
@@ -262,7 +291,8 @@ class ClaimedTurn:
     async def _finish(self, user_tokens: int, reply: str, reply_tokens: int, status: MessageStatus,
                       usage: Usage) -> None:
         await self.store.finish_turn(self.job.key, self.job.lease, Reply(
-            user_token_count=user_tokens, text=reply, token_count=reply_tokens, status=status, usage=usage))
+            user_token_count=user_tokens, text=reply, token_count=reply_tokens, status=status, usage=usage,
+            tool_calls=self.live.calls))
 
     async def _fail(self, reason: str, shown: str | None = None) -> None:
         """Releases the claim, keeping the reply its clients were shown (`shown`, default: all published; none

@@ -143,7 +143,8 @@ class GrpcStore:
                 owner_id=owner, conversation_id=conv, turn_id=turn, fingerprint=claim.fingerprint,
                 content=claim.content, lease_holder=claim.lease_holder, lease_ttl_ms=claim.lease_ttl_ms,
                 regenerates_turn_id=claim.regenerates or "", context_max_messages=claim.context_messages,
-                generation_options=claim.options))
+                generation_options=claim.options,
+                tool_results=[wire.tool_result_pb(r) for r in claim.tool_results]))
         return wire.claim_of(resp, whole_context)
 
     async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
@@ -153,7 +154,8 @@ class GrpcStore:
                 owner_id=key.owner, conversation_id=key.conversation, turn_id=key.turn, lease_id=lease,
                 user_token_count=reply.user_token_count, reply=reply.text, reply_token_count=reply.token_count,
                 reply_status=wire.STATUS_PB[reply.status], usage=wire.usage_pb(reply.usage),
-                user_status=wire.STATUS_PB[reply.user_status]))
+                user_status=wire.STATUS_PB[reply.user_status],
+                reply_tool_calls=[wire.tool_call_pb(c) for c in reply.tool_calls]))
         return wire.finished_of(resp)
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:

@@ -12,6 +12,11 @@ an engine, and a blocked reply's text is not fed back).
 
 A summary covers messages [0, covers_until) and replaces them; it changes only at a turn boundary and is stored,
 so two builds of the same turn give the same tokens.
+
+Tools (issue 28): an assistant message keeps its tool calls, a stored tool message (one turn's input: the results
+of the calls before it) is replayed as one tool message per result, and a turn may answer tool results instead of
+a user message; the renderer writes them, and the turn's tool definitions, in the served model's own format. The
+definitions are per turn (the caller sends them each time); the same ones keep the prompt prefix-stable.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Protocol
 
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import TurnId
+from chatmesh.model.template import Message
 from chatmesh.model.template import Role as Speaker
+from chatmesh.model.tools import ToolCall, ToolDefinition, ToolResult, ToolSyntax
 
 __all__ = ["Speaker", "HistoryMessage", "PromptSummary", "Rendered", "Renderer", "PromptTooLong", "PromptLimits",
-           "build", "messages_for", "history_tokens", "summary_cut"]
+           "build", "messages_for", "history_tokens", "summary_cut", "as_prompt"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,19 @@ class HistoryMessage:
     content: str
     turn_id: TurnId
     replayable: bool  # False for superseded alternatives and blocked turns
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_results: tuple[ToolResult, ...] = ()  # a tool message's results
+
+    def prompt_messages(self) -> list[Message]:
+        return as_prompt(self.speaker, self.content, self.tool_calls, self.tool_results)
+
+
+def as_prompt(speaker: Speaker, content: str, calls: tuple[ToolCall, ...] = (),
+              results: tuple[ToolResult, ...] = ()) -> list[Message]:
+    """A stored message as the prompt's messages: a tool message is one message per result."""
+    if speaker is Speaker.TOOL:
+        return [Message(Speaker.TOOL, r.content, tool_call_id=r.tool_call_id) for r in results]
+    return [Message(speaker, content, calls)]
 
 
 @dataclass(frozen=True)
@@ -50,9 +70,15 @@ class Rendered:
 
 
 class Renderer(Protocol):
-    """Turns (speaker, text) messages into prompt tokens ending with the assistant's generation prompt."""
+    """Turns messages into prompt tokens ending with the assistant's generation prompt (and `prefill`, the start
+    of the reply), with `tools` in the served model's own format; InvalidArgument when it has none."""
 
-    def render(self, messages: Sequence[tuple[Speaker, str]]) -> Rendered: ...
+    def render(self, messages: Sequence[Message | tuple[Speaker, str]], tools: Sequence[ToolDefinition] = (),
+               prefill: str = "") -> Rendered: ...
+
+    def tool_syntax(self) -> ToolSyntax:
+        """How the served model writes tool calls; InvalidArgument, naming the model, when it has none."""
+        ...
 
     def continuation(self, text: str) -> tuple[int, ...]:
         """The tokens of reply text already delivered, appended after the generation prompt so the engine
@@ -75,28 +101,36 @@ SUMMARY_HEADER = "Summary of the earlier conversation:\n"
 
 
 def messages_for(system_prompt: str, summary: PromptSummary | None, history: Sequence[HistoryMessage],
-                 new_message: str | None, instructions: str = "") -> list[tuple[Speaker, str]]:
-    """The prompt's messages in their fixed order. `new_message` None means regenerate: end after the history.
-    `instructions` (this turn's only, never stored) go just before the new message, after everything stable, unless
-    they are the conversation's own first message (then they are already at the top)."""
-    out: list[tuple[Speaker, str]] = [(Speaker.SYSTEM, system_prompt)]
+                 new_message: str | None, instructions: str = "", new_results: Sequence[ToolResult] = ()
+                 ) -> list[Message]:
+    """The prompt's messages in their fixed order. `new_message` None (and no `new_results`, a tool turn's input)
+    means regenerate: end after the history. `instructions` (this turn's only, never stored) go just before the
+    new input, after everything stable, unless they are the conversation's own first message (then they are
+    already at the top)."""
+    out: list[Message] = [Message(Speaker.SYSTEM, system_prompt)]
     start = 0
     if summary is not None:
-        out.append((Speaker.SYSTEM, SUMMARY_HEADER + summary.text))
+        out.append(Message(Speaker.SYSTEM, SUMMARY_HEADER + summary.text))
         start = summary.covers_until
-    out.extend((m.speaker, m.content) for m in history if m.index >= start and m.replayable)
+    for m in history:
+        if m.index >= start and m.replayable:
+            out += m.prompt_messages()
     own = history[0].content if history and history[0].speaker is Speaker.SYSTEM else None
     if instructions and instructions != own:
-        out.append((Speaker.SYSTEM, instructions))
-    if new_message is not None:
-        out.append((Speaker.USER, new_message))
+        out.append(Message(Speaker.SYSTEM, instructions))
+    if new_results:
+        out += as_prompt(Speaker.TOOL, "", (), tuple(new_results))
+    elif new_message is not None:
+        out.append(Message(Speaker.USER, new_message))
     return out
 
 
 def build(renderer: Renderer, limits: PromptLimits, system_prompt: str, summary: PromptSummary | None,
           history: Sequence[HistoryMessage], new_message: str | None, instructions: str = "",
-          reply_tokens: int | None = None) -> Rendered:
-    rendered = renderer.render(messages_for(system_prompt, summary, history, new_message, instructions))
+          reply_tokens: int | None = None, new_results: Sequence[ToolResult] = (),
+          tools: Sequence[ToolDefinition] = (), prefill: str = "") -> Rendered:
+    rendered = renderer.render(messages_for(system_prompt, summary, history, new_message, instructions, new_results),
+                               tools, prefill)
     n = len(rendered.token_ids)
     room = min(limits.prompt_cap_tokens, limits.context_tokens - (reply_tokens or limits.reply_tokens))
     if n > room:

@@ -30,7 +30,7 @@ from chatmesh.chat.prompt import DEFAULT_SYSTEM_PROMPTS, Prompts
 from chatmesh.chat.turns import NewConversation, Turns
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.mesh.turn import Move
-from chatmesh.store.values import Conversation, DailyUsage, History, Seed, TurnRecord
+from chatmesh.store.values import Conversation, DailyUsage, History, Seed, ToolResult, TurnRecord
 
 __all__ = ["ChatCore", "ChatOptions", "DEFAULT_SYSTEM_PROMPTS"]
 
@@ -75,8 +75,9 @@ class ChatCore:
 
     def send_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId, content: str,
                   options: TurnOptions = DEFAULT_TURN, create: NewConversation | None = None,
-                  expect_last: TurnId | None = None) -> AsyncIterator[TurnEvent]:
-        return self.turns.send(TurnKey(owner, conv, turn), content, options, create, expect_last)
+                  expect_last: TurnId | None = None, results: tuple[ToolResult, ...] = ()
+                  ) -> AsyncIterator[TurnEvent]:
+        return self.turns.send(TurnKey(owner, conv, turn), content, options, create, expect_last, results)
 
     def regenerate(self, owner: OwnerId, conv: ConversationId, turn: TurnId, options: TurnOptions = DEFAULT_TURN
                    ) -> AsyncIterator[TurnEvent]:

@@ -5,6 +5,10 @@ Sequence numbers are derived from the reply text, so any process can rebuild the
 2 + the full reply length. A client that saw up to sequence s has seen the first s - 1 characters, so resuming
 after s means sending text[s - 1:] and then the final event (`resume_from`). Deltas are coalesced upstream (the
 engine flushes every 25 ms), so one event carries many tokens.
+
+Tool calls (issue 28) come after all of the reply's text (text the model writes after a call is not kept), each
+an event of its own: call i is 2 + len(text) + i, and the final event is 2 + len(text) + the number of calls. A
+reply without calls numbers exactly as before.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from chatmesh.mesh.turn import Usage
-from chatmesh.store.values import Message, MessageStatus
+from chatmesh.store.values import Message, MessageStatus, ToolCall
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,14 @@ class Started:
 @dataclass(frozen=True)
 class Delta:
     text: str
+
+
+@dataclass(frozen=True)
+class ToolCalled:
+    """The reply called a tool (whole: its arguments are known)."""
+
+    call: ToolCall
+    index: int  # among the reply's calls, from 0
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,7 @@ class Blocked:
     reason: str = ""  # why, never the checked text
 
 
-TurnEventKind = Started | Delta | Completed | Stopped | Failed | Blocked
+TurnEventKind = Started | Delta | ToolCalled | Completed | Stopped | Failed | Blocked
 FINAL = (Completed, Stopped, Failed, Blocked)
 
 
@@ -66,17 +78,19 @@ class TurnEvent:
 
 
 def resume_from(text: str, final: TurnEventKind | None, after: int, replayed: bool,
-                started: Started | None = None) -> list[TurnEvent]:
-    """The events a client that has seen up to sequence `after` still needs, given the reply so far. `started`:
-    the turn's own Started (with its prompt's size), sent to the client the turn is generated for."""
+                started: Started | None = None, calls: tuple[ToolCall, ...] = ()) -> list[TurnEvent]:
+    """The events a client that has seen up to sequence `after` still needs, given the reply so far (its text and
+    its calls). `started`: the turn's own Started (with its prompt's size), sent to the client the turn is
+    generated for."""
     out: list[TurnEvent] = []
     if after < 1:
         out.append(TurnEvent(1, Started(replayed=True) if replayed else started or Started(replayed=False)))
     seen = max(0, after - 1)
     if len(text) > seen:
         out.append(TurnEvent(1 + len(text), Delta(text[seen:])))
+    out += [TurnEvent(2 + len(text) + i, ToolCalled(c, i)) for i, c in enumerate(calls) if 2 + len(text) + i > after]
     if final is not None:
-        out.append(TurnEvent(2 + len(text), final))
+        out.append(TurnEvent(2 + len(text) + len(calls), final))
     return out
 
 
@@ -89,8 +103,8 @@ def replay(reply: Message, usage: Usage, after: int) -> list[TurnEvent]:
         case MessageStatus.BLOCKED:
             final = Blocked(stage="output" if reply.content else "input", category="")
         case MessageStatus.COMPLETE:
-            final = Completed(usage=usage, replica_id="")
-    return resume_from(reply.content, final, after, replayed=True)
+            final = Completed(usage=usage, replica_id="", finish_reason="tool_calls" if reply.tool_calls else "")
+    return resume_from(reply.content, final, after, replayed=True, calls=reply.tool_calls)
 
 
 class LiveTurn:
@@ -98,6 +112,7 @@ class LiveTurn:
 
     def __init__(self) -> None:
         self.text = ""
+        self.calls: tuple[ToolCall, ...] = ()  # the reply's tool calls so far (after all its text)
         self.final: TurnEventKind | None = None
         self.started: Started | None = None  # published once the prompt is rendered (or the turn ended first)
         self._changed = asyncio.Condition()
@@ -113,7 +128,10 @@ class LiveTurn:
         async with self._changed:
             match kind:
                 case Delta(text=t):
+                    assert not self.calls, "a reply's text comes before its calls"
                     self.text += t
+                case ToolCalled(call=call):
+                    self.calls += (call,)
                 case Started():
                     self.started = kind
                 case Completed() | Stopped() | Failed() | Blocked():
@@ -127,7 +145,8 @@ class LiveTurn:
             async with self._changed:
                 # the turn's own client waits for its Started (it carries the prompt's size); attachers do not
                 ready = replayed or seen >= 1 or self.started is not None or self.final is not None
-                pending = resume_from(self.text, self.final, seen, replayed, self.started) if ready else []
+                pending = resume_from(self.text, self.final, seen, replayed, self.started, self.calls) \
+                    if ready else []
                 if not pending:
                     await self._changed.wait()
                     continue

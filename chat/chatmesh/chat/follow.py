@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callab
 from dataclasses import dataclass
 from typing import assert_never
 
-from chatmesh.chat.events import FINAL, Delta, Failed, Started, TurnEvent, TurnEventKind, replay
+from chatmesh.chat.events import FINAL, Delta, Failed, Started, ToolCalled, TurnEvent, TurnEventKind, replay
 from chatmesh.chat.ports import StorePort, TurnKey
 from chatmesh.mesh import errors
 from chatmesh.mesh.turn import TurnRecordState
@@ -77,6 +77,12 @@ async def _continuing(events: AsyncIterable[TurnEvent], delivered: Delivered) ->
                     break
                 if len(text) > len(delivered.text):
                     yield TurnEvent(1 + len(text), Delta(text[max(len(delivered.text), len(text) - len(chunk)):]))
+                continue
+            case ToolCalled():
+                if len(text) < len(delivered.text):
+                    break
+                if event.sequence > delivered.sequence:
+                    yield event
                 continue
             case _:
                 if len(text) < len(delivered.text) and not isinstance(kind, Failed):

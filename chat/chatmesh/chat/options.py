@@ -18,6 +18,7 @@ from typing import Any
 
 from chatmesh.chat.context import PromptLimits
 from chatmesh.mesh.message_size import MessageSize
+from chatmesh.model.tools import AUTO, ChoiceMode, ToolChoice, ToolDefinition
 from chatmesh.mesh.settings import MAX_MESSAGE_BYTES, MAX_MESSAGE_TOKENS
 
 
@@ -50,6 +51,9 @@ class TurnOptions:
     stop: tuple[str, ...] = field(default=())  # the reply ends just before the first of these (not stored)
     max_tokens: int = 0  # 0: the configured cap; never above it
     instructions: str = ""  # a system message for this turn only, just before its new user message
+    tools: tuple[ToolDefinition, ...] = ()  # tools the reply may call, rendered in the model's own format
+    tool_choice: ToolChoice = AUTO
+    parallel_tool_calls: bool = True
 
     def max_reply_tokens(self, cap: int) -> int:
         return min(self.max_tokens, cap) if self.max_tokens > 0 else cap
@@ -75,6 +79,13 @@ class TurnOptions:
             out["max_tokens"] = self.max_tokens
         if self.instructions:
             out["instructions"] = self.instructions
+        if self.tools:
+            out["tools"] = [t.as_object() for t in self.tools]
+        if self.tool_choice != AUTO:
+            out["tool_choice"] = {"name": self.tool_choice.name} if self.tool_choice.mode is ChoiceMode.NAMED \
+                else self.tool_choice.mode.value
+        if not self.parallel_tool_calls:
+            out["parallel_tool_calls"] = False
         return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
     @staticmethod
@@ -90,11 +101,17 @@ class TurnOptions:
 
         seed = data.get("seed")
         stop = data.get("stop", [])
+        tools = data.get("tools", [])
+        choice = data.get("tool_choice", "auto")
         return TurnOptions(
             temperature=number("temperature"), top_p=number("top_p"),
             seed=seed if isinstance(seed, int) else None,
             stop=tuple(s for s in stop if isinstance(s, str)) if isinstance(stop, list) else (),
-            max_tokens=int(data.get("max_tokens", 0) or 0), instructions=str(data.get("instructions", "") or ""))
+            max_tokens=int(data.get("max_tokens", 0) or 0), instructions=str(data.get("instructions", "") or ""),
+            tools=tuple(ToolDefinition.of(t) for t in tools) if isinstance(tools, list) else (),
+            tool_choice=ToolChoice(ChoiceMode.NAMED, str(choice.get("name", ""))) if isinstance(choice, dict)
+            else ToolChoice(ChoiceMode(choice)) if choice in ("auto", "none", "required") else AUTO,
+            parallel_tool_calls=data.get("parallel_tool_calls", True) is not False)
 
 
 DEFAULT_TURN = TurnOptions()

@@ -16,7 +16,7 @@ from typing import NamedTuple, NewType, Protocol
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.store.values import (
-    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, TurnRecord,
+    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, ToolResult, TurnRecord,
 )
 
 
@@ -43,6 +43,7 @@ class ClaimRequest:
     regenerates: TurnId | None
     context_messages: int  # a new claim also returns the summary and this many messages after it
     options: str = ""  # the turn's options as JSON (options.TurnOptions.to_json): kept by a new record
+    tool_results: tuple[ToolResult, ...] = ()  # a tool turn's input (content is then "")
 
 
 class StorePort(Protocol):

@@ -15,13 +15,14 @@ other's KV past the platform prefix and two owners never share it. Chat holds no
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from chatmesh.chat import context
 from chatmesh.chat.options import ChatOptions
 from chatmesh.chat.ports import EngineDelta, Generation, Ports
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
+from chatmesh.model.tools import ToolDefinition, ToolResult
 from chatmesh.store.values import History, MessageStatus, Role
 
 log = logs.get("chatmesh.chat")
@@ -34,7 +35,7 @@ SUMMARY_PROMPT = ("You summarise conversations. Write a short factual summary of
 SUMMARY_MAX_TOKENS = 200
 
 _SPEAKERS = {Role.SYSTEM: context.Speaker.SYSTEM, Role.USER: context.Speaker.USER,
-             Role.ASSISTANT: context.Speaker.ASSISTANT}
+             Role.ASSISTANT: context.Speaker.ASSISTANT, Role.TOOL: context.Speaker.TOOL}
 
 
 def stored_summary(view: History) -> context.PromptSummary | None:
@@ -50,8 +51,17 @@ def history(view: History, regenerates: TurnId | None = None) -> list[context.Hi
     return [context.HistoryMessage(
         index=m.index, speaker=_SPEAKERS[m.role], content=m.content, turn_id=m.turn_id,
         replayable=(not m.superseded and m.turn_id not in blocked_turns
-                    and not (regenerates and m.turn_id == regenerates and m.role is Role.ASSISTANT)))
+                    and not (regenerates and m.turn_id == regenerates and m.role is Role.ASSISTANT)),
+        tool_calls=m.tool_calls, tool_results=m.tool_results)
         for m in view.messages]
+
+
+def transcript_line(m: context.HistoryMessage) -> str:
+    """A message as the summary's transcript shows it (tool calls and results included, as text)."""
+    if m.tool_results:
+        return "tool: " + "\n".join(r.content for r in m.tool_results)
+    calls = "".join(f" [called {c.name}({c.arguments})]" for c in m.tool_calls)
+    return f"{m.speaker.value}: {m.content}{calls}"
 
 
 class Prompts:
@@ -63,10 +73,12 @@ class Prompts:
         self.opt = options
 
     def render(self, view: History, summary: context.PromptSummary | None, new_message: str | None,
-               regenerates: TurnId | None = None, instructions: str = "", reply_tokens: int | None = None
+               regenerates: TurnId | None = None, instructions: str = "", reply_tokens: int | None = None,
+               new_results: Sequence[ToolResult] = (), tools: Sequence[ToolDefinition] = (), prefill: str = ""
                ) -> context.Rendered:
         return context.build(self.renderer, self.opt.limits, self._system_prompt(view), summary,
-                             history(view, regenerates), new_message, instructions, reply_tokens)
+                             history(view, regenerates), new_message, instructions, reply_tokens, new_results,
+                             tools, prefill)
 
     async def next_prompt(self, owner: OwnerId, conv: ConversationId, new_message: str) -> context.Rendered:
         """The prompt the next turn with `new_message` would send (no summarising side effect)."""
@@ -84,8 +96,7 @@ class Prompts:
         if cut is None:
             return summary
         start = summary.covers_until if summary else 0
-        transcript = "\n".join(f"{m.speaker.value}: {m.content}" for m in replayed
-                               if start <= m.index < cut and m.replayable)
+        transcript = "\n".join(transcript_line(m) for m in replayed if start <= m.index < cut and m.replayable)
         if summary is not None:
             transcript = f"Earlier summary: {summary.text}\n{transcript}"
         text = await self._summarise(owner, conv, transcript)

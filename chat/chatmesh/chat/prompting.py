@@ -13,16 +13,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chatmesh.chat.context import Rendered, Speaker
+from chatmesh.mesh import errors
 from chatmesh.model.profile import ModelProfile
+from chatmesh.model.template import FormatError, Message
+from chatmesh.model.tools import ToolDefinition, ToolsUnsupported, ToolSyntax
 
 
 class ProfileRenderer:
     def __init__(self, profile: ModelProfile):
         self.profile = profile
 
-    def render(self, messages: Sequence[tuple[Speaker, str]]) -> Rendered:
-        out = self.profile.render(messages)
+    def render(self, messages: Sequence[Message | tuple[Speaker, str]], tools: Sequence[ToolDefinition] = (),
+               prefill: str = "") -> Rendered:
+        try:
+            out = self.profile.render(messages, tools=tools, prefill=prefill)
+        except (ToolsUnsupported, FormatError) as err:  # the caller's tools or history, not an outage
+            raise errors.InvalidArgument(str(err)) from None
         return Rendered(out.token_ids, out.platform_prefix_len)
+
+    def tool_syntax(self) -> ToolSyntax:
+        """How the served model writes tool calls; InvalidArgument, naming the model, when it has none."""
+        try:
+            return self.profile.tool_syntax
+        except ToolsUnsupported as err:
+            raise errors.InvalidArgument(str(err)) from None
 
     def count(self, text: str) -> int:
         return self.profile.count(text)

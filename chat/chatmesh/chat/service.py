@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import assert_never
 
@@ -21,12 +21,12 @@ import grpc
 from chatmesh.chat import context, settings
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcPeers, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
-from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent
+from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, ToolCalled, TurnEvent
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.turns import NewConversation
 from chatmesh.mesh.turn import TurnRecordState
 from chatmesh.store.values import MessageStatus, TurnRecord
-from chatmesh.store.wire import conversation_pb, message_pb, seed_of, usage_pb
+from chatmesh.store.wire import conversation_pb, message_pb, seed_of, tool_call_pb, tool_results_of, usage_pb
 from chatmesh.chat.observe import ChatMetrics
 from chatmesh.chat.prompting import ProfileRenderer
 from chatmesh.mesh import identity, logs, metrics
@@ -39,6 +39,7 @@ from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScope
 from chatmesh.mesh.server import Service, stream_errors, unary_errors
 from chatmesh.mesh.trust import Trust
 from chatmesh.model import profile as model_profile
+from chatmesh.model.tools import AUTO, ChoiceMode, ToolChoice, ToolDefinition
 from chatmesh.moderation.client import ModerationClient
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc
 
@@ -66,6 +67,9 @@ def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
                 out.started.prompt_tokens = prompt_tokens
         case Delta(text=text):
             out.delta.text = text
+        case ToolCalled(call=call, index=index):
+            out.tool_call.call.CopyFrom(tool_call_pb(call))
+            out.tool_call.index = index
         case Completed(usage=usage, replica_id=replica, finish_reason=reason):
             out.completed.usage.CopyFrom(usage_pb(usage))
             out.completed.replica_id = replica
@@ -97,7 +101,49 @@ def options_of(o: chat_pb2.TurnOptions) -> TurnOptions:
     if len(o.stop) > 4 or any(not s or len(s) > 64 for s in o.stop):
         raise errors.InvalidArgument("options.stop: at most 4 strings of 1-64 characters")
     return TurnOptions(temperature=temperature, top_p=top_p, seed=o.seed if o.HasField("seed") else None,
-                       stop=tuple(o.stop), max_tokens=o.max_tokens, instructions=o.instructions)
+                       stop=tuple(o.stop), max_tokens=o.max_tokens, instructions=o.instructions,
+                       tools=tools_of(o.tools), tool_choice=tool_choice_of(o.tool_choice, o.tools),
+                       parallel_tool_calls=o.parallel_tool_calls if o.HasField("parallel_tool_calls") else True)
+
+
+MAX_TOOLS = 128
+
+
+def tools_of(tools: Sequence[chat_pb2.ToolDefinition]) -> tuple[ToolDefinition, ...]:
+    """The turn's tool definitions, checked: each a JSON function tool named as it says."""
+    if len(tools) > MAX_TOOLS:
+        raise errors.InvalidArgument(f"options.tools: at most {MAX_TOOLS} tools")
+    out = []
+    for i, t in enumerate(tools):
+        try:
+            definition = ToolDefinition.of(json.loads(t.definition_json))
+        except (ValueError, KeyError, TypeError):
+            raise errors.InvalidArgument(f"options.tools[{i}].definition_json must be a JSON function tool "
+                                         '({"type": "function", "function": {"name": ...}})') from None
+        if definition.name != t.name or not t.name:
+            raise errors.InvalidArgument(f"options.tools[{i}]: name must be the definition's function name")
+        out.append(definition)
+    if len({t.name for t in out}) != len(out):
+        raise errors.InvalidArgument("options.tools: tool names must be unique")
+    return tuple(out)
+
+
+def tool_choice_of(choice: chat_pb2.ToolChoice, tools: Sequence[chat_pb2.ToolDefinition]) -> ToolChoice:
+    match choice.mode:
+        case chat_pb2.TOOL_CHOICE_MODE_UNSPECIFIED | chat_pb2.TOOL_CHOICE_MODE_AUTO:
+            return AUTO
+        case chat_pb2.TOOL_CHOICE_MODE_NONE:
+            return ToolChoice(ChoiceMode.NONE)
+        case chat_pb2.TOOL_CHOICE_MODE_REQUIRED | chat_pb2.TOOL_CHOICE_MODE_NAMED if not tools:
+            raise errors.InvalidArgument("options.tool_choice: a required or named tool needs options.tools")
+        case chat_pb2.TOOL_CHOICE_MODE_REQUIRED:
+            return ToolChoice(ChoiceMode.REQUIRED)
+        case chat_pb2.TOOL_CHOICE_MODE_NAMED:
+            if choice.name not in {t.name for t in tools}:
+                raise errors.InvalidArgument(f"options.tool_choice.name {choice.name[:64]!r} is none of options.tools")
+            return ToolChoice(ChoiceMode.NAMED, choice.name)
+        case _:
+            raise errors.InvalidArgument(f"options.tool_choice.mode: unknown value {choice.mode}")
 
 
 def turn_pb(record: TurnRecord) -> chat_pb2.GetTurnResponse:
@@ -114,7 +160,8 @@ def turn_pb(record: TurnRecord) -> chat_pb2.GetTurnResponse:
                       MessageStatus.STOPPED: chat_pb2.TURN_STATUS_STOPPED,
                       MessageStatus.BLOCKED: chat_pb2.TURN_STATUS_BLOCKED}[reply.status]
             return chat_pb2.GetTurnResponse(status=status, reply=reply.content, usage=usage_pb(record.usage),
-                                            stored_at_ms=reply.created_at_ms)
+                                            stored_at_ms=reply.created_at_ms,
+                                            tool_calls=[tool_call_pb(c) for c in reply.tool_calls])
         case _:
             assert_never(record.state)
 
@@ -172,7 +219,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             if request.HasField("create") else None
         expect = parse_turn_id(request.expect_last_turn_id, "expect_last_turn_id") \
             if request.expect_last_turn_id else None
-        events = self.core.send_turn(owner, conv, turn, request.content, options_of(request.options), create, expect)
+        events = self.core.send_turn(owner, conv, turn, request.content, options_of(request.options), create, expect,
+                                     tool_results_of(request.tool_results))
         async for event in _first_text_timed(events, self.observed):
             yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
 

@@ -11,6 +11,11 @@ the start of a stop string is held back until the next chunk decides, and when o
 before it (`StopString`: the engine sequence is cancelled, the turn completes with finish reason "stop"), so the
 stop string is neither sent nor stored.
 
+Tool calls (a turn with tools, `Calls`): after the output check, the text goes through the served model's call
+reader (chatmesh.model.tools), which holds back what may be a call as a stop string is held, and the calls it reads
+are published as `ToolCalled` events (after all the text: text the model writes after a call is dropped). What was
+held and is no call comes out as text at the end, so nothing the model wrote and the check passed is lost.
+
 Text reaches the live turn, and so the user, only after its chunk passed the output check; what the user saw is
 exactly `live.text`, which is what a stop stores. Each engine event is one flushed chunk (many tokens), so the
 check and the publish cost is per chunk, not per token.
@@ -20,15 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import assert_never
 
 from chatmesh.chat.admission import judged
-from chatmesh.chat.events import Delta, LiveTurn
+from chatmesh.chat.events import Delta, LiveTurn, ToolCalled
 from chatmesh.chat.ports import (
     EngineDelta, EngineFinished, EnginePort, EngineStarted, Generation, ModerationPort, OutputScreen, Screening,
 )
 from chatmesh.mesh.turn import TurnMachine, TurnState, Usage
+from chatmesh.model.tools import CallScanner, ParsedCall, ToolCall
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,27 @@ class StopScan:
         return text
 
 
+class Calls:
+    """A reply's tool-call reader: text in, text and calls out (the module header). `call_id(i)` names call i."""
+
+    def __init__(self, scanner: CallScanner, call_id: Callable[[int], str], prefill: str = ""):
+        self.scanner = scanner
+        self.call_id = call_id
+        if prefill:  # the reply's opening, already in the prompt: read as the model's own
+            scanner.feed(prefill)
+
+    async def publish(self, live: LiveTurn, text: str, final: bool) -> None:
+        pieces = self.scanner.feed(text) if text else []
+        if final:
+            pieces += self.scanner.finish()
+        for piece in pieces:
+            if isinstance(piece, ParsedCall):
+                i = len(live.calls)
+                await live.publish(ToolCalled(ToolCall(self.call_id(i), piece.name, piece.arguments), i))
+            elif piece and not live.calls:
+                await live.publish(Delta(piece))
+
+
 @dataclass
 class Tally:
     """What the engine reported so far: the turn's usage."""
@@ -93,14 +121,14 @@ class Tally:
 
 
 async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn, machine: TurnMachine,
-                address: str, generation: Generation, timeout_s: float, stops: tuple[str, ...] = ()
-                ) -> tuple[Ending, Tally]:
+                address: str, generation: Generation, timeout_s: float, stops: tuple[str, ...] = (),
+                calls: Calls | None = None) -> tuple[Ending, Tally]:
     tally = Tally(prompt_tokens=len(generation.prompt_token_ids))
     if live.stop_requested.is_set():  # stopped before the engine was asked (e.g. while rerouting): not started
         return StoppedHere(), tally
     screen = await moderation.open_output(generation.conversation)
     consume = asyncio.create_task(_consume(engines, live, machine, address, generation, timeout_s, screen, tally,
-                                           StopScan(stops)))
+                                           StopScan(stops), calls))
     stop = asyncio.create_task(live.stop_requested.wait())
     try:
         await asyncio.wait({consume, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,17 +145,20 @@ async def relay(engines: EnginePort, moderation: ModerationPort, live: LiveTurn,
 
 
 async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, address: str, generation: Generation,
-                   timeout_s: float, screen: OutputScreen, tally: Tally, scan: StopScan) -> Ending:
+                   timeout_s: float, screen: OutputScreen, tally: Tally, scan: StopScan, calls: Calls | None
+                   ) -> Ending:
     stream = engines.generate(address, generation, timeout_s)
 
-    async def send(text: str) -> Screening | None:
-        """Screens and publishes `text`; the verdict when it was blocked."""
-        if not text:
-            return None
-        verdict = judged(await screen.check(text))
-        if verdict.blocked:
-            return verdict
-        await live.publish(Delta(text))
+    async def send(text: str, final: bool = False) -> Screening | None:
+        """Screens and publishes `text` (`final`: the reply's last); the verdict when it was blocked."""
+        if text:
+            verdict = judged(await screen.check(text))
+            if verdict.blocked:
+                return verdict
+        if calls is not None:
+            await calls.publish(live, text, final)
+        elif text:
+            await live.publish(Delta(text))
         return None
 
     try:
@@ -141,13 +172,13 @@ async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, ad
                         machine.advance(TurnState.DECODE)
                     tally.output_tokens += count
                     out, stopped = scan.feed(text)
-                    if (verdict := await send(out)) is not None:
+                    if (verdict := await send(out, final=stopped)) is not None:
                         return OutputBlocked(verdict)
                     if stopped:
                         return StopString()
                 case EngineFinished(output_tokens=output):
                     tally.output_tokens = max(tally.output_tokens, output)
-                    if (verdict := await send(scan.flush())) is not None:
+                    if (verdict := await send(scan.flush(), final=True)) is not None:
                         return OutputBlocked(verdict)
                     return event
                 case _:

@@ -40,12 +40,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import assert_never
 
 from chatmesh.chat.admission import Admission
-from chatmesh.chat.claimed import ClaimedTurn, Job
+from chatmesh.chat.claimed import ClaimedTurn, Job, input_text
 from chatmesh.chat.events import LiveTurn, TurnEvent, replay
 from chatmesh.chat.follow import NOTHING, Delivered, StoredFollower, agrees, continuing
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
@@ -56,7 +57,7 @@ from chatmesh.mesh.ids import LeaseId, TurnId
 from chatmesh.mesh.message_size import MessageSize
 from chatmesh.mesh.turn import RECORD_ACTIVE, Move, TurnMachine, TurnState
 from chatmesh.store.values import (
-    Claimed, Conflicted, Done, History, InProgress, MessageStatus, Role, Seed, TurnRecord,
+    Claimed, Conflicted, Done, History, InProgress, MessageStatus, Role, Seed, ToolResult, TurnRecord,
 )
 
 CONTEXT_MESSAGES = 1000  # messages after the summary a claim returns (the store's cap); more: a separate read
@@ -74,6 +75,19 @@ class NewConversation:
 
 def fingerprint(kind: str, content: str) -> str:
     return hashlib.sha256(f"{kind}\0{content}".encode()).hexdigest()
+
+
+def results_json(results: tuple[ToolResult, ...]) -> str:
+    return json.dumps([[r.tool_call_id, r.content] for r in results], ensure_ascii=False)
+
+
+def validate_results(content: str, results: tuple[ToolResult, ...], size: MessageSize) -> None:
+    """A tool turn's input: results each naming a call, no user text beside them, within the size policy."""
+    if content:
+        raise errors.InvalidArgument("a turn answering tool calls has no content")
+    if any(not r.tool_call_id for r in results):
+        raise errors.InvalidArgument("tool_results: every result names the call it answers (tool_call_id)")
+    size.check_bytes(input_text(content, results))
 
 
 def validate_content(content: str, size: MessageSize) -> str:
@@ -143,19 +157,28 @@ class Turns:
             else self.opt.instance_id
 
     async def send(self, key: TurnKey, content: str, options: TurnOptions = DEFAULT_TURN,
-                   create: NewConversation | None = None, expect_last: TurnId | None = None
-                   ) -> AsyncIterator[TurnEvent]:
+                   create: NewConversation | None = None, expect_last: TurnId | None = None,
+                   results: tuple[ToolResult, ...] = ()) -> AsyncIterator[TurnEvent]:
+        """A new turn answering `content` (a user message) or, when `results` are given (content then empty), the
+        tool results answering the conversation's last reply's calls."""
         machine = TurnMachine(self.observe)
         seeded: tuple[str, ...] = ()
         with ending_on_error(machine):
-            validate_content(content, self.opt.message_size)
+            if results:
+                validate_results(content, results, self.opt.message_size)
+            else:
+                validate_content(content, self.opt.message_size)
+            if options.tools or any(m.tool_calls or m.tool_results for m in (create.seed if create else ())):
+                self.prompts.renderer.tool_syntax()  # a model without a tool format refuses before anything is stored
             if create is not None:
-                seed = tuple(replace(m, token_count=self.prompts.count_tokens(m.content)) for m in create.seed)
+                seed = tuple(replace(m, token_count=self.prompts.count_tokens(input_text(m.content, m.tool_results)))
+                             for m in create.seed)
                 await self.store.create_conversation(key.owner, key.conversation, create.title,
                                                      self.opt.default_prompt_version, seed)
                 seeded = tuple(m.content for m in create.seed if m.role is Role.USER)  # input-checked too
-        async for event in self._attempt(machine, key, content, None, fingerprint("send", content), options,
-                                         expect_last, seeded=seeded):
+        fp = fingerprint("tool", results_json(results)) if results else fingerprint("send", content)
+        async for event in self._attempt(machine, key, content, None, fp, options, expect_last, seeded=seeded,
+                                         results=results):
             yield event
 
     async def regenerate(self, key: TurnKey, options: TurnOptions = DEFAULT_TURN) -> AsyncIterator[TurnEvent]:
@@ -249,11 +272,12 @@ class Turns:
 
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                        fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None,
-                       delivered: Delivered = NOTHING, seeded: tuple[str, ...] = ()) -> AsyncIterator[TurnEvent]:
+                       delivered: Delivered = NOTHING, seeded: tuple[str, ...] = (),
+                       results: tuple[ToolResult, ...] = ()) -> AsyncIterator[TurnEvent]:
         """One attempt; with `delivered` (a retry whose client already has part of the reply, `follow.py`), its
         stream continues that part, and a claim won here generates the rest of it."""
         events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text,
-                                  seeded)
+                                  seeded, results)
         stream = continuing(events, delivered) if delivered.sequence > 0 else events
         try:
             async for event in stream:
@@ -263,7 +287,8 @@ class Turns:
 
     async def _from_start(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                           fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str,
-                          seeded: tuple[str, ...] = ()) -> AsyncGenerator[TurnEvent, None]:
+                          seeded: tuple[str, ...] = (), results: tuple[ToolResult, ...] = ()
+                          ) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
             async for event in attached(live, 0):
@@ -273,13 +298,13 @@ class Turns:
         # claimed again generates with the ones its record kept instead.
         options = options.with_seed(self.opt.temperature)
         admission = Admission(self.ports.router, self.ports.moderation, key.conversation,
-                              content if regenerates is None else None, seeded)
+                              input_text(content, results) if regenerates is None else None, seeded)
         try:
             with ending_on_error(machine):
                 claim = await self.store.begin_turn(ClaimRequest(
                     key=key, fingerprint=fp, content=content, lease_holder=self.lease_holder,
                     lease_ttl_ms=self.opt.lease_ttl_ms, regenerates=regenerates, context_messages=CONTEXT_MESSAGES,
-                    options=options.to_json()))
+                    options=options.to_json(), tool_results=results))
         except BaseException:
             await asyncio.shield(admission.discard())
             raise
@@ -290,7 +315,7 @@ class Turns:
                 if expect_last is not None:
                     await self._expect(machine, key, lease, admission, view, expect_last)
                 job = Job(key, content, regenerates, lease, admission, view, stored_options(kept, options),
-                          continued(resume, left), taken)
+                          continued(resume, left), taken, results)
                 async for event in self._own(machine, job):
                     yield event
             case Done(reply=reply, usage=usage):
@@ -299,7 +324,7 @@ class Turns:
                     yield event
             case InProgress():
                 machine.advance(TurnState.ATTACHED)
-                async for event in self._follow_stored(key, 0, (content, regenerates, fp, options)):
+                async for event in self._follow_stored(key, 0, (content, regenerates, fp, options, results)):
                     yield event
             case Conflicted():
                 machine.advance(TurnState.REJECTED)
@@ -348,7 +373,8 @@ class Turns:
     def _forget(self, key: TurnKey) -> None:
         self.live.pop(key, None)
 
-    async def _follow_stored(self, key: TurnKey, after: int, retry: tuple[str, TurnId | None, str, TurnOptions] | None
+    async def _follow_stored(self, key: TurnKey, after: int,
+                             retry: tuple[str, TurnId | None, str, TurnOptions, tuple[ToolResult, ...]] | None
                              ) -> AsyncIterator[TurnEvent]:
         """Follows a turn generated by another process; with `retry` (the caller has the turn's content), a
         lapsed or failed claim is taken over: a new attempt, claimed and generated here."""
@@ -358,7 +384,7 @@ class Turns:
         if not follower.take_over:
             return
         assert retry is not None
-        content, regenerates, fp, options = retry
+        content, regenerates, fp, options, results = retry
         async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp, options,
-                                         delivered=follower.delivered):
+                                         delivered=follower.delivered, results=results):
             yield event
