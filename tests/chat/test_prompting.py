@@ -13,15 +13,12 @@ from chatmesh.chat.prompting import ProfileRenderer
 from chatmesh.chat.service import context_tokens
 from chatmesh.mesh.config import Config
 from chatmesh.model import assets, profile, template
-from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.tokenizer import Tokenizer, load
+from tests.conftest import need_models
 
 
 def _model_dir(asset: assets.WheelAsset) -> Path:
-    path = Path(Config()[MODEL_DIR])
-    if not asset.present(path):
-        pytest.skip(f"model file {asset.target(path)} absent; run `chatmesh model fetch`")
-    return path
+    return need_models(asset)
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chatmesh.mesh.config import Config
 from chatmesh.mesh.up import Mesh
-from chatmesh.model.assets import ModelMissing, gguf_path
-from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model.assets import SMOLLM2
 from tests.e2e.conftest import read_sse, start_mesh
+from tests.conftest import need_models
 
 
 @pytest.fixture(scope="module")
 def local_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    try:
-        gguf_path(Config()[MODEL_DIR])
-    except ModelMissing as err:
-        pytest.skip(str(err))
+    need_models(SMOLLM2)
     m = start_mesh(tmp_path_factory.mktemp("local"), CHATMESH_ENGINE="local", CHATMESH_SIM_STEP_MS="0",
                    CHATMESH_MAX_REPLY_TOKENS="24")
     try:

@@ -17,14 +17,12 @@ import httpx
 import pytest
 
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS
-from chatmesh.mesh.config import Config
 from chatmesh.mesh.up import Extra, Mesh
 from chatmesh.model import assets, profile
 from chatmesh.model.profile import ModelProfile
-from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.template import Role
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
-from tests.conftest import free_port
+from tests.conftest import free_port, need_models
 from tests.e2e.conftest import SseEvent, channel, mesh_env, start_mesh
 from tests.e2e.test_turns import new_conversation, send_turn
 
@@ -32,11 +30,7 @@ SYSTEM = DEFAULT_SYSTEM_PROMPTS["v1"]
 
 
 def _model_dir() -> Path:
-    path = Path(Config()[MODEL_DIR])
-    for asset in (assets.SMOLLM2, assets.LLAMA3_TOKENIZER):
-        if not asset.present(path):
-            pytest.skip(f"model file {asset.target(path)} absent; run `chatmesh model fetch`")
-    return path
+    return need_models(assets.SMOLLM2, assets.LLAMA3_TOKENIZER)
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
 The tests take the `backend` fixture, parametrised over the backend names of
 chatmesh.engine_adapter.service.BACKENDS and built through the same registry `chatmesh serve engine` uses. A
-backend whose module has not landed, or whose model or server is absent, skips with the reason (and fails under
-CHATMESH_REQUIRE_SERVICES=1 where a server is what is missing). tests/engine/test_conformance.py collects
-these tests; prompts use token ids below 1,000 so they are valid for every tokenizer.
+backend whose optional package, model files or server are absent skips with the reason through `need` (so it
+fails under CHATMESH_REQUIRE_SERVICES=1, as CI runs); any other error of the builder fails the test.
+tests/engine/test_conformance.py collects these tests; prompts use token ids below 1,000 so they are valid for
+every tokenizer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
@@ -32,7 +32,7 @@ from chatmesh.engine_adapter.backend import (
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId
-from chatmesh.mesh.trust import TrustRefused
+from chatmesh.model.assets import ModelMissing
 from tests.conftest import need
 
 BLOCK = 32
@@ -44,12 +44,6 @@ ENV = {
 SYSTEM = list(range(300, 364))  # two blocks of platform prefix
 
 
-def _skip(reason: str, server_missing: bool = False) -> NoReturn:
-    if server_missing:
-        need(False, reason)  # fails under CHATMESH_REQUIRE_SERVICES=1
-    pytest.skip(reason)
-
-
 @pytest.fixture(params=sorted(service.BACKENDS))
 async def backend(request: pytest.FixtureRequest, mesh_certs: Path) -> AsyncIterator[Backend]:
     name: str = request.param
@@ -58,18 +52,18 @@ async def backend(request: pytest.FixtureRequest, mesh_certs: Path) -> AsyncIter
     env = {**os.environ, **ENV, "CHATMESH_ENGINE": name, "CHATMESH_DATA_DIR": str(mesh_certs.parent)}
     try:
         built = service.build_backend(Config(env=env))
-    except ModuleNotFoundError as err:
-        if err.name is not None and service.BACKENDS[name].startswith(err.name):
-            _skip(f"backend {name} has not landed ({err.name})")
+    except ModuleNotFoundError as err:  # the backend's optional package (torch, pytriton) is not installed
+        need(False, f"backend {name}'s package {err.name}")
         raise
-    except TrustRefused:
-        raise  # the test's own setup is wrong: never a skip
-    except Exception as err:  # a missing model file or client library: say which, and skip
-        _skip(f"backend {name} unavailable: {type(err).__name__}: {err}")
+    except ModelMissing as err:
+        need(False, f"backend {name}'s model files ({err})")
+        raise
+    # anything else the builder raises is the backend's bug, and fails the test
     try:
         await asyncio.wait_for(built.start(), 120)
     except Exception as err:
-        _skip(f"backend {name} did not start: {type(err).__name__}: {err}", server_missing=True)
+        need(False, f"backend {name}'s server (it did not start: {type(err).__name__}: {err})")
+        raise
     assert built.ready()
     yield built
     await built.close()

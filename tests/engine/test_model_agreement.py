@@ -19,18 +19,14 @@ from chatmesh.mesh.config import Config
 from chatmesh.mesh.server import serve
 from chatmesh.model import assets, profile
 from chatmesh.model.profile import ModelProfile
-from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.template import Role
-from tests.conftest import free_port
+from tests.conftest import free_port, need_models
 from tests.trust import channel_as, trust_as
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    path = Path(Config()[MODEL_DIR])
-    if not (assets.SMOLLM2.present(path) and assets.LLAMA3_TOKENIZER.present(path)):
-        pytest.skip("model files absent; run `chatmesh model fetch`")
-    return path
+    return need_models(assets.SMOLLM2, assets.LLAMA3_TOKENIZER)
 
 
 @pytest.fixture(scope="module")

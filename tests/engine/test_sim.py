@@ -16,9 +16,9 @@ from chatmesh.engine_adapter.text import WordCodec
 from chatmesh.mesh.config import Config
 from chatmesh.model import assets
 from chatmesh.model.profile import ModelProfile, load_spec
-from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.template import Message, Role
 from chatmesh.model.tools import HERMES, LLAMA_JSON, ChoiceMode, ToolChoice, ToolDefinition
+from tests.conftest import need_models
 
 
 def _sim(codec: WordCodec | ModelProfile, **env: str) -> EngineCore:
@@ -37,10 +37,7 @@ async def _reply(core: EngineCore, prompt: tuple[int, ...], max_tokens: int = 20
 
 
 def _profile(name: str, asset: assets.WheelAsset) -> ModelProfile:
-    model_dir = Path(Config()[MODEL_DIR])
-    if not asset.present(model_dir):
-        pytest.skip(f"{asset.target(model_dir)} absent; run `chatmesh model fetch`")
-    return load_spec(name, model_dir)
+    return load_spec(name, need_models(asset))
 
 
 @pytest.fixture(scope="module")

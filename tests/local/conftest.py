@@ -1,5 +1,5 @@
-"""The `local` backend tests load the real SmolLM2 GGUF once per session; without the file they skip and say
-how to fetch it. One torch thread: the machine's cores are shared."""
+"""The `local` backend tests load the real SmolLM2 GGUF once per session (`need_models`: without the file a skip
+that says how to fetch it, a failure in CI). One torch thread: the machine's cores are shared."""
 
 from __future__ import annotations
 
@@ -8,19 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatmesh.mesh.config import Config
-from chatmesh.model.assets import GGUF_NAME
-from chatmesh.model.settings import MODEL_DIR
+from chatmesh.model.assets import SMOLLM2, gguf_path
+from tests.conftest import need_models
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
 def gguf_file() -> Path:
-    path = Path(Config()[MODEL_DIR]) / GGUF_NAME
-    if not path.is_file():
-        pytest.skip(f"model file {path} absent; run `chatmesh model fetch`")
-    return path
+    return gguf_path(need_models(SMOLLM2))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The model tests need the fetched model files; without them they skip and say how to fetch them."""
+"""The model tests need the fetched model files (`need_models`: a skip that says how to fetch them, a failure in
+CI)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from chatmesh.mesh.config import Config
 from chatmesh.model import assets, profile
-from chatmesh.model.settings import MODEL_DIR
 from chatmesh.model.tokenizer import Tokenizer, load
+from tests.conftest import need_models
 
 
 def _fetched(asset: assets.WheelAsset) -> Path:
-    path = Path(Config()[MODEL_DIR])
-    if not asset.present(path):
-        pytest.skip(f"model file {asset.target(path)} absent; run `chatmesh model fetch`")
-    return path
+    return need_models(asset)
 
 
 @pytest.fixture(scope="session")

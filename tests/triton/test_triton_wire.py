@@ -30,7 +30,7 @@ from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.model import assets, profile
 from chatmesh.model.profile import ModelIdentity
-from chatmesh.model.settings import MODEL_DIR
+from tests.conftest import need_models
 
 CONVERSATION = ConversationId("8a3d7f0e-3f51-4c1e-9c63-0d6a2b1f9e11")
 
@@ -103,9 +103,7 @@ def test_llm_config_uses_the_llm_api_names(tmp_path: Path) -> None:
 
 
 def test_llm_config_takes_tokenizer_end_ids_and_identity_from_the_profile(tmp_path: Path) -> None:
-    path = Path(Config()[MODEL_DIR])
-    if not assets.LLAMA3_TOKENIZER.present(path):
-        pytest.skip("the Llama 3 tokenizer is absent; run `chatmesh model fetch`")
+    path = need_models(assets.LLAMA3_TOKENIZER)
     llama3 = profile.load_spec("llama3", path)
     folder = render(Deployment.for_profile(llama3, engine="trtllm"), tmp_path)
     cfg = json.loads((folder / "llm_config.json").read_text())
@@ -120,9 +118,7 @@ def test_llm_config_takes_tokenizer_end_ids_and_identity_from_the_profile(tmp_pa
 
 
 def test_render_cli_writes_the_profile(tmp_path: Path) -> None:
-    path = Path(Config()[MODEL_DIR])
-    if not assets.LLAMA3_TOKENIZER.present(path):
-        pytest.skip("the Llama 3 tokenizer is absent; run `chatmesh model fetch`")
+    path = need_models(assets.LLAMA3_TOKENIZER)
     out = subprocess.run([sys.executable, "-m", "chatmesh.mesh.cli", "triton", "render", "--out", str(tmp_path),
                           "--profile", "llama3", "--model-dir", str(path), "--engine", "trtllm",
                           "--host-cache-gib", "1"], capture_output=True, text=True, timeout=120)
