@@ -1,4 +1,4 @@
-"""Maps the top-level service folders onto one import namespace, `chatmesh.*` (see DESIGN.md):
+"""Maps the top-level service folders onto one import namespace, `chatmesh.*` (the layout README.md describes):
 `store/chatmesh/store` is imported as `chatmesh.store`, `engine-adapter/chatmesh/engine_adapter` as
 `chatmesh.engine_adapter`, and the generated protobuf code in `protos/gen/python` as `chatmesh.v1`."""
 

@@ -29,7 +29,7 @@ def register(sub: Any) -> None:
     p.add_argument("--rotate-token-key", action="store_true", help="add a new owner-token signing key")
     p.add_argument("--retire-token-key", action="append", default=[], metavar="KID",
                    help="drop an old owner-token key (after CHATMESH_OWNER_TOKEN_TTL_S has passed since rotating)")
-    config.add_flags(p)
+    config.add_flags(p, "chatmesh.mesh.settings")
     p.set_defaults(handler=_certs)
 
 

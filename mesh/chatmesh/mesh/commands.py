@@ -27,8 +27,11 @@ SERVICES = (*GRPC_SERVICES, "gateway")
 
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="run one service (the production unit)")
-    p.add_argument("service", choices=SERVICES)
-    config.add_flags(p)
+    services = p.add_subparsers(dest="service", required=True, metavar="SERVICE")
+    for name in SERVICES:
+        one = services.add_parser(name, help=f"run the {name} service",
+                                  usage=f"chatmesh serve {name} [-h] [--help-all] [--SETTING VALUE ...]")
+        config.add_flags(one, *config.SERVICE_SETTINGS[name])
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("config", help="show configuration")

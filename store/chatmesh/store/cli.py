@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
                    help="migrate: upgrade the schema (to --revision, default head); downgrade: to --revision; "
                         "current: print the schema revision; purge: delete what is past retention now")
     p.add_argument("--revision", default=None, help="target revision for migrate (head) or downgrade (required)")
-    config.add_flags(p)
+    config.add_flags(p, *config.SERVICE_SETTINGS["store"])
     p.set_defaults(handler=_store)
 
 
