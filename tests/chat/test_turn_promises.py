@@ -2,15 +2,20 @@
 claims a turn again generates with the options its record kept and continues the reply an earlier attempt showed
 (a takeover, a failure mid-reply), billing the reply once; a client that went away having been shown nothing
 releases its turn instead of storing an empty stopped reply; a backend that cannot continue a reply exactly fails
-the turn retryable and the retry generates afresh, never a splice."""
+the turn retryable and the retry generates afresh, never a splice. A conversation longer than the model's context
+is summarised before its turns (the threshold derived from the model's room), so every turn answers."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from chatmesh.chat import context
 from chatmesh.chat.events import Completed, Delta, Failed, Started, TurnEvent
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.ports import ClaimRequest, EngineDelta, EngineStarted, TurnKey
+from chatmesh.chat.prompt import SUMMARY_MAX_TOKENS, ThresholdRefused, summary_threshold
 from chatmesh.chat.turns import fingerprint
 from chatmesh.mesh.turn import TurnRecordState
 from chatmesh.store.values import MessageStatus, Role
@@ -185,3 +190,54 @@ async def test_a_reply_already_at_its_cap_is_stored_without_generating_more() ->
     assert isinstance(final, Completed) and final.finish_reason == "length" and text_of(events) == "Part two"
     assert w.engine.generations == [] and final.usage.output_tokens == 2
     assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part two", MessageStatus.COMPLETE) and w.idle()
+
+
+# ---- summaries before the context runs out ------------------------------------------------------------------
+
+
+def test_the_summary_threshold_is_derived_from_the_room_and_a_setting_above_it_is_refused() -> None:
+    smollm2 = context.PromptLimits(context_tokens=8192, prompt_cap_tokens=131072, reply_tokens=256)
+    llama = context.PromptLimits(context_tokens=131072, prompt_cap_tokens=131072, reply_tokens=256)
+    assert summary_threshold(smollm2, 0) == 3968  # half of 8192 - 256
+    assert summary_threshold(llama, 0) == 12_000  # the reference's figure where the model has the room
+    assert summary_threshold(smollm2, 5000) == 5000
+    with pytest.raises(ThresholdRefused, match="above the prompt room of 7936 tokens"):
+        summary_threshold(smollm2, 12_000)  # the old default: never fired before the prompt stopped fitting
+
+
+def _long(n: int, word: str = "word") -> str:
+    return " ".join(f"{word}{i}" for i in range(n))
+
+
+async def test_a_conversation_past_the_context_is_summarised_and_every_turn_answers() -> None:
+    limits = context.PromptLimits(context_tokens=600, prompt_cap_tokens=600, reply_tokens=64)  # room 536
+    w, conv = await fresh(limits=limits, summary_threshold_tokens=summary_threshold(limits, 0), keep_recent_messages=4)
+    for n in range(12):  # ~150 words a turn: the history passes the context after four
+        events = await w.turn(conv, _long(150, f"t{n}w"))
+        assert isinstance(final_of(events), Completed), (n, final_of(events))
+    summaries = [g for g in w.engine.generations if g.turn is None]
+    assert len(summaries) >= 3 and w.store.conversations[(OWNER, conv)].summary is not None
+    assert all(len(g.prompt_token_ids) <= 536 for g in w.engine.generations if g.turn is not None)
+
+
+async def test_recent_messages_that_outgrow_the_room_are_summarised_before_the_turn() -> None:
+    limits = context.PromptLimits(context_tokens=600, prompt_cap_tokens=600, reply_tokens=64)
+    w, conv = await fresh(limits=limits, summary_threshold_tokens=summary_threshold(limits, 0), keep_recent_messages=6)
+    await w.turn(conv, "short")
+    await w.turn(conv, _long(400, "paste"))  # a paste that fits alone, kept verbatim by the threshold rule
+    events = await w.turn(conv, _long(200, "next"))  # with the paste it would not fit: folded first
+    assert isinstance(final_of(events), Completed)
+    summary = w.store.conversations[(OWNER, conv)].summary
+    assert summary is not None and summary.covers_through_index == 3  # everything before the new message
+    summariser = [g for g in w.engine.generations if g.turn is None][-1]
+    assert len(summariser.prompt_token_ids) <= 600 - SUMMARY_MAX_TOKENS  # its transcript cut to fit
+
+
+async def test_only_a_new_message_that_cannot_fit_alone_is_refused() -> None:
+    limits = context.PromptLimits(context_tokens=600, prompt_cap_tokens=600, reply_tokens=64)
+    w, conv = await fresh(limits=limits, summary_threshold_tokens=summary_threshold(limits, 0))
+    await w.turn(conv, "hello")
+    events = await w.turn(conv, _long(560))
+    final = final_of(events)
+    assert isinstance(final, Failed) and not final.retryable and "shorten the message" in final.message
+    assert isinstance(final_of(await w.turn(conv, "and now a short one")), Completed)  # the conversation lives on

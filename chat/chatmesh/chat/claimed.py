@@ -160,14 +160,13 @@ class ClaimedTurn:
                     return Blocked(stage="input", category=screening.category, reason=screening.reason)
             view = self.job.view if self.job.view is not None else fresh
             assert view is not None  # read above exactly when the claim brought no whole context
-            summary = await self.prompts.summary_for(owner, conv, view)
             options = self.job.options
             new = self.job.content if self.job.regenerates is None and not self.job.results else None
             prefill = self.prompts.renderer.tool_syntax().prefill(options.tool_choice) \
                 if options.tools and not self.job.resume else ""
-            rendered = self.prompts.render(view, summary, new, self.job.regenerates, options.instructions,
-                                           options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results,
-                                           options.tools, prefill)
+            rendered = await self.prompts.prompt_for(
+                owner, conv, view, new, self.job.regenerates, options.instructions,
+                options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results, options.tools, prefill)
             self.calls = self._calls(prefill)
             await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()

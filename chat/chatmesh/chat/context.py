@@ -17,6 +17,9 @@ Tools (issue 28): an assistant message keeps its tool calls, a stored tool messa
 of the calls before it) is replayed as one tool message per result, and a turn may answer tool results instead of
 a user message; the renderer writes them, and the turn's tool definitions, in the served model's own format. The
 definitions are per turn (the caller sends them each time); the same ones keep the prompt prefix-stable.
+
+The prompt's room (`prompt_room`): the model's context less the reply's token budget, within the configured
+prompt cap; a prompt past it is `PromptTooLong`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from chatmesh.model.template import Role as Speaker
 from chatmesh.model.tools import ToolCall, ToolDefinition, ToolResult, ToolSyntax
 
 __all__ = ["Speaker", "HistoryMessage", "PromptSummary", "Rendered", "Renderer", "PromptTooLong", "PromptLimits",
-           "build", "messages_for", "history_tokens", "summary_cut", "as_prompt"]
+           "build", "messages_for", "history_tokens", "summary_cut", "as_prompt", "prompt_room"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,11 @@ def messages_for(system_prompt: str, summary: PromptSummary | None, history: Seq
     return out
 
 
+def prompt_room(limits: PromptLimits, reply_tokens: int | None = None) -> int:
+    """The most prompt tokens a turn may send: the context less the reply's budget, within the prompt cap."""
+    return min(limits.prompt_cap_tokens, limits.context_tokens - (reply_tokens or limits.reply_tokens))
+
+
 def build(renderer: Renderer, limits: PromptLimits, system_prompt: str, summary: PromptSummary | None,
           history: Sequence[HistoryMessage], new_message: str | None, instructions: str = "",
           reply_tokens: int | None = None, new_results: Sequence[ToolResult] = (),
@@ -132,7 +140,7 @@ def build(renderer: Renderer, limits: PromptLimits, system_prompt: str, summary:
     rendered = renderer.render(messages_for(system_prompt, summary, history, new_message, instructions, new_results),
                                tools, prefill)
     n = len(rendered.token_ids)
-    room = min(limits.prompt_cap_tokens, limits.context_tokens - (reply_tokens or limits.reply_tokens))
+    room = prompt_room(limits, reply_tokens)
     if n > room:
         raise PromptTooLong(
             f"the prompt is {n} tokens; the limit is {room} (model context {limits.context_tokens} minus "
@@ -149,9 +157,14 @@ def history_tokens(history: Sequence[HistoryMessage], summary: PromptSummary | N
 
 def summary_cut(history: Sequence[HistoryMessage], summary: PromptSummary | None, keep_recent: int) -> int | None:
     """Where a new summary should end (exclusive message index), keeping `keep_recent` messages verbatim and never
-    splitting a user message from its reply; None when there is nothing new to summarise."""
+    splitting a user message from its reply (0: everything is summarised); None when there is nothing new to
+    summarise."""
     start = summary.covers_until if summary else 0
     live = [m for m in history if m.index >= start]
+    if not live:
+        return None
+    if keep_recent <= 0:
+        return live[-1].index + 1
     if len(live) <= keep_recent:
         return None
     cut_at = live[len(live) - keep_recent]

@@ -7,6 +7,16 @@ passes `summary_threshold_tokens`, the turns before the last `keep_recent_messag
 engine at the turn boundary, before the prompt is built, and the summary is stored; later turns rebuild the same
 prompt from the stored summary instead of recomputing it.
 
+The threshold (`summary_threshold`): unless set, the reference's 12,000 tokens where the served model has the
+room, else half the prompt room (the model's context less the reply budget: SmolLM2's 8,192 - 256 = 7,936, so
+3,968), so a conversation is summarised well before its prompt can stop fitting; a setting above the prompt room
+could never fire first and is refused at start-up (`ThresholdRefused`). A conversation that still outgrows the
+room (a long paste among the recent messages, a long new message) is summarised further before the turn
+(`prompt_for`): first all but the last `keep_recent_messages // 2` messages, then all of it (a regenerate keeps the
+message it answers), so a turn fails as too long only when its new message alone cannot fit, never for the
+conversation's length. The summariser's own prompt is held to the context: a transcript too long for it is cut
+in the middle of its longest messages (`transcript`).
+
 The prefix cache (I1): every generation names its owner (`Generation.owner`), and the engine derives the owner's
 cache salt from it (and, with mutual TLS, only from a verified owner token), so one owner's turns reuse each
 other's KV past the platform prefix and two owners never share it. Chat holds no salt secret.
@@ -21,6 +31,7 @@ from chatmesh.chat import context
 from chatmesh.chat.options import ChatOptions
 from chatmesh.chat.ports import EngineDelta, Generation, Ports
 from chatmesh.mesh import errors, logs
+from chatmesh.mesh.config import SettingRefused
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.model.tools import ToolDefinition, ToolResult
 from chatmesh.store.values import History, MessageStatus, Role
@@ -33,6 +44,32 @@ DEFAULT_SYSTEM_PROMPTS = {
 SUMMARY_PROMPT = ("You summarise conversations. Write a short factual summary of the conversation below, keeping "
                   "names, numbers, decisions and open questions. Write only the summary.")
 SUMMARY_MAX_TOKENS = 200
+REFERENCE_THRESHOLD_TOKENS = 12_000  # the reference: "when history passes 12,000 tokens it is summarized"
+SUMMARY_PROMPT_OVERHEAD = 64  # the summariser prompt's instructions and chat-format tokens, above its transcript
+
+
+class ThresholdRefused(SettingRefused):
+    """CHATMESH_SUMMARY_THRESHOLD_TOKENS set above the prompt room: a prompt would stop fitting before it fired."""
+
+
+def summary_threshold(limits: context.PromptLimits, setting: int) -> int:
+    """The summary threshold for these limits: the setting, or (0) the one derived from the model's room."""
+    room = context.prompt_room(limits)
+    if setting > room:
+        raise ThresholdRefused(
+            f"CHATMESH_SUMMARY_THRESHOLD_TOKENS is {setting}, above the prompt room of {room} tokens (the served "
+            f"model's context {limits.context_tokens} minus {limits.reply_tokens} reply tokens, cap "
+            f"{limits.prompt_cap_tokens}): conversations would stop fitting before they were summarised. Set it "
+            f"below {room}, or to 0 to derive it ({min(REFERENCE_THRESHOLD_TOKENS, room // 2)} here)")
+    return setting or min(REFERENCE_THRESHOLD_TOKENS, room // 2)
+
+
+def clipped(text: str, chars: int) -> str:
+    """`text` within `chars` characters, its middle left out."""
+    if len(text) <= chars:
+        return text
+    half = max(1, chars // 2)
+    return f"{text[:half]} [...] {text[len(text) - half:]}"
 
 _SPEAKERS = {Role.SYSTEM: context.Speaker.SYSTEM, Role.USER: context.Speaker.USER,
              Role.ASSISTANT: context.Speaker.ASSISTANT, Role.TOOL: context.Speaker.TOOL}
@@ -85,24 +122,68 @@ class Prompts:
         view = await self.store.read_conversation(owner, conv)
         return self.render(view, stored_summary(view), new_message)
 
+    async def prompt_for(self, owner: OwnerId, conv: ConversationId, view: History, new_message: str | None,
+                         regenerates: TurnId | None, instructions: str, reply_tokens: int,
+                         new_results: Sequence[ToolResult] = (), tools: Sequence[ToolDefinition] = (),
+                         prefill: str = "") -> context.Rendered:
+        """A turn's prompt, summarising first as the module header says (at the threshold, then as far as the
+        prompt needs to fit); PromptTooLong only when the turn's own message cannot fit."""
+        summary = await self.summary_for(owner, conv, view)
+        least = 2 if regenerates is not None else 0  # a regenerate keeps the user message it answers
+
+        def render() -> context.Rendered:
+            return self.render(view, summary, new_message, regenerates, instructions, reply_tokens, new_results,
+                               tools, prefill)
+
+        for keep in sorted({max(least, self.opt.keep_recent_messages // 2), least}, reverse=True):
+            try:
+                return render()
+            except context.PromptTooLong:
+                summary = await self._fold(owner, conv, view, summary, keep) or summary
+        return render()
+
     async def summary_for(self, owner: OwnerId, conv: ConversationId, view: History) -> context.PromptSummary | None:
         """The stored summary, refreshed first when the replayed history is over the threshold."""
         summary = stored_summary(view)
-        replayed = history(view)
         counts = {m.index: m.token_count for m in view.messages}
-        if context.history_tokens(replayed, summary, counts) <= self.opt.summary_threshold_tokens:
+        if context.history_tokens(history(view), summary, counts) <= self.opt.summary_threshold_tokens:
             return summary
-        cut = context.summary_cut(replayed, summary, self.opt.keep_recent_messages)
+        return await self._fold(owner, conv, view, summary, self.opt.keep_recent_messages) or summary
+
+    async def _fold(self, owner: OwnerId, conv: ConversationId, view: History, summary: context.PromptSummary | None,
+                    keep: int) -> context.PromptSummary | None:
+        """Summarises the replayed history but its last `keep` messages into a new stored summary (None: there
+        is nothing more to summarise)."""
+        replayed = history(view)
+        cut = context.summary_cut(replayed, summary, keep)
         if cut is None:
-            return summary
+            return None
         start = summary.covers_until if summary else 0
-        transcript = "\n".join(transcript_line(m) for m in replayed if start <= m.index < cut and m.replayable)
-        if summary is not None:
-            transcript = f"Earlier summary: {summary.text}\n{transcript}"
-        text = await self._summarise(owner, conv, transcript)
+        lines = [transcript_line(m) for m in replayed if start <= m.index < cut and m.replayable]
+        text = await self._summarise(owner, conv, self.transcript(summary.text if summary else "", lines))
         saved = await self.store.save_summary(owner, conv, text, cut - 1, self.count_tokens(text))
-        log.info("summary_stored", conversation_id=conv, covers_through_index=cut - 1)
+        log.info("summary_stored", conversation_id=conv, covers_through_index=cut - 1, kept_messages=keep)
         return context.PromptSummary(saved.text, saved.covers_through_index + 1)
+
+    def transcript(self, earlier: str, lines: list[str]) -> str:
+        """What the summariser reads: the earlier summary and the messages (`transcript_line`), within its
+        context (the longest messages cut in the middle when the whole would not fit)."""
+        budget = self.opt.limits.context_tokens - SUMMARY_MAX_TOKENS - SUMMARY_PROMPT_OVERHEAD
+        head = f"Earlier summary: {earlier}\n" if earlier else ""
+
+        def joined(chars: int | None) -> str:
+            return head + "\n".join(clipped(line, chars) if chars else line for line in lines)
+
+        text = joined(None)
+        tokens = self.count_tokens(text)
+        longest = max((len(line) for line in lines), default=0)
+        for _ in range(8):  # each round cuts the longest messages to a share of what is over
+            if tokens <= budget or longest < 16:
+                break
+            longest = int(longest * max(0.1, min(0.8, budget / tokens)))
+            text = joined(longest)
+            tokens = self.count_tokens(text)
+        return text
 
     def _system_prompt(self, view: History) -> str:
         version = view.conversation.system_prompt_version or self.opt.default_prompt_version

@@ -28,11 +28,12 @@ from chatmesh.mesh.turn import TurnRecordState
 from chatmesh.store.values import MessageStatus, TurnRecord
 from chatmesh.store.wire import conversation_pb, message_pb, seed_of, tool_call_pb, tool_results_of, usage_pb
 from chatmesh.chat.observe import ChatMetrics
+from chatmesh.chat.prompt import summary_threshold
 from chatmesh.chat.prompting import ProfileRenderer
 from chatmesh.mesh import identity, logs, metrics
 from chatmesh.mesh import errors
 from chatmesh.mesh import settings as mesh_settings
-from chatmesh.mesh.config import Config
+from chatmesh.mesh.config import Config, SettingRefused
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_turn_id
 from chatmesh.mesh.message_size import MessageSize
 from chatmesh.mesh.owner_guard import ConversationScoped, OwnerGuard, OwnerScoped
@@ -310,15 +311,16 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
     prompts = load_system_prompts(cfg[settings.SYSTEM_PROMPTS])
     default_version = cfg[settings.SYSTEM_PROMPT_VERSION]
     if default_version not in prompts:
-        raise ValueError(f"CHATMESH_SYSTEM_PROMPT_VERSION {default_version!r} is not among {sorted(prompts)}")
+        raise SettingRefused(f"CHATMESH_SYSTEM_PROMPT_VERSION {default_version!r} is not among {sorted(prompts)}")
+    limits = context.PromptLimits(context_tokens=context_tokens(cfg, served),
+                                  prompt_cap_tokens=cfg[settings.PROMPT_CAP_TOKENS],
+                                  reply_tokens=cfg[settings.MAX_REPLY_TOKENS])
     options = ChatOptions(
-        limits=context.PromptLimits(context_tokens=context_tokens(cfg, served),
-                              prompt_cap_tokens=cfg[settings.PROMPT_CAP_TOKENS],
-                              reply_tokens=cfg[settings.MAX_REPLY_TOKENS]),
+        limits=limits,
         temperature=cfg[settings.TEMPERATURE], top_p=cfg[settings.TOP_P],
         lease_ttl_ms=cfg[settings.LEASE_TTL_MS], engine_deadline_s=cfg[settings.ENGINE_DEADLINE_S],
         progress_interval_s=cfg[settings.PROGRESS_INTERVAL_MS] / 1000,
-        summary_threshold_tokens=cfg[settings.SUMMARY_THRESHOLD_TOKENS],
+        summary_threshold_tokens=summary_threshold(limits, cfg[settings.SUMMARY_THRESHOLD_TOKENS]),
         keep_recent_messages=cfg[settings.KEEP_RECENT_MESSAGES],
         advertise_address=(cfg[settings.ADVERTISE_ADDRESS] or cfg[mesh_settings.LISTEN]
                            or cfg[mesh_settings.CHAT_ADDRESS]),

@@ -20,8 +20,10 @@ PROMPT_CAP_TOKENS = Setting(
     "CHATMESH_PROMPT_CAP_TOKENS", 131072,
     "configured cap on prompt tokens (pasted input up to 128k where the model allows)", int)
 SUMMARY_THRESHOLD_TOKENS = Setting(
-    "CHATMESH_SUMMARY_THRESHOLD_TOKENS", 12000,
-    "history tokens past which older turns are summarised at a turn boundary", int)
+    "CHATMESH_SUMMARY_THRESHOLD_TOKENS", 0,
+    "history tokens past which older turns are summarised at a turn boundary (0: derived from the served model: "
+    "12000, or half the prompt room, the context less the reply budget, when that is less; above the room is "
+    "refused at start-up)", int)
 KEEP_RECENT_MESSAGES = Setting(
     "CHATMESH_KEEP_RECENT_MESSAGES", 6, "messages kept verbatim after a summary", int)
 # A dead chat process's turns are taken over by a retry once their lease lapses: at most the TTL after its last

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from chatmesh.mesh import config, logs, settings, tracing
-from chatmesh.mesh.config import Config, Setting
+from chatmesh.mesh.config import Config, Setting, SettingRefused
 from chatmesh.mesh.secrets_guard import DevelopmentSecrets, refuse_development_secrets
 from chatmesh.mesh.trust import Trust, TrustRefused, service_trust
 
@@ -58,7 +58,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (TrustRefused, DevelopmentSecrets) as err:
         logs.get("chatmesh.serve").error("startup_refused", reason=str(err))
         return 2
-    asyncio.run(_run(module, cfg, listen, trust, cfg[settings.METRIC_PORTS[args.service]]))
+    try:
+        asyncio.run(_run(module, cfg, listen, trust, cfg[settings.METRIC_PORTS[args.service]]))
+    except SettingRefused as err:
+        logs.get("chatmesh.serve").error("startup_refused", reason=str(err))
+        return 2
     return 0
 
 

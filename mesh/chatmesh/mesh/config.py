@@ -38,6 +38,11 @@ _REGISTRY: dict[str, Setting[Any]] = {}
 _READ: set[str] = set()  # every setting any Config of this process has resolved
 
 
+class SettingRefused(ValueError):
+    """A setting's value a service cannot run with, found while it builds; `chatmesh serve` logs the message as
+    `startup_refused` and exits 2 (no traceback)."""
+
+
 def parse_bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
