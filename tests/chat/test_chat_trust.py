@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from chatmesh.engine_adapter import service as engine_service
 from chatmesh.mesh import identity as ident
 from chatmesh.mesh import tokens
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.errors import PROMPT_TOKENS_TRAILER
 from chatmesh.mesh.identity import Identity
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.server import Running, Service, start_server
@@ -40,11 +42,12 @@ class Mesh:
     chat: str
     engine: str
 
-    def token(self, owner: OwnerId, conversation: str | None = None, presenter: Identity = ident.GATEWAY
+    def token(self, owner: OwnerId, conversation: str | None = None, presenter: Identity = ident.GATEWAY,
+              scopes: tuple[str, ...] | None = None, prompt_allowance: int | None = None
               ) -> tuple[tuple[str, str], ...]:
         """What the gateway mints (for itself, or for an internal client that asked its OwnerTokenService)."""
         minted = issuer_of(self.certs).mint(owner, ConversationId(conversation) if conversation else None,
-                                            presenter=presenter)
+                                            presenter=presenter, scopes=scopes, prompt_allowance=prompt_allowance)
         return tokens.metadata_of(minted.token)
 
 
@@ -168,3 +171,48 @@ async def test_an_internal_client_acts_for_a_user_with_a_token_and_other_service
             await chat_pb2_grpc.ChatServiceStub(channel).CreateConversation(request, metadata=mesh.token(ALICE))
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert err.value.details() == "spiffe://chatmesh/store may not call /chatmesh.v1.ChatService/CreateConversation"
+
+
+async def test_chat_refuses_a_prompt_over_its_allowance_before_any_engine_work(mesh: Mesh) -> None:
+    """chat.proto's contract, which chat ignored (issue 30: an internal client ran 6 turns of 7k tokens with
+    allowance 1): a rendered prompt larger than the request's allowance, or than the per-turn budget the owner
+    token carries (an internal client's grant), is RESOURCE_EXHAUSTED with the prompt's size in the
+    `chatmesh-prompt-tokens` trailer, nothing stored, no engine work; the claim is released, so the same turn id
+    runs once the allowance holds it."""
+    client = ident.client("dev")
+    budgeted = mesh.token(BOB, presenter=client, scopes=("read", "turns"), prompt_allowance=5)
+    async with channel_as(mesh.certs, client, mesh.chat, "chat") as channel:
+        chat = chat_pb2_grpc.ChatServiceStub(channel)
+        conv = (await chat.CreateConversation(chat_pb2.CreateConversationRequest(owner_id=BOB),
+                                              metadata=budgeted)).conversation.conversation_id
+        turn_id = str(uuid.uuid4())
+        for allowance in (0, 1, 10_000):  # asking for none, or for more, does not lift the grant's budget
+            request = chat_pb2.SendTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=turn_id,
+                                               content="Tell me about the routers.", prompt_token_allowance=allowance)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in chat.SendTurn(request, metadata=budgeted):
+                    pass
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            trailing: Any = err.value.trailing_metadata()  # grpc.aio's Metadata: (key, value) pairs
+            size = int(dict(trailing)[PROMPT_TOKENS_TRAILER])
+            assert size > 5 and f"the prompt is {size} tokens" in (err.value.details() or "")
+        view = await chat.GetConversation(chat_pb2.GetConversationRequest(owner_id=BOB, conversation_id=conv),
+                                          metadata=budgeted)
+        assert list(view.messages) == []
+    assert await generations(mesh) == 0
+    # the gateway's token carries no budget: the request's allowance decides, and the same turn id then runs
+    async with channel_as(mesh.certs, ident.GATEWAY, mesh.chat, "chat") as channel:
+        chat = chat_pb2_grpc.ChatServiceStub(channel)
+        over = chat_pb2.SendTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=turn_id,
+                                        content="Tell me about the routers.", prompt_token_allowance=size - 1)
+        assert await refused(chat.SendTurn(over, metadata=mesh.token(BOB, conv)).read()) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        fits = chat_pb2.SendTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=turn_id,
+                                        content="Tell me about the routers.", prompt_token_allowance=size)
+        events = [r.event async for r in chat.SendTurn(fits, metadata=mesh.token(BOB, conv))]
+        assert events[0].started.prompt_tokens == size and events[-1].WhichOneof("kind") == "completed"
+        regenerate = chat_pb2.RegenerateTurnRequest(owner_id=BOB, conversation_id=conv, turn_id=str(uuid.uuid4()),
+                                                    prompt_token_allowance=1)
+        assert await refused(chat.RegenerateTurn(regenerate, metadata=mesh.token(BOB, conv)).read()) == \
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await generations(mesh) == 1

@@ -5,8 +5,12 @@ gateway processes on one real Redis (127.0.0.1:6379) in front of real chat, stor
 - A client that goes away after the first delta is charged its prompt: with a budget of about 2.5 prompts, a
   disconnected turn and a completed one leave too little for a third (which is refused 429 with Retry-After).
   Before the fix the disconnect cost nothing and the third ran.
-- N concurrent turns, spread over both gateways, against a budget of B tokens: the store bills at most B plus one
-  turn's prompt (before the fix, four concurrent turns spent 27 times a 600-token budget)."""
+- N concurrent turns, spread over both gateways, against a budget of B tokens: the store bills at most B (issue
+  17: four concurrent turns spent 27 times a 600-token budget; issue 30: B plus one prompt while chat ignored
+  prompt_token_allowance, which it now enforces after rendering).
+- The gateway tests that relied on tests/gateway/fake_chat.py's enforcement of the allowance, against the real
+  chat: a retry that replays is not charged again; a prompt larger than the whole budget is 400 (chat refused it
+  before any engine work: nothing billed, nothing stored)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from tests.e2e.conftest import mesh_env
 pytestmark = pytest.mark.slow
 
 MESSAGE = " ".join(f"line {i}: the shipment for warehouse {i * 7} was counted twice." for i in range(80))
-USERS = ("calibrate", "disconnects", "concurrent")
+USERS = ("calibrate", "disconnects", "concurrent", "replays", "oversized")
 
 
 @dataclass
@@ -61,11 +65,12 @@ async def _make_users(env: dict[str, str]) -> dict[str, str]:
         await accounts.close()
 
 
-async def turn(client: httpx.AsyncClient, *, disconnect_after_delta: bool = False) -> tuple[int, httpx.Headers]:
-    """One turn in a new conversation (so every prompt is the same size)."""
-    conv = (await client.post("/v1/conversations", json={})).json()["id"]
+async def turn(client: httpx.AsyncClient, *, disconnect_after_delta: bool = False, content: str = MESSAGE,
+               conv: str | None = None, turn_id: str | None = None) -> tuple[int, httpx.Headers]:
+    """One turn, by default in a new conversation (so every prompt is the same size)."""
+    conv = conv or (await client.post("/v1/conversations", json={})).json()["id"]
     async with client.stream("POST", f"/v1/conversations/{conv}/turns",
-                             json={"turn_id": str(uuid.uuid4()), "content": MESSAGE}) as r:
+                             json={"turn_id": turn_id or str(uuid.uuid4()), "content": content}) as r:
         if r.status_code == 200:
             async for line in r.aiter_lines():
                 if disconnect_after_delta and line == "event: turn.delta":
@@ -153,13 +158,14 @@ async def test_a_disconnect_after_the_first_delta_is_charged_its_prompt(limits: 
     assert all(1 <= int(h["retry-after"]) <= 3600 for status, h in (second, third) if status == 429)
     assert first in ((1, limits.prompt), (0, 0))  # if the store bills a disconnect, it bills the whole prompt
     assert (turns, tokens) == (first[0] + statuses.count(200), first[1] + limits.prompt * statuses.count(200))
-    # the edge's bound: B plus one turn's prompt (a turn admitted with less left than its prompt still runs: chat
-    # does not enforce prompt_token_allowance yet, see gateway/metering.py)
-    assert tokens <= limits.budget + limits.prompt
+    # the edge's bound: B (a turn admitted with less left than its prompt is refused by chat before it runs)
+    assert tokens <= limits.budget
 
 
-async def test_concurrent_turns_on_two_gateways_spend_at_most_the_budget_plus_one_turn(limits: LimitMesh) -> None:
-    n = 8
+async def test_concurrent_turns_on_two_gateways_spend_at_most_the_budget(limits: LimitMesh) -> None:
+    """Four at once, each reserving all the budget has left (up to the largest prompt): whichever admissions find
+    too little for their prompt are refused by chat, so the store bills at most B."""
+    n = 4
     clients = [limits.client("concurrent", i % 2) for i in range(n)]
     try:
         results = await asyncio.gather(*(turn(c) for c in clients))
@@ -169,8 +175,31 @@ async def test_concurrent_turns_on_two_gateways_spend_at_most_the_budget_plus_on
         for c in clients:
             await c.aclose()
     statuses = [status for status, _ in results]
-    assert statuses.count(200) >= 1 and statuses.count(429) >= n - 3, statuses
+    assert statuses.count(200) >= 1 and statuses.count(429) >= n - 2, statuses
     assert all("retry-after" in headers for status, headers in results if status == 429)
     assert turns == statuses.count(200)
-    assert tokens <= limits.budget + limits.prompt, (tokens, limits.budget, limits.prompt)
+    assert tokens <= limits.budget, (tokens, limits.budget, limits.prompt)
     assert tokens == limits.prompt * turns
+
+
+async def test_a_retry_that_replays_is_not_charged_again(limits: LimitMesh) -> None:
+    async with limits.client("replays", 0) as one, limits.client("replays", 1) as two:
+        conv = (await one.post("/v1/conversations", json={})).json()["id"]
+        turn_id = str(uuid.uuid4())
+        assert (await turn(one, conv=conv, turn_id=turn_id))[0] == 200
+        assert (await turn(two, conv=conv, turn_id=turn_id))[0] == 200  # the stored reply, streamed again
+        assert await billed(one) == (1, limits.prompt)
+        # what the replay reserved went back: the next turn finds budget minus one prompt (enough for one more)
+        assert (await turn(one))[0] == 200
+        assert (await billed(one))[1] == 2 * limits.prompt
+
+
+async def test_a_prompt_larger_than_the_whole_budget_is_refused_by_chat_and_answered_400(limits: LimitMesh) -> None:
+    async with limits.client("oversized", 0) as client:
+        status, _ = await turn(client, content=f"{MESSAGE}\n{MESSAGE}\n{MESSAGE}")
+        assert status == 400
+        assert await billed(client) == (0, 0)
+        conversations = (await client.get("/v1/conversations")).json()["conversations"]
+        messages = (await client.get(f"/v1/conversations/{conversations[0]['id']}")).json()["messages"]
+        assert messages == []
+        assert (await turn(client))[0] == 200  # the refused turn's reservation went back

@@ -97,6 +97,7 @@ class Job:
     resume: str = ""  # reply text an earlier attempt showed (the record kept it): the reply continues it
     taken_over: bool = False  # claimed from a holder whose lease lapsed: its sequences are cancelled first
     results: tuple[ToolResult, ...] = ()  # a tool turn's input: the results answering the last reply's calls
+    allowance: int = 0  # the most prompt tokens the turn may use (chat.proto's prompt_token_allowance; 0: no limit)
 
 
 class ClaimedTurn:
@@ -119,6 +120,13 @@ class ClaimedTurn:
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             final = await self._generate()
+        except errors.PromptOverAllowance as err:  # refused before any engine work: no event, a status
+            log.info("turn_over_allowance", conversation_id=turn.conversation, turn_id=turn.turn,
+                     prompt_tokens=err.prompt_tokens, allowance=err.allowance)
+            self.machine.advance(TurnState.REJECTED)
+            await self._fail(type(err).__name__)
+            await self.live.refuse(err)
+            return
         except errors.CoreError as err:
             log.warning("turn_failed", conversation_id=turn.conversation, turn_id=turn.turn,
                         error=type(err).__name__, reason=str(err))
@@ -168,6 +176,8 @@ class ClaimedTurn:
                 owner, conv, view, new, self.job.regenerates, options.instructions,
                 options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results, options.tools, prefill)
             self.calls = self._calls(prefill)
+            if self.job.allowance and len(rendered.token_ids) > self.job.allowance:
+                raise errors.PromptOverAllowance(len(rendered.token_ids), self.job.allowance)
             await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()
             if self.job.resume:  # claimed again: the reply continues the text an earlier attempt showed

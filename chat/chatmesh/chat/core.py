@@ -75,13 +75,13 @@ class ChatCore:
 
     def send_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId, content: str,
                   options: TurnOptions = DEFAULT_TURN, create: NewConversation | None = None,
-                  expect_last: TurnId | None = None, results: tuple[ToolResult, ...] = ()
+                  expect_last: TurnId | None = None, results: tuple[ToolResult, ...] = (), allowance: int = 0
                   ) -> AsyncIterator[TurnEvent]:
-        return self.turns.send(TurnKey(owner, conv, turn), content, options, create, expect_last, results)
+        return self.turns.send(TurnKey(owner, conv, turn), content, options, create, expect_last, results, allowance)
 
-    def regenerate(self, owner: OwnerId, conv: ConversationId, turn: TurnId, options: TurnOptions = DEFAULT_TURN
-                   ) -> AsyncIterator[TurnEvent]:
-        return self.turns.regenerate(TurnKey(owner, conv, turn), options)
+    def regenerate(self, owner: OwnerId, conv: ConversationId, turn: TurnId, options: TurnOptions = DEFAULT_TURN,
+                   allowance: int = 0) -> AsyncIterator[TurnEvent]:
+        return self.turns.regenerate(TurnKey(owner, conv, turn), options, allowance)
 
     async def get_turn(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> TurnRecord:
         return await self.turns.get(TurnKey(owner, conv, turn))

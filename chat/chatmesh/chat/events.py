@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from chatmesh.mesh.errors import CoreError
 from chatmesh.mesh.turn import Usage
 from chatmesh.store.values import Message, MessageStatus, ToolCall
 
@@ -123,6 +124,7 @@ class LiveTurn:
         self.handed_off = False
         self.released = False  # its client's edge said the client was shown nothing (Turns.release)
         self.attached = 0  # streams following it besides its own caller's (retries, attaches in this process)
+        self.refused: CoreError | None = None  # refused before its first event (over its allowance): followers raise
 
     async def publish(self, kind: TurnEventKind) -> None:
         async with self._changed:
@@ -138,11 +140,19 @@ class LiveTurn:
                     self.final = kind
             self._changed.notify_all()
 
+    async def refuse(self, err: CoreError) -> None:
+        """Ends the turn with no event: every follower raises `err` (its caller gets it as the call's status)."""
+        async with self._changed:
+            self.refused = err
+            self._changed.notify_all()
+
     async def follow(self, after: int = 0, replayed: bool = False) -> AsyncGenerator[TurnEvent, None]:
         """Yields events after sequence `after` until the final one; every wait is an await (no spinning)."""
         seen = after
         while True:
             async with self._changed:
+                if self.refused is not None:
+                    raise self.refused
                 # the turn's own client waits for its Started (it carries the prompt's size); attachers do not
                 ready = replayed or seen >= 1 or self.started is not None or self.final is not None
                 pending = resume_from(self.text, self.final, seen, replayed, self.started, self.calls) \

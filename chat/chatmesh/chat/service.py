@@ -221,7 +221,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         expect = parse_turn_id(request.expect_last_turn_id, "expect_last_turn_id") \
             if request.expect_last_turn_id else None
         events = self.core.send_turn(owner, conv, turn, request.content, options_of(request.options), create, expect,
-                                     tool_results_of(request.tool_results))
+                                     tool_results_of(request.tool_results),
+                                     self.guard.prompt_allowance(context, request.prompt_token_allowance))
         async for event in _first_text_timed(events, self.observed):
             yield chat_pb2.SendTurnResponse(event=event_to_proto(event, turn))
 
@@ -245,7 +246,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                              ) -> AsyncIterator[chat_pb2.RegenerateTurnResponse]:
         owner, conv = self._in(request, context)
         turn = parse_turn_id(request.turn_id)
-        events = self.core.regenerate(owner, conv, turn, options_of(request.options))
+        events = self.core.regenerate(owner, conv, turn, options_of(request.options),
+                                      self.guard.prompt_allowance(context, request.prompt_token_allowance))
         async for event in _first_text_timed(events, self.observed):
             yield chat_pb2.RegenerateTurnResponse(event=event_to_proto(event, turn))
 

@@ -158,9 +158,10 @@ class Turns:
 
     async def send(self, key: TurnKey, content: str, options: TurnOptions = DEFAULT_TURN,
                    create: NewConversation | None = None, expect_last: TurnId | None = None,
-                   results: tuple[ToolResult, ...] = ()) -> AsyncIterator[TurnEvent]:
+                   results: tuple[ToolResult, ...] = (), allowance: int = 0) -> AsyncIterator[TurnEvent]:
         """A new turn answering `content` (a user message) or, when `results` are given (content then empty), the
-        tool results answering the conversation's last reply's calls."""
+        tool results answering the conversation's last reply's calls. `allowance`: the most prompt tokens the turn
+        may use (0: no limit); a larger rendered prompt is refused (PromptOverAllowance) before any engine work."""
         machine = TurnMachine(self.observe)
         seeded: tuple[str, ...] = ()
         with ending_on_error(machine):
@@ -178,15 +179,17 @@ class Turns:
                 seeded = tuple(m.content for m in create.seed if m.role is Role.USER)  # input-checked too
         fp = fingerprint("tool", results_json(results)) if results else fingerprint("send", content)
         async for event in self._attempt(machine, key, content, None, fp, options, expect_last, seeded=seeded,
-                                         results=results):
+                                         results=results, allowance=allowance):
             yield event
 
-    async def regenerate(self, key: TurnKey, options: TurnOptions = DEFAULT_TURN) -> AsyncIterator[TurnEvent]:
+    async def regenerate(self, key: TurnKey, options: TurnOptions = DEFAULT_TURN, allowance: int = 0
+                         ) -> AsyncIterator[TurnEvent]:
         """A new reply to the last user message under a new turn id; a retry of the same id replays it."""
         machine = TurnMachine(self.observe)
         with ending_on_error(machine):
             target = await self._regenerate_target(key)
-        async for event in self._attempt(machine, key, "", target, fingerprint("regenerate", target), options):
+        async for event in self._attempt(machine, key, "", target, fingerprint("regenerate", target), options,
+                                         allowance=allowance):
             yield event
 
     async def get(self, key: TurnKey) -> TurnRecord:
@@ -273,11 +276,11 @@ class Turns:
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                        fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None,
                        delivered: Delivered = NOTHING, seeded: tuple[str, ...] = (),
-                       results: tuple[ToolResult, ...] = ()) -> AsyncIterator[TurnEvent]:
+                       results: tuple[ToolResult, ...] = (), allowance: int = 0) -> AsyncIterator[TurnEvent]:
         """One attempt; with `delivered` (a retry whose client already has part of the reply, `follow.py`), its
         stream continues that part, and a claim won here generates the rest of it."""
         events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text,
-                                  seeded, results)
+                                  seeded, results, allowance)
         stream = continuing(events, delivered) if delivered.sequence > 0 else events
         try:
             async for event in stream:
@@ -287,7 +290,7 @@ class Turns:
 
     async def _from_start(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                           fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str,
-                          seeded: tuple[str, ...] = (), results: tuple[ToolResult, ...] = ()
+                          seeded: tuple[str, ...] = (), results: tuple[ToolResult, ...] = (), allowance: int = 0
                           ) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
@@ -315,7 +318,7 @@ class Turns:
                 if expect_last is not None:
                     await self._expect(machine, key, lease, admission, view, expect_last)
                 job = Job(key, content, regenerates, lease, admission, view, stored_options(kept, options),
-                          continued(resume, left), taken, results)
+                          continued(resume, left), taken, results, allowance)
                 async for event in self._own(machine, job):
                     yield event
             case Done(reply=reply, usage=usage):
@@ -324,7 +327,8 @@ class Turns:
                     yield event
             case InProgress():
                 machine.advance(TurnState.ATTACHED)
-                async for event in self._follow_stored(key, 0, (content, regenerates, fp, options, results)):
+                async for event in self._follow_stored(key, 0, (content, regenerates, fp, options, results,
+                                                                allowance)):
                     yield event
             case Conflicted():
                 machine.advance(TurnState.REJECTED)
@@ -374,7 +378,7 @@ class Turns:
         self.live.pop(key, None)
 
     async def _follow_stored(self, key: TurnKey, after: int,
-                             retry: tuple[str, TurnId | None, str, TurnOptions, tuple[ToolResult, ...]] | None
+                             retry: tuple[str, TurnId | None, str, TurnOptions, tuple[ToolResult, ...], int] | None
                              ) -> AsyncIterator[TurnEvent]:
         """Follows a turn generated by another process; with `retry` (the caller has the turn's content), a
         lapsed or failed claim is taken over: a new attempt, claimed and generated here."""
@@ -384,7 +388,7 @@ class Turns:
         if not follower.take_over:
             return
         assert retry is not None
-        content, regenerates, fp, options, results = retry
+        content, regenerates, fp, options, results, allowance = retry
         async for event in self._attempt(TurnMachine(self.observe), key, content, regenerates, fp, options,
-                                         delivered=follower.delivered, results=results):
+                                         delivered=follower.delivered, results=results, allowance=allowance):
             yield event

@@ -10,8 +10,8 @@ budget before the first refusal. So for each new turn (send or regenerate):
    which knows the rendered prompt's size before it calls an engine, refuses a prompt over the allowance
    (RESOURCE_EXHAUSTED with the size in the `chatmesh-prompt-tokens` trailer): nothing ran, the reservation goes
    back, and the answer is 429 naming the limit with Retry-After the time until the bucket holds the prompt (400
-   when the prompt is larger than the whole hourly budget: waiting would not help). The edge handles that
-   answer; chat does not send it yet (it ignores the allowance), so the bound below is B plus one prompt.
+   when the prompt is larger than the whole hourly budget: waiting would not help). Chat checks it once the
+   prompt is rendered, before it publishes turn.started (chatmesh.chat.claimed), and releases the turn's claim.
 2. `turn.started` carries the prompt's size: the reservation is settled to it at once, so the excess is back in
    the bucket before the reply streams and a concurrent turn can use it.
 3. At the end it is settled to `charge(...)`:
@@ -25,8 +25,9 @@ budget before the first refusal. So for each new turn (send or regenerate):
 
 Bound. Every turn's tokens come out of its own reservation, and reservations come out of the bucket
 atomically (in Redis, one Lua script across every gateway), so N concurrent turns against a budget of B spend at
-most B. A chat that ignored the allowance would let a turn admitted with less than its prompt overshoot: B plus
-one turn's prompt at most, since the next admission finds the bucket empty.
+most B (tests/e2e/test_prompt_limits.py, real chat, two gateways on one Redis). A chat that ignored the
+allowance would let a turn admitted with less than its prompt overshoot: B plus one turn's prompt at most, since
+the next admission finds the bucket empty (tests/gateway/test_limits.py keeps that case, against a fake chat).
 """
 
 from __future__ import annotations

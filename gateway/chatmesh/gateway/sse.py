@@ -43,6 +43,7 @@ from chatmesh.gateway.errors import ApiError, http_for_grpc
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.observe import START_KEY
 from chatmesh.mesh import logs, metrics
+from chatmesh.mesh.errors import PROMPT_TOKENS_TRAILER
 from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.sse")
@@ -80,7 +81,7 @@ def _prompt_tokens_trailer(err: grpc.aio.AioRpcError) -> int | None:
     # grpc.aio hands a Metadata of (key, value) pairs (its stubs claim objects with .key and .value)
     metadata: Any = err.trailing_metadata()
     for key, value in metadata or ():
-        if key == "chatmesh-prompt-tokens":
+        if key == PROMPT_TOKENS_TRAILER:
             text = value.decode() if isinstance(value, bytes) else str(value)
             return int(text) if text.isdigit() else None
     return None

@@ -8,8 +8,15 @@ Cores raise these; each service's servicer maps them to gRPC status codes in exa
 from __future__ import annotations
 
 
+PROMPT_TOKENS_TRAILER = "chatmesh-prompt-tokens"  # gRPC trailing metadata of a PromptOverAllowance
+
+
 class CoreError(Exception):
     """Base of every error a core raises on purpose. The message is safe to show a caller."""
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What the status carries besides its message (gRPC trailing metadata): ids and counts only."""
+        return ()
 
 
 class InvalidArgument(CoreError):
@@ -30,6 +37,19 @@ class FailedPrecondition(CoreError):
 
 class ResourceExhausted(CoreError):
     """A bounded queue or limit is full; retry later."""
+
+
+class PromptOverAllowance(ResourceExhausted):
+    """A turn's rendered prompt needs more tokens than its allowance (chat.proto's prompt_token_allowance, or the
+    internal client's per-turn budget): refused before any engine work, the prompt's size in the trailer."""
+
+    def __init__(self, prompt_tokens: int, allowance: int) -> None:
+        super().__init__(f"the prompt is {prompt_tokens} tokens; the turn's allowance is {allowance}")
+        self.prompt_tokens = prompt_tokens
+        self.allowance = allowance
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((PROMPT_TOKENS_TRAILER, str(self.prompt_tokens)),)
 
 
 class Unavailable(CoreError):

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from chatmesh.mesh import authz, logs, tokens
-from chatmesh.mesh.errors import PermissionDenied
+from chatmesh.mesh.errors import InvalidArgument, PermissionDenied
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_owner_id
 from chatmesh.mesh.tokens import OwnerClaims, TokenRefused, Verifier
 
@@ -82,6 +82,19 @@ class OwnerGuard:
                 self._refuse("conversation_mismatch", owner, conversation)
                 raise PermissionDenied(f"the owner token is not for conversation {conversation}")
         return owner
+
+    def prompt_allowance(self, context: Any, requested: int) -> int:
+        """The most prompt tokens this call's turn may use (0: no limit): the request's `prompt_token_allowance`
+        (what the edge reserved), and, when the token carries a budget (an internal client's, from its grant), that
+        too, whichever is smaller. A client cannot lift its grant's budget by asking for more, or for none."""
+        if requested < 0:
+            raise InvalidArgument("prompt_token_allowance must not be negative (0: no limit)")
+        if self.verifier is None:
+            return requested
+        granted = self.claims(context).prompt_allowance
+        if granted is None:
+            return requested
+        return min(requested, granted) if requested else granted
 
     def claims(self, context: Any) -> OwnerClaims:
         """The verified token of this call (Unauthenticated without a valid one), presented by the identity it

@@ -76,7 +76,7 @@ def status_for(err: errors.CoreError) -> grpc.StatusCode:
 
 async def _abort(context: grpc.aio.ServicerContext[object, object], exc: BaseException, method: str) -> None:
     if isinstance(exc, errors.CoreError):
-        await context.abort(status_for(exc), str(exc))
+        await context.abort(status_for(exc), str(exc), exc.trailing_metadata())
     log.error("unexpected_error", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}")
 

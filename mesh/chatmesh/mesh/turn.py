@@ -4,7 +4,8 @@ One attempt at a turn, as chat drives it (`TurnState`, `TRANSITIONS`):
 
     RECEIVED --> REPLAYED      turn id already answered: the stored reply is streamed again
     RECEIVED --> ATTACHED      turn id being generated (here or by another chat process): follow that stream
-    RECEIVED --> REJECTED      bad input, conflict (same id, other content), nothing to regenerate
+    RECEIVED --> REJECTED      bad input, conflict (same id, other content), nothing to regenerate, a rendered
+                               prompt over the turn's allowance (the claim released: nothing stored)
     RECEIVED --> BLOCKED       input moderation blocked it: stored as blocked, never reaches an engine
     RECEIVED --> QUEUED        claim won (a lease in the store), prompt built, routed to a replica
     QUEUED   --> PREFILL       the engine admitted the prompt
