@@ -7,19 +7,33 @@ Skipped with the reason where tritonserver cannot start (no nvidia-pytriton); fa
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from tests.conftest import free_port, need
 
-from chatmesh.engine_adapter.backend import Backend, Delta, Finished, FinishReason, GenerateEvent, GenerateParams, Started
+from chatmesh.engine_adapter.backend import (
+    Backend,
+    Delta,
+    Finished,
+    FinishReason,
+    GenerateEvent,
+    GenerateParams,
+    KvLayout,
+    PullOutcome,
+    PullSource,
+    ServeRequest,
+    Started,
+    TransferStats,
+)
 from chatmesh.engine_adapter.service import build_backend
 from chatmesh.engine_adapter.triton.backend import TritonBackend, TritonOptions
 from chatmesh.engine_adapter.triton.launcher import TritonMissing, TritonServer
 from chatmesh.engine_adapter.triton.render import Deployment, local_server
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from chatmesh.mesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from chatmesh.mesh.ids import ConversationId
 
 # The engine inside Triton, and the same engine in-process for comparison.
@@ -80,6 +94,11 @@ async def test_stream_is_started_deltas_finished(backend: TritonBackend) -> None
     assert finished.usage.output_tokens >= len(tokens(events)) >= 1
     assert finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert backend.stats().backend == "triton" and backend.stats().replica_id == "r-triton"
+    # a request naming a source to pull from: served by prefill, the pull reported as unsupported (docs/triton.md)
+    moved = await collect(backend, dataclasses.replace(prompt(max_tokens=2), source=PullSource("r-0", "x:1")))
+    assert isinstance(moved[0], Started) and moved[0].pull is not None
+    assert moved[0].pull.outcome is PullOutcome.UNSUPPORTED and moved[0].pulled_tokens == 0
+    assert backend.stats().transfer == TransferStats()  # the engine inside Triton serves pulls; this replica cannot
 
 
 async def test_same_tokens_as_the_same_engine_in_process(backend: TritonBackend) -> None:
@@ -180,6 +199,9 @@ async def test_nothing_listening_is_not_ready_and_generate_is_unavailable_naming
     assert not b.ready()
     with pytest.raises(Unavailable, match=address):
         await collect(b, prompt(max_tokens=2))
+    assert not b.stats().transfer.serves and not b.stats().transfer.receives
+    with pytest.raises(FailedPrecondition, match="cannot serve or import KV blocks"):
+        b.serve_prefix(ServeRequest(b"", (bytes(16),), KvLayout("local", b.model, 32, "int8", 1), 1 << 20))
     await b.close()
 
 
