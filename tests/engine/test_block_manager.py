@@ -143,6 +143,22 @@ def test_a_pinned_host_block_is_never_dropped_and_admission_prefills_instead_of_
     assert hit is not None and hit.cached_tokens == 16 and hit.host_cached_tokens == 16
 
 
+def test_served_private_blocks_are_demoted_to_the_cold_end_and_evicted_first() -> None:
+    bm = BlockManager(BlockConfig(BS, 10, 0))
+    served = SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 2 shared + 2 private blocks
+    _run(bm, 2, SYSTEM + [5, 5, 5, 5, 9], len(SYSTEM), b"B", "stays")  # 1 private block of B, older
+    _run(bm, 1, served, len(SYSTEM), b"A", "moved")  # A's are the most recently used
+    pinned = bm.pin(chain_hashes(served, len(SYSTEM), b"A", BS), b"A")
+    bm.unpin(pinned)
+    bm.demote(pinned)
+    bm.check()
+    # room for 7 blocks: the 5 free, then A's 2 demoted private ones; B's and the shared prefix stay
+    assert bm.admit(3, [4] * 29, 0, b"C", None) is not None and bm.grow(3, 28)
+    assert bm.residency.held() == {"stays": 4}
+    bm.release(3)
+    assert _run(bm, 4, SYSTEM + [5, 5, 5, 5, 9], len(SYSTEM), b"B").cached_tokens == 12
+
+
 def test_an_adopted_import_is_a_cached_prefix_of_its_owner_and_conversation() -> None:
     bm = BlockManager(BlockConfig(BS, 8, 0))
     tokens = SYSTEM + list(range(20, 29))

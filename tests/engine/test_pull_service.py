@@ -4,6 +4,7 @@ PullPrefix refuses every caller but an engine acting for the blocks' own owner, 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.engine_adapter import service as engine_service
 from chatmesh.engine_adapter.block_manager import chain_hashes
@@ -19,7 +21,7 @@ from chatmesh.engine_adapter.engine import EngineCore
 from chatmesh.engine_adapter.sim import build_sim
 from chatmesh.mesh import identity, tokens
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.ids import OwnerId
+from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.server import Running, Service, start_server
 from tests.trust import channel_as, issuer_of, trust_as
 
@@ -168,3 +170,32 @@ async def test_pull_prefix_serves_only_an_engine_acting_for_the_blocks_owner(
         grpc.StatusCode.FAILED_PRECONDITION
     assert a.core.transfers.serving == 0
     a.core.blocks.check()
+
+
+async def test_a_draining_engine_refuses_new_turns_and_serves_pulls_until_it_holds_nothing(
+        mesh_certs: Path, engines: tuple[Engine, Engine]) -> None:
+    """SIGTERM's stop with a long grace: health NOT_SERVING, stats say draining, a new turn is UNAVAILABLE, a pull
+    is served; the drain ends as soon as nothing is cached (here: the conversation evicted), not at the grace."""
+    _, b = engines
+    d = await _engine(mesh_certs, "d")
+    await _turn(mesh_certs, d, _generate(HISTORY))
+    stopping = asyncio.create_task(d.running.stop(d.service, 120))
+    async with channel_as(mesh_certs, identity.ROUTER, d.address, "engine") as channel:
+        watch = generate_pb2_grpc.GenerateServiceStub(channel).WatchStats(generate_pb2.WatchStatsRequest(
+            interval_ms=10))
+        async for update in watch:
+            if update.stats.draining:
+                break
+        watch.cancel()
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _turn(mesh_certs, d, _generate(HISTORY + [1]))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (refused.value.details() or "")
+    moved = _generate(HISTORY + list(range(3000, 3020)), source=d)
+    moved.source_replica_id = "d"
+    started, _ = await _turn(mesh_certs, b, moved)
+    assert started.pull_outcome == generate_pb2.PULL_OUTCOME_PULLED and started.pulled_prompt_tokens > 0
+    assert not stopping.done()  # it still caches the conversation: the drain goes on
+    await d.core.evict_conversation(ConversationId(CONVERSATION))
+    await asyncio.wait_for(stopping, 30)  # far less than the 120 s grace

@@ -208,6 +208,7 @@ class TransferStats:
     served_blocks: int = 0
     served_bytes: int = 0
     outcomes: tuple[tuple[str, int], ...] = ()
+    serving: int = 0  # transfers being served now (not on the wire: the drain waits for them)
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ class Backend(Protocol):
         was evicted for deletion meanwhile."""
         ...
 
-    def drain(self) -> None:
+    def mark_draining(self) -> None:
         """Shutdown began: refuse new generations (Unavailable), keep serving pulls and running generations."""
         ...
 

@@ -34,7 +34,10 @@ hashes that it holds (`pin`): a salted block counts only when its tag carries th
 so another owner's hash reads exactly like an unknown one; unsalted platform-prefix blocks are anyone's. A
 pinned device block is referenced (never evicted or reallocated), a pinned host block leaves the host LRU (never
 dropped or overwritten; an admission that meets it prefills instead of onboarding it, so a hash still lives in
-one tier); `unpin` returns them when the transfer ends. A PULLER `reserve`s device blocks for the blocks it
+one tier); `unpin` returns them when the transfer ends, and after a transfer that delivered them all `demote`
+moves the private ones to the cold end of their tier's LRU (the conversation now lives on the puller; a retried
+pull still finds them, but they are the next evicted instead of a duplicate history crowding out live
+conversations: `chatmesh simulate`'s demote_pulled, 94.1% -> 95.4% of prompt tokens without prefill). A PULLER `reserve`s device blocks for the blocks it
 receives (free ones, then LRU idle ones dropped without a spill: a spill's queued copy would race the import's
 write), and once every block arrived and verified, `adopt` caches them under their hashes as if computed here
 (tags, residency); a failed transfer `unreserve`s them.
@@ -325,6 +328,17 @@ class BlockManager:
                     self._host_idle[p.block] = None
                 else:  # dropped for deletion while pinned
                     self._host_free.append(p.block)
+
+    def demote(self, served: Sequence[PinnedBlock]) -> None:
+        """Moves served private blocks (unpinned, still cached) to the cold end of their LRU, tail first."""
+        for p in served:
+            if p.hash not in self._tags or not self.still_holds(p):
+                continue
+            if p.tier is Tier.DEVICE:
+                if p.block in self._dev_idle:
+                    self._dev_idle.move_to_end(p.block, last=False)
+            elif p.block in self._host_idle:
+                self._host_idle.move_to_end(p.block, last=False)
 
     def reserve(self, n: int) -> list[int]:
         """Up to `n` device blocks for an import (free ones first, then LRU idle ones, dropped without a spill)."""

@@ -21,8 +21,9 @@ malloc arena (each keeping freed temporaries).
 
 Prefix pulls: a generation naming a source replica first pulls what its prompt's cache lacks (`Transfers.pull`:
 it never raises for the pull's own failures), then queues; its Started says what was pulled. Serving a pull
-(`serve_prefix`) streams pinned blocks. Draining (SIGTERM, `drain`): new generations are refused, running ones
-finish, and pulls are still served, so the router can move this replica's conversations with it as the source.
+(`serve_prefix`) streams pinned blocks. Draining (SIGTERM: `mark_draining`, then the service waits out its grace
+period, service.py): new generations are refused, running ones finish, and pulls are still served, so the router
+can move this replica's conversations with it as the source.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class EngineCore:
     def ready(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    def drain(self) -> None:
+    def mark_draining(self) -> None:
         self.draining = True
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:

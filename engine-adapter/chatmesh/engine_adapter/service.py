@@ -16,8 +16,16 @@ is believed, and a request without one still uses the salt it carries (callers t
 Prefix pulls (transfer.py): PullPrefix is engine to engine. The source's servicer checks the owner token like
 Generate's and derives the salt from the verified owner, so the block manager serves only that owner's blocks;
 the puller's side is `GrpcPrefixPeer`, which dials the source as `spiffe://chatmesh/engine` (a certificate only
-engines hold) and forwards the Generate call's owner token. Draining: `Service.drain` (shutdown, before the
-server stops) makes the backend refuse new generations while pulls go on for the grace period.
+engines hold) and forwards the Generate call's owner token.
+
+Draining (SIGTERM). The bootstrap sets health NOT_SERVING and awaits `Service.drain` before the server stops
+taking calls: the backend refuses new generations (UNAVAILABLE: chat sends the turn elsewhere), running ones
+finish, WatchStats streams stay open with `draining` set (the router moves this replica's conversations, naming
+it as their source), and PullPrefix is served, for the whole grace period (CHATMESH_SHUTDOWN_GRACE_S; set it to
+about the turn gap you want covered, and the pod's termination grace above it), or less when the replica has
+nothing left to give: no generation running or queued, no transfer being served, no conversation cached.
+Which host tier survives a restart: none (README, "Prefix transfer"): sim and local keep it in the engine
+process, TensorRT-LLM's host_cache_size is its process's memory too; what carries the cache over is the drain.
 """
 
 from __future__ import annotations
@@ -459,8 +467,39 @@ def service_for(backend: Backend, replica_id: str, trust: Trust = Trust.insecure
         await backend.close()
         await peer.close()
 
+    async def drain(grace_s: float) -> None:
+        await drain_backend(backend, grace_s)
+
     return Service(name="engine", register=register, start=backend.start, close=close, authz=AUTHZ,
-                   metrics=registry)
+                   metrics=registry, drain=drain)
+
+
+DRAIN_POLL_S = 0.1
+
+
+def _keeps_anything(backend: Backend) -> bool:
+    """Whether a draining replica still has something to give: generations, a transfer, a cached conversation."""
+    s = backend.stats()
+    if s.running_sequences or s.queue_depth or s.transfer.serving:
+        return True
+    if not s.transfer.serves:
+        return False
+    held = backend.residency(FROM_START)
+    return held is not None and any(tokens for _, tokens in held.conversations)
+
+
+async def drain_backend(backend: Backend, grace_s: float) -> None:
+    """Marks the backend draining and waits out `grace_s`, or less once it keeps nothing (module header)."""
+    backend.mark_draining()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    before = backend.stats().transfer
+    log.info("draining", grace_s=grace_s, serves_pulls=before.serves)
+    while (left := deadline - loop.time()) > 0 and _keeps_anything(backend):
+        await asyncio.sleep(min(DRAIN_POLL_S, left))
+    after = backend.stats().transfer
+    log.info("drained", served_blocks=after.served_blocks - before.served_blocks,
+             seconds=round(grace_s - max(0.0, deadline - loop.time()), 3))
 
 
 def _chain(first: Callable[[StepReport], None] | None, then: Callable[[StepReport], None]

@@ -17,7 +17,8 @@ Failure is never the turn's: a source that is gone, refuses, holds nothing, evic
 the transfer (its stream ends ABORTED), is slower than the deadline (CHATMESH_PREFIX_PULL_TIMEOUT_MS), sends a
 corrupt block, or a puller without device room: each ends the pull with an outcome (PullOutcome), frees what
 it reserved, and the generation prefills what its cache lacks. The source holds a pin only while its stream
-is open: the stream ending, failing, being cancelled or passing its deadline unpins.
+is open: the stream ending, failing, being cancelled or passing its deadline unpins. Blocks it delivered whole
+go to the cold end of its LRU (`BlockManager.demote`): kept for a retry, evicted first.
 
 Threads. Steps run on the engine's worker thread; block data moves on a second, transfer thread, so a pull
 never waits behind a step (a 256-token step of `local` takes about a second). That is safe because a transfer
@@ -157,7 +158,7 @@ class Transfers:
             serves=self.layout is not None, receives=self.layout is not None and self.peer is not None,
             layout=self.layout, pulled_tokens=pulled_tokens, pulled_bytes=self.pulled_bytes, pulls=self.pulls,
             failed_pulls=self.failed_pulls, served_blocks=self.served_blocks, served_bytes=self.served_bytes,
-            outcomes=tuple((o.value, n) for o, n in self.outcomes.items()))
+            outcomes=tuple((o.value, n) for o, n in self.outcomes.items()), serving=self.serving)
 
     # ---- puller ------------------------------------------------------------------------------------------------
 
@@ -272,6 +273,7 @@ class Transfers:
                                     f"(CHATMESH_PREFIX_PULL_MAX_SERVING); prefill instead")
         pinned = self.blocks.pin(request.hashes, request.salt)
         self.serving += 1
+        delivered = False
         try:
             yield TransferStarted(len(pinned), self.layout.block_bytes)
             if not pinned:
@@ -286,9 +288,12 @@ class Transfers:
                 self.served_blocks += len(data)
                 self.served_bytes += len(data) * self.layout.block_bytes
                 yield TransferChunk(data)
+            delivered = True
         finally:
             self.serving -= 1
             self.blocks.unpin(pinned)
+            if delivered:  # the conversation lives on the puller now: these are the next to go here
+                self.blocks.demote(pinned)
 
     def _check_held(self, part: Sequence[PinnedBlock]) -> None:
         if not all(self.blocks.still_holds(p) for p in part):

@@ -3,7 +3,8 @@
 `serve()` starts an asyncio gRPC server with the standard health service (`grpc.health.v1`), server
 reflection, and graceful shutdown: on SIGTERM or SIGINT every service turns NOT_SERVING, open RPCs get
 `CHATMESH_SHUTDOWN_GRACE_S` seconds to finish, then the rest are cancelled, then the service's own
-`close` hook runs.
+`close` hook runs. A service with a `drain` hook (the engine: it keeps serving prefix pulls) spends the grace in
+it first, still taking calls, and the server's stop gets what is left.
 
 Trust (trust.py): with mutual TLS (the default) the port takes only clients with a certificate of the mesh CA,
 certificates are reloaded when their files change, and every RPC is checked against the service's
@@ -165,6 +166,9 @@ class Service:
     start: Callable[[], Awaitable[None]] | None = None
     close: Callable[[], Awaitable[None]] | None = None
     stopping: Callable[[], None] | None = None  # shutdown began (before the grace period): end long-lived streams
+    # shutdown began: awaited with the grace period before the server stops taking calls (health already NOT_SERVING);
+    # the server's own stop then gets what is left of the grace (an engine keeps serving prefix pulls meanwhile)
+    drain: Callable[[float], Awaitable[None]] | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # proto service full name -> RPC name -> identities allowed (authz.py); every registered RPC needs a rule
     authz: Mapping[str, authz.Rules] = field(default_factory=dict)
@@ -201,6 +205,11 @@ class Running:
         await self.health.enter_graceful_shutdown()
         if service.stopping is not None:
             service.stopping()
+        if service.drain is not None:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await service.drain(grace_s)
+            grace_s = max(0.0, grace_s - (loop.time() - began))
         await self.server.stop(grace_s)
         if self.health_server is not None:
             await self.health_server.stop(0)

@@ -359,7 +359,7 @@ class TritonBackend:
     def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
         raise cannot_transfer(self.name)  # its KV lives inside TensorRT-LLM (docs/triton.md); stats say so
 
-    def drain(self) -> None:
+    def mark_draining(self) -> None:
         self._draining = True
         self._stats = dataclasses.replace(self._stats, draining=True)
 

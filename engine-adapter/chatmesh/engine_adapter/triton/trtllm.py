@@ -205,7 +205,7 @@ class TrtLlmBackend:
     def serve_prefix(self, request: ServeRequest) -> AsyncIterator[TransferEvent]:
         raise cannot_transfer(self.name)
 
-    def drain(self) -> None:
+    def mark_draining(self) -> None:
         pass  # Triton drains its own models
 
     def stats(self) -> EngineStats:
