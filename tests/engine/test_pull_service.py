@@ -23,6 +23,7 @@ from chatmesh.mesh import identity, tokens
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.mesh.server import Running, Service, start_server
+from chatmesh.mesh.trust import Trust
 from tests.trust import channel_as, issuer_of, trust_as
 
 SECRET = "test-salt-secret"
@@ -199,3 +200,28 @@ async def test_a_draining_engine_refuses_new_turns_and_serves_pulls_until_it_hol
     assert not stopping.done()  # it still caches the conversation: the drain goes on
     await d.core.evict_conversation(ConversationId(CONVERSATION))
     await asyncio.wait_for(stopping, 30)  # far less than the 120 s grace
+
+
+async def test_a_plaintext_loopback_mesh_pulls_too() -> None:
+    """CHATMESH_MESH_PLAINTEXT (development, loopback only): no identities or tokens, the owner id is believed."""
+    engines: list[Engine] = []
+    for replica in ("p", "q"):
+        cfg = Config(env={"CHATMESH_ENGINE": "sim", "CHATMESH_SIM_STEP_MS": "1", "CHATMESH_SIM_TEXT": "words",
+                          "CHATMESH_BLOCK_SIZE": str(BS), "CHATMESH_REPLICA_ID": replica})
+        core = build_sim(cfg)
+        service = engine_service.service_for(core, replica, Trust.insecure(), SECRET.encode())
+        engines.append(Engine(core, service, await start_server(service, "127.0.0.1:0", trust=Trust.insecure())))
+    p, q = engines
+    try:
+        async with grpc.aio.insecure_channel(p.address) as channel:
+            async for _ in generate_pb2_grpc.GenerateServiceStub(channel).Generate(_generate(HISTORY)):
+                pass
+        moved = _generate(HISTORY + [5, 6, 7], source=p)
+        moved.source_replica_id = "p"
+        async with grpc.aio.insecure_channel(q.address) as channel:
+            events = [e async for e in generate_pb2_grpc.GenerateServiceStub(channel).Generate(moved)]
+        assert events[0].started.pull_outcome == generate_pb2.PULL_OUTCOME_PULLED
+        assert events[0].started.pulled_prompt_tokens == (len(HISTORY) // BS) * BS
+    finally:
+        for e in engines:
+            await e.running.stop(e.service, 0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import pytest
 
@@ -202,3 +204,40 @@ async def test_every_failed_pull_falls_back_to_prefill(pair: Pair, case: str) ->
     a.blocks.check()
     assert b.stats().transfer.failed_pulls == 1
     assert dict(b.stats().transfer.outcomes) == {expected.value: 1}
+
+
+class _SlowImport(SimExecutor):
+    """Imports on the transfer thread take a while; records when each began and ended."""
+
+    def __init__(self) -> None:
+        codec = WordCodec()
+        super().__init__(H100_FP8, codec.encode(PASSAGE), BS, link=Link())
+        self.began = threading.Event()
+        self.ended = threading.Event()
+
+    def import_blocks(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        self.began.set()
+        time.sleep(0.3)
+        self.ended.set()
+
+
+async def test_a_pull_cancelled_mid_import_frees_its_blocks_only_after_the_write_ended(pair: Pair) -> None:
+    a, _, _, peer = pair
+    slow = _SlowImport()
+    b = EngineCore(slow, BlockConfig(BS, 512, 0), SchedulerConfig(64, 512, 64), WordCodec(), replica_id="slow",
+                   clock=VirtualClock(), offload=True)  # block data on the transfer thread
+    b.transfers.peer = peer
+    await b.start()
+    try:
+        await _run(a, _params(HISTORY, source=None))
+        pulling = asyncio.create_task(b.transfers.pull(_params(_turn2())))
+        while not slow.began.is_set():
+            await asyncio.sleep(0.01)
+        pulling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pulling
+        assert slow.ended.is_set()  # the reserved blocks went back only once nothing could still write them
+        b.blocks.check()
+        assert b.blocks.available_blocks == 512
+    finally:
+        await b.close()

@@ -36,6 +36,7 @@ and the router never plans a pull to or from it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -239,7 +240,7 @@ class Transfers:
                     raise PullFailed(PullOutcome.CORRUPT, "a chunk out of the announced range")
                 take = event.blocks[:room - got]
                 targets, expected = reserved[got:got + len(take)], want[got:got + len(take)]
-                if not await self._offload(lambda: self._verify_and_import(take, expected, targets)):
+                if not await self._settled(lambda: self._verify_and_import(take, expected, targets)):
                     raise PullFailed(PullOutcome.CORRUPT, f"a block of chunk at {got} failed its digest check")
                 got += len(take)
                 if got >= room:
@@ -249,6 +250,19 @@ class Transfers:
             return room * layout.block_bytes
         finally:
             await stream.aclose()
+
+    async def _settled(self, fn: Callable[[], T]) -> T:
+        """`fn` on the transfer thread. Cancelled meanwhile (the caller went away, the deadline passed), it still
+        waits for `fn` to finish before letting the cancellation through: the blocks `fn` reads or writes are
+        unpinned or freed right after, and a write landing in a block already given to another sequence would
+        corrupt that sequence's KV."""
+        job = asyncio.ensure_future(self._offload(fn))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.wait([job])
+            raise
 
     def _verify_and_import(self, take: Sequence[KvBlockData], expected: Sequence[BlockHash],
                            targets: Sequence[int]) -> bool:
@@ -283,7 +297,7 @@ class Transfers:
             for i in range(0, len(pinned), per):
                 part = pinned[i:i + per]
                 self._check_held(part)
-                data = await self._offload(lambda: self._export(part))
+                data = await self._settled(lambda: self._export(part))
                 self._check_held(part)  # not evicted for deletion while it was read
                 self.served_blocks += len(data)
                 self.served_bytes += len(data) * self.layout.block_bytes
