@@ -46,3 +46,19 @@ def test_serve_refuses_to_start_and_says_which_setting(service: str, env: dict[s
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert setting in done.stderr and "startup_refused" in done.stderr
+
+
+@pytest.mark.parametrize("public", [
+    {"CHATMESH_PUBLIC_ORIGIN": "https://chat.example.com"}, {"CHATMESH_SECURE_COOKIES": "true"},
+    {"CHATMESH_FORWARDED_ALLOW_IPS": "127.0.0.1"}])
+def test_a_gateway_configured_for_the_public_refuses_the_development_pepper_on_loopback_too(
+        public: dict[str, str]) -> None:
+    """Issue 30: a loopback bind behind a proxy serving a public https origin took the development pepper (so
+    device cookies could be forged and the login throttle skipped)."""
+    from chatmesh.gateway.app import StartupRefused, check_bind
+
+    with pytest.raises(StartupRefused, match="CHATMESH_KEY_PEPPER") as refused:
+        check_bind(Config(env={"CHATMESH_HOST": "127.0.0.1", **public}))
+    assert next(iter(public)) in str(refused.value)
+    check_bind(Config(env={"CHATMESH_HOST": "127.0.0.1", "CHATMESH_KEY_PEPPER": "ours", **public}))
+    check_bind(Config(env={"CHATMESH_HOST": "127.0.0.1", "CHATMESH_PUBLIC_ORIGIN": "http://localhost:8080"}))

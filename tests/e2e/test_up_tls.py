@@ -74,6 +74,7 @@ def test_chatmesh_up_serves_https_with_the_development_ca(tmp_path: Path) -> Non
     assert ca is not None
     cert, key = edge_certificate(ca, tmp_path)
     env = {**os.environ, **mesh_env(data), "CHATMESH_TLS_CERT": str(cert), "CHATMESH_TLS_KEY": str(key),
+           "CHATMESH_KEY_PEPPER": "a-test-pepper",  # TLS at the edge: the development pepper is refused
            "CHATMESH_OWNER_TOKEN_ADDRESS": f"127.0.0.1:{free_port()}"}
     port = env["CHATMESH_GATEWAY_PORT"]
     out, err = tmp_path / "up.out", tmp_path / "up.err"

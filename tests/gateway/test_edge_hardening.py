@@ -1,6 +1,7 @@
-"""The edge's answers to the abuse cases of the security review (issue 17): deeply nested JSON, redirects that
+"""The edge's answers to the abuse cases of the security reviews (issue 17): deeply nested JSON, redirects that
 reflected the Host header, slow-header, slow-body and idle connections that were held forever, and clients that
-go away mid-body."""
+go away mid-body; (issue 30) bodies wide rather than deep, unauthenticated requests without a per-address limit,
+X-Forwarded-For believed from loopback, the development pepper on a public gateway bound to loopback."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from chatmesh.gateway.app import create_app, serve_hypercorn
+from chatmesh.gateway.app import StartupRefused, create_app, serve_hypercorn, server_for
+from chatmesh.gateway.cli import accounts_for
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.conftest import Gateway, StartGateway, until_listening
@@ -76,7 +78,8 @@ async def raw_request(gw: Gateway, request: bytes) -> bytes:
 
 async def test_slash_redirect_never_reflects_the_host_header(start_gateway: StartGateway) -> None:
     plain = await start_gateway()
-    public = await start_gateway(CHATMESH_PUBLIC_ORIGIN="https://chat.example.com/")
+    public = await start_gateway(CHATMESH_PUBLIC_ORIGIN="https://chat.example.com/",
+                                 CHATMESH_KEY_PEPPER="a-test-pepper")  # a public origin: no development pepper
     evil = {"host": "evil.example"}
     async with plain.client(follow_redirects=False) as client:
         relative = await client.get("/v1/conversations/?page_size=2", headers=evil)
@@ -213,3 +216,55 @@ async def test_on_hypercorn_slow_headers_are_dropped_and_a_long_silent_stream_is
         await asyncio.wait_for(task, 15)
     assert streamed_s > 1.5 and reply_text(events) == "x" * 8
     assert elapsed < 4.0
+
+
+async def test_a_body_of_a_million_empty_arrays_is_refused_before_it_is_parsed(gateway: Gateway) -> None:
+    """Issue 30: depth was capped, breadth was not: 1.4 million empty arrays in 4 MiB were parsed on the event
+    loop (~1.2 s each). A body is bounded in elements (commas and opening brackets) before it is parsed."""
+    wide = '{"turn_id": "%s", "content": "hi", "x": [%s]}' % (uuid.uuid4(), ",".join(["[]"] * 1_390_000))
+    assert len(wide) < 4 * 1024 * 1024  # under the byte cap: the element bound refuses it
+    async with gateway.client() as client:
+        conv = (await client.post("/v1/conversations")).json()["id"]
+        for path, status in ((f"/v1/conversations/{conv}/turns", 413), ("/v1/session", 413),
+                             ("/openai/v1/chat/completions", 400)):  # the OpenAI surface answers in its own shape
+            r = await client.post(path, content=wide, headers={"content-type": "application/json"})
+            assert r.status_code == status and "more than 200,000 JSON elements" in r.text, (path, r.text)
+        # a body under the bound is parsed as before
+        fine = await client.post(f"/v1/conversations/{conv}/turns", json={
+            "turn_id": str(uuid.uuid4()), "content": ", ".join(["word"] * 2_000)})
+        assert fine.status_code == 200
+
+
+async def test_unauthenticated_requests_are_limited_per_address_and_forwarded_for_is_believed_from_proxies_only(
+        start_gateway: StartGateway, tmp_path: Path) -> None:
+    """Issue 30: uvicorn believed X-Forwarded-For from 127.0.0.1, so a client behind a local proxy chose its own
+    address for the per-address limits. Now only CHATMESH_FORWARDED_ALLOW_IPS' proxies are believed."""
+    accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(tmp_path)}))
+    await accounts.create_tables()
+    await accounts.create_user("ann")
+    key = await accounts.create_key("ann")
+    await accounts.close()
+    direct = await start_gateway(CHATMESH_AUTH="required", CHATMESH_LIMIT_UNAUTHENTICATED_PER_MINUTE="3")
+    async with direct.client() as client:
+        codes = [(await client.get("/v1/conversations", headers={"x-forwarded-for": f"198.51.100.{i}"})).status_code
+                 for i in range(4)]
+        assert codes == [401, 401, 401, 429]  # one address (the TCP peer's), whatever the header says
+        login = await client.post("/v1/session", json={"username": "ann", "password": "x"})
+        assert login.status_code == 429 and "unauthenticated requests per minute" in login.json()["error"]["message"]
+        assert 1 <= int(login.headers["retry-after"]) <= 20
+        # an authenticated request is not counted, and not refused
+        assert (await client.get("/v1/conversations", headers={"authorization": f"Bearer {key}"})).status_code == 200
+    proxied = await start_gateway(CHATMESH_AUTH="required", CHATMESH_LIMIT_UNAUTHENTICATED_PER_MINUTE="3",
+                                  CHATMESH_FORWARDED_ALLOW_IPS="127.0.0.1", CHATMESH_KEY_PEPPER="a-test-pepper")
+    async with proxied.client() as client:
+        codes = [(await client.get("/v1/conversations", headers={"x-forwarded-for": f"198.51.100.{i % 2}"})
+                  ).status_code for i in range(6)]
+        assert codes == [401] * 6  # two clients behind the proxy, three each
+
+
+async def test_a_public_gateway_on_loopback_does_not_start_with_the_development_pepper(
+        fake_chat: tuple[FakeChat, str], tmp_path: Path, mesh_certs: Path) -> None:
+    cfg = Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": fake_chat[1],
+                      "CHATMESH_DATA_DIR": str(tmp_path), "CHATMESH_PUBLIC_ORIGIN": "https://chat.example.com"})
+    with pytest.raises(StartupRefused, match="CHATMESH_KEY_PEPPER at the development default"):
+        server_for(cfg, create_app(cfg), port=free_port())

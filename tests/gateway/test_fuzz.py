@@ -44,7 +44,9 @@ def edge_url(mesh_certs: Path) -> Iterator[str]:
         grpc_server, _ = await start_fake_chat(chat_port, mesh_certs)
         server = server_for(Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": f"127.0.0.1:{chat_port}",
                                         "CHATMESH_DATA_DIR": data_dir, "CHATMESH_LIMIT_TURNS_PER_MINUTE": "100000",
-                                        "CHATMESH_LIMIT_OPEN_STREAMS": "1000"}), port=port)
+                                        "CHATMESH_LIMIT_OPEN_STREAMS": "1000",
+                                        # every refused login or bad key counts against the fuzzer's one address
+                                        "CHATMESH_LIMIT_UNAUTHENTICATED_PER_MINUTE": "100000"}), port=port)
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.02)

@@ -162,7 +162,8 @@ async def test_tls_streams_a_turn_to_a_client_trusting_the_test_ca(start_gateway
                                                                     tmp_path: Path) -> None:
     need(shutil.which("openssl") is not None, "the openssl command")
     ca, cert, key = make_ca_and_cert(tmp_path)
-    gw = await start_gateway("https", CHATMESH_TLS_CERT=str(cert), CHATMESH_TLS_KEY=str(key))
+    gw = await start_gateway("https", CHATMESH_TLS_CERT=str(cert), CHATMESH_TLS_KEY=str(key),
+                             CHATMESH_KEY_PEPPER="a-test-pepper")  # TLS: the development pepper is refused
     trusting = ssl.create_default_context(cafile=str(ca))
     async with httpx.AsyncClient(base_url=gw.url, verify=trusting, timeout=10) as client:
         conv = (await client.post("/v1/conversations")).json()["id"]
@@ -185,7 +186,8 @@ async def test_http2_over_tls_on_hypercorn(fake_chat: tuple[FakeChat, str], tmp_
     port = free_port()
     cfg = Config(env={**gateway_env(mesh_certs), "CHATMESH_CHAT_ADDRESS": fake_chat[1], "CHATMESH_DATA_DIR": str(tmp_path),
                       "CHATMESH_GATEWAY_SERVER": "hypercorn", "CHATMESH_TLS_CERT": str(cert),
-                      "CHATMESH_TLS_KEY": str(key), "CHATMESH_SHUTDOWN_GRACE_S": "1"})
+                      "CHATMESH_TLS_KEY": str(key), "CHATMESH_SHUTDOWN_GRACE_S": "1",
+                      "CHATMESH_KEY_PEPPER": "a-test-pepper"})
     stop = asyncio.Event()
     task = asyncio.create_task(serve_hypercorn(cfg, create_app(cfg), port, stop))
     try:

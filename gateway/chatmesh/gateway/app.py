@@ -29,8 +29,11 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 
+from urllib.parse import urlsplit
+
 import grpc
 import uvicorn
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -50,6 +53,7 @@ from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.deadlines import BodyDeadline, BodyTimeout, uvicorn_options
 from chatmesh.gateway.drain import Drain, DrainGuard
+from chatmesh.gateway.anonymous import AddressLimit
 from chatmesh.gateway.auth import Authenticator
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import is_loopback
@@ -76,6 +80,22 @@ class StartupRefused(Exception):
     """The configuration is unsafe to serve (development identity on a public address)."""
 
 
+def public_because(cfg: Config) -> list[str]:
+    """The settings that say this gateway serves the public whatever it binds (a loopback bind behind a proxy):
+    a public origin, secure cookies (set, or TLS at the edge), trusted proxies."""
+    found = []
+    origin = cfg[settings.PUBLIC_ORIGIN]
+    if origin and not is_loopback(urlsplit(origin).hostname or ""):
+        found.append(f"CHATMESH_PUBLIC_ORIGIN={origin}")
+    if cfg[settings.SECURE_COOKIES]:
+        found.append("CHATMESH_SECURE_COOKIES=true")
+    if cfg[settings.TLS_CERT]:
+        found.append("CHATMESH_TLS_CERT (TLS at the edge)")
+    if cfg[settings.FORWARDED_ALLOW_IPS]:
+        found.append(f"CHATMESH_FORWARDED_ALLOW_IPS={cfg[settings.FORWARDED_ALLOW_IPS]}")
+    return found
+
+
 def check_bind(cfg: Config) -> None:
     host = cfg[mesh_settings.HOST]
     if cfg[settings.AUTH] == "local" and not is_loopback(host):
@@ -83,9 +103,17 @@ def check_bind(cfg: Config) -> None:
             f"CHATMESH_AUTH=local serves an unauthenticated development user, so the gateway binds loopback only; "
             f"got CHATMESH_HOST={host}. Set CHATMESH_AUTH=required (API keys, sessions) to serve {host}.")
     try:
-        refuse_development_secrets(cfg, "gateway", host)
+        refuse_development_secrets(cfg, "gateway", host, public_because(cfg))
     except DevelopmentSecrets as err:
         raise StartupRefused(str(err)) from None
+
+
+def forwarded_from(cfg: Config) -> list[Middleware]:
+    """X-Forwarded-For/-Proto believed from CHATMESH_FORWARDED_ALLOW_IPS only (uvicorn's own middleware, in front
+    of both servers; uvicorn's default of trusting 127.0.0.1 is off), so a client cannot pick the address the
+    edge's per-address limits key on."""
+    proxies = [p.strip() for p in cfg[settings.FORWARDED_ALLOW_IPS].split(",") if p.strip()]
+    return [Middleware(ProxyHeadersMiddleware, trusted_hosts=proxies)] if proxies else []
 
 
 def budget_of(cfg: Config) -> Budget:
@@ -220,7 +248,9 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
         token_server = await serve_token_service(cfg, trust, owner_tokens, Directory(accounts, local))
         served = await asyncio.to_thread(served_model, cfg)  # the profile's model id and context (chat's too)
         app.state.edge = routes.Edge(
-            chat=chat_pb2_grpc.ChatServiceStub(channel), auth=Authenticator(accounts, local), tokens=owner_tokens,
+            chat=chat_pb2_grpc.ChatServiceStub(channel),
+            auth=Authenticator(accounts, local, AddressLimit(cfg[settings.LIMIT_UNAUTHENTICATED_PER_MINUTE])),
+            tokens=owner_tokens,
             limits=limits,
             relays=relays, allowlist=cfg[settings.LINK_ALLOWLIST], heartbeat_s=cfg[settings.HEARTBEAT_S],
             max_body_bytes=cfg[settings.MAX_BODY_BYTES],
@@ -257,7 +287,7 @@ def create_app(cfg: Config, metrics_port: int = 0) -> Starlette:
     app = Starlette(routes=route_table(), lifespan=lifespan, exception_handlers={
         ApiError: _api_error, BodyTimeout: _body_timeout, ClientDisconnect: _client_gone,
         HTTPException: _http_error, Exception: _unexpected},
-        middleware=[Middleware(Observe, metrics=observed), Middleware(DrainGuard, drain=drain),
+        middleware=[*forwarded_from(cfg), Middleware(Observe, metrics=observed), Middleware(DrainGuard, drain=drain),
                     Middleware(BodyDeadline, timeout_s=cfg[settings.BODY_TIMEOUT_S])])
     app.router.redirect_slashes = False  # see _slash_redirect
     app.state.public_origin = cfg[settings.PUBLIC_ORIGIN].rstrip("/")
@@ -318,6 +348,7 @@ def server_for(cfg: Config, app: Starlette | None = None, port: int | None = Non
     config = uvicorn.Config(
         app, host=cfg[mesh_settings.HOST], port=cfg[mesh_settings.GATEWAY_PORT] if port is None else port,
         ssl_certfile=cert or None, ssl_keyfile=key or None, log_config=None, access_log=False, lifespan="on",
+        proxy_headers=False,  # forwarded_from: only CHATMESH_FORWARDED_ALLOW_IPS (uvicorn trusted 127.0.0.1)
         timeout_graceful_shutdown=int(grace) + 2, server_header=False,
         **uvicorn_options(cfg[settings.HEADER_TIMEOUT_S], cfg[settings.IDLE_TIMEOUT_S]))
     return _Server(config, app.state.relays, grace, app.state.drain)

@@ -4,7 +4,8 @@ Order: an `Authorization: Bearer <api key>` header; else the session cookie of a
 state-changing method (POST, PUT, PATCH, DELETE), the `X-CSRF-Token` header must equal the session's CSRF token
 (a cross-site form or fetch cannot read it, so it cannot forge it: the synchroniser-token pattern on top of the
 SameSite cookie); else, with CHATMESH_AUTH=local, the development identity, for requests to a loopback host
-name that are not cross-site (`check_local_origin`: DNS rebinding and CSRF); else 401.
+name that are not cross-site (`check_local_origin`: DNS rebinding and CSRF); else 401. Each refusal also takes one
+request from its address's unauthenticated budget (chatmesh.gateway.anonymous): an empty one answers 429 instead.
 
 Secrets are stored as keyed digests (HMAC-SHA256 under CHATMESH_KEY_PEPPER of a 256-bit random token: a slow
 hash adds nothing at that entropy); see chatmesh.gateway.accounts for the tables.
@@ -19,6 +20,7 @@ from typing import Protocol
 
 from starlette.requests import Request
 
+from chatmesh.gateway.anonymous import AddressLimit
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import Principal, Via, is_loopback
 from chatmesh.mesh import ids
@@ -47,15 +49,30 @@ def unauthenticated(message: str = "authentication required: an API key (Bearer)
 
 
 class Authenticator:
-    def __init__(self, credentials: Credentials | None, local_owner: ids.OwnerId | None):
+    def __init__(self, credentials: Credentials | None, local_owner: ids.OwnerId | None,
+                 unauthenticated: AddressLimit | None = None):
         self._credentials = credentials
         self._local_owner = local_owner
+        self._unauthenticated = unauthenticated
 
     @property
     def local(self) -> bool:
         return self._local_owner is not None
 
+    def charge_unauthenticated(self, request: Request) -> None:
+        """Takes one unauthenticated request of the request's address (a login attempt); 429 when none is left."""
+        if self._unauthenticated is not None and (limited := self._unauthenticated.charge(request)) is not None:
+            raise limited
+
     async def identify(self, request: Request) -> Principal:
+        try:
+            return await self._identify(request)
+        except ApiError as err:
+            if err.status in (401, 403, 421):  # not authenticated: counted against the address
+                self.charge_unauthenticated(request)
+            raise
+
+    async def _identify(self, request: Request) -> Principal:
         header = request.headers.get("authorization")
         if header is not None:
             scheme, _, token = header.partition(" ")

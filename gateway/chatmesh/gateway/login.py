@@ -54,6 +54,7 @@ async def _password_login(request: Request, accounts: Accounts, name: str, passw
 async def login(request: Request) -> Response:
     edge = edge_of(request)
     accounts = _accounts(request)
+    edge.auth.charge_unauthenticated(request)  # every attempt, before its body is read
     body = await bodies.json_object(request, edge.max_body_bytes)
     session: NewSession | None
     device_cookie: str | None = None

@@ -20,8 +20,8 @@ Logging in with an API key (`{"api_key": ...}`) is not password guessing and is 
 a distributed attack exhausts a name's bucket, its owner still logs in from any browser they used before, with
 an API key, or from an existing session; new browsers wait for the bucket to refill (429 with Retry-After).
 
-State is per gateway process (N gateways: N times the rates above). Source addresses are the TCP peer's: behind
-a proxy, run the proxy's real-IP handling in front of uvicorn (`--forwarded-allow-ips`).
+State is per gateway process (N gateways: N times the rates above). Source addresses are the TCP peer's, or,
+from a proxy listed in CHATMESH_FORWARDED_ALLOW_IPS (empty by default), the address it forwards.
 """
 
 from __future__ import annotations

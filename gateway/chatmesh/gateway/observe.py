@@ -24,7 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from chatmesh.mesh import metrics, tracing
 
 START_KEY = "chatmesh.start"  # scope key: perf_counter() when the request arrived
-LIMITS = ("turns_per_minute", "open_streams", "prompt_tokens_per_hour")  # the budgets' names (limits.refused)
+LIMITS = ("turns_per_minute", "open_streams", "prompt_tokens_per_hour",  # the budgets' names (limits.refused)
+          "unauthenticated_requests_per_minute")
 
 
 class EdgeMetrics:

@@ -28,12 +28,13 @@ def _errors(*statuses: int) -> dict[str, Any]:
                     "identity", 404: "not found (or not yours)",
                408: "the request body did not arrive in time (CHATMESH_EDGE_BODY_TIMEOUT_S)",
                409: "conflict: turn id reused with other content, or the state forbids it",
-               413: "body too large (CHATMESH_MAX_BODY_BYTES)",
+               413: "body too large (CHATMESH_MAX_BODY_BYTES), or holding more JSON elements than the edge parses",
                421: "the development identity answers only loopback host names",
-               429: "a per-user limit is reached; the message names it (see Retry-After)",
+               429: "a per-user limit is reached, or (unauthenticated) the per-address limit of requests that fail "
+                    "authentication; the message names it (see Retry-After)",
                503: "a dependency is unavailable; retry"}
     out: dict[str, Any] = {}
-    for status in (401, 403, 408, 421, *statuses, 503):
+    for status in sorted({401, 403, 408, 421, 429, *statuses, 503}):
         response = {"description": meaning[status], **_json(_ref("Error"))}
         if status == 429:
             response["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}

@@ -29,6 +29,14 @@ OPEN_STREAMS = Setting("CHATMESH_LIMIT_OPEN_STREAMS", 4, "per-user concurrently 
 PROMPT_TOKENS_PER_HOUR = Setting("CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR", 1_000_000,
                                  "per-user prompt tokens per hour (token bucket; reserved before each turn, "
                                  "settled to the prompt's true size, never refunded for a stopped turn)", int)
+LIMIT_UNAUTHENTICATED_PER_MINUTE = Setting(
+    "CHATMESH_LIMIT_UNAUTHENTICATED_PER_MINUTE", 60,
+    "per client address: requests that fail authentication, and login attempts, per minute (token bucket; 429 "
+    "over it)", int)
+FORWARDED_ALLOW_IPS = Setting(
+    "CHATMESH_FORWARDED_ALLOW_IPS", "",
+    "comma-separated addresses or networks (10.0.0.0/8) of the proxies in front of the gateway whose "
+    "X-Forwarded-For and X-Forwarded-Proto are believed (empty: none; the TCP peer is the client's address)", str)
 HEARTBEAT_S = Setting("CHATMESH_SSE_HEARTBEAT_S", 15.0, "seconds of model silence before an SSE heartbeat", float)
 LINK_ALLOWLIST: Setting[tuple[str, ...]] = Setting("CHATMESH_LINK_ALLOWLIST", (),
                          "comma-separated hosts whose links survive output sanitising (subdomains included)", _hosts)
@@ -56,7 +64,8 @@ PUBLIC_ORIGIN = Setting("CHATMESH_PUBLIC_ORIGIN", "",
                         "empty: redirects carry only the path (never the request's Host header)", str)
 KEY_PEPPER = Setting("CHATMESH_KEY_PEPPER", "chatmesh-dev-pepper",
                      "secret keying the stored digests of API keys and session tokens, and signing device cookies "
-                     "(set a secret in production: a non-loopback gateway refuses this default)", str)
+                     "(set a secret in production: a gateway refuses this default on a non-loopback address, and on any address "
+                     "when configured to serve the public: a public origin, secure cookies, TLS, trusted proxies)", str)
 AUTH_CACHE_S = Setting("CHATMESH_AUTH_CACHE_S", 0.5,
                        "seconds a key or session lookup is cached per gateway: a revoked key or ended session stops "
                        "working everywhere within this bound", float)

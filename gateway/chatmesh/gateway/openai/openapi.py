@@ -20,12 +20,13 @@ _MEANING = {400: "invalid or unsupported parameter (error.param names it)", 401:
             403: "this key may not name an end user", 404: "not found (or not yours)",
             409: "conflicts with the stored conversation, or the Idempotency-Key was used for another request "
                  "(x-should-retry: false)", 422: "the conversation's state forbids it now",
-            429: "a per-user limit is reached (see Retry-After)", 503: "a dependency is unavailable; retry"}
+            429: "a per-user limit is reached, or (unauthenticated) the per-address limit of requests that fail "
+                 "authentication (see Retry-After)", 503: "a dependency is unavailable; retry"}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for status in (400, 401, 403, *statuses, 503):
+    for status in sorted({400, 401, 403, 429, *statuses, 503}):
         response = {"description": _MEANING[status], **_json(_ref("OpenAIError"))}
         if status == 429:
             response["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
