@@ -62,13 +62,13 @@ class Mesh:
 
 
 @contextlib.asynccontextmanager
-async def running_mesh(policy: str) -> AsyncIterator[Mesh]:
+async def running_mesh(policy: str, **env: str) -> AsyncIterator[Mesh]:
     addresses = {rid: f"127.0.0.1:{free_port()}" for rid in ENGINES}
     engines = {rid: await start_engine(rid, addr) for rid, addr in addresses.items()}
     router_address = f"127.0.0.1:{free_port()}"
     cfg = Config(env={"CHATMESH_MESH_PLAINTEXT": "true",
                       "CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
-                      "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50", "CHATMESH_ROUTER_POLICY": policy})
+                      "CHATMESH_ROUTER_STATS_INTERVAL_MS": "50", "CHATMESH_ROUTER_POLICY": policy, **env})
     ready, stop = asyncio.Event(), asyncio.Event()
     router = asyncio.create_task(serve(build(cfg), router_address, 0.2, ready, stop, trust=Trust.insecure()))
     await asyncio.wait_for(ready.wait(), 20)
@@ -213,3 +213,53 @@ async def test_an_engine_that_returns_is_routed_to_within_a_second_or_two_of_ser
     serving_at = time.monotonic()  # start_engine returns once the engine serves
     await until("engine-0 back", lambda r: states(r)["engine-0"] == SERVING, mesh, timeout_s=10)
     assert time.monotonic() - serving_at < 2.0
+
+
+async def test_a_moved_turn_names_its_home_as_source_and_the_engine_pulls_from_it() -> None:
+    """Issue 29 through the router: the engines say (stats) that they serve and receive pulls; a turn moved off
+    its home (over the bound: no floor, pull eps 0, so one open turn fills it) names the home as source, and the
+    replica it lands on pulls the history instead of prefilling it; an engine gone is no source."""
+    async with running_mesh("follow", CHATMESH_ROUTER_MIN_SPILL_LOAD="0", CHATMESH_ROUTER_PULL_EPS="0") as mesh:
+        await _moved_turn_pulls(mesh)
+
+
+async def _moved_turn_pulls(mesh: Mesh) -> None:
+    await until("all serving and pulling", lambda r: all(
+        x.state == SERVING and x.serves_pulls and x.receives_pulls for x in r.replicas), mesh)
+    conversation, history = str(uuid.uuid4()), list(range(1, 100))
+
+    async def generate(pick: route_pb2.PickReplicaResponse, prompt: list[int]) -> generate_pb2.GenerateStarted:
+        async with grpc.aio.insecure_channel(pick.address) as channel:
+            events = [e async for e in generate_pb2_grpc.GenerateServiceStub(channel).Generate(
+                generate_pb2.GenerateRequest(
+                    request_id=str(uuid.uuid4()), conversation_id=conversation, turn_id=str(uuid.uuid4()),
+                    prompt_token_ids=prompt, owner_id="alice", max_tokens=4,
+                    source_replica_id=pick.source_replica_id, source_address=pick.source_address))]
+        assert events[0].WhichOneof("event") == "started"
+        return events[0].started
+
+    first = (await picks(mesh, [conversation]))[conversation]
+    assert first.source_replica_id == ""
+    await generate(first, history)
+    await until("the home's report", lambda r: {x.replica_id: x.cached_conversations for x in r.replicas}
+                [first.replica_id] == 1, mesh)
+    busy = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
+    assert busy.replica_id == first.replica_id and busy.outcome == route_pb2.PICK_OUTCOME_HOME
+    moved = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
+    for lease in (busy.lease_id, moved.lease_id):
+        await mesh.router.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=lease))
+    assert moved.outcome == route_pb2.PICK_OUTCOME_SPILL and moved.replica_id != first.replica_id
+    assert (moved.source_replica_id, moved.source_address) == (first.replica_id, first.address)
+    assert moved.source_cached_tokens > 0
+    started = await generate(moved, history + [7, 8, 9])
+    assert started.pull_outcome == generate_pb2.PULL_OUTCOME_PULLED and started.pulled_prompt_tokens >= 80
+    await halt(mesh.engines[first.replica_id])
+    await until("the old home no source", lambda r: not next(
+        x for x in r.replicas if x.replica_id == first.replica_id).serves_pulls, mesh)
+    await until("the new home's report", lambda r: {x.replica_id: x.cached_conversations for x in r.replicas}
+                [moved.replica_id] == 1, mesh)
+    busy = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
+    third = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
+    assert busy.replica_id == moved.replica_id
+    assert third.replica_id not in (first.replica_id, moved.replica_id)
+    assert third.source_replica_id == moved.replica_id  # the newest copy, not the gone one

@@ -582,10 +582,24 @@ def plot(report: Report, folder: Path) -> list[Path]:
             x, y = getattr(o, attr), 100 * o.served_rate
             ax.scatter([x], [y], marker="^" if spec.policy is Policy.FOLLOW else "o", s=45, zorder=3,
                        color=_COLORS[spec.policy] if spec.pull else "none", edgecolors=_COLORS[spec.policy])
-            ax.annotate(spec.label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=6)
+            if spec.pull:  # the +pull points crowd one line near the top: short labels under them
+                short = {Policy.BOUNDED: f"{spec.eps:g}", Policy.FOLLOW: f"{spec.pull_eps:g}"}.get(
+                    spec.policy, spec.policy.value)
+                ax.annotate(short, (x, y), textcoords="offset points", xytext=(0, -11), fontsize=6, ha="center",
+                            color=_COLORS[spec.policy])
+            else:
+                ax.annotate(spec.label, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=6)
         ax.set_xlabel(f"max / average replica load ({title} over arrivals in steady state)")
         ax.set_title(f"{title} max/avg load")
         ax.grid(alpha=0.3)
+    from matplotlib.lines import Line2D
+
+    families = sorted({s.policy for s in routed}, key=lambda p: list(Policy).index(p))
+    handles = [Line2D([], [], linestyle="", marker="^" if p is Policy.FOLLOW else "o", color=_COLORS[p],
+                      label=f"{p.value} +pull (e under the point)" if p in (Policy.BOUNDED, Policy.FOLLOW)
+                      else f"{p.value} +pull") for p in families]
+    handles.append(Line2D([], [], linestyle="", marker="o", color="grey", markerfacecolor="none", label="pulls off"))
+    right.legend(handles=handles, fontsize=7, loc="lower right")
     left.set_ylabel(f"prompt tokens served without prefill (%) at {_mtok(at)} tokens per replica")
     fig.suptitle(f"Cached or pulled against balance, every policy, pulls off (hollow) and on (filled): {scale} "
                  "(up and left is better)", fontsize=10)
