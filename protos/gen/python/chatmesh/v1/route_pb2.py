@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63hatmesh/v1/route.proto\x12\x0b\x63hatmesh.v1\"J\n\x12PickReplicaRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x1b\n\x13\x65xclude_replica_ids\x18\x02 \x03(\t\"\xfe\x01\n\x13PickReplicaResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12)\n\x07outcome\x18\x04 \x01(\x0e\x32\x18.chatmesh.v1.PickOutcome\x12\x17\n\x0fhome_replica_id\x18\x05 \x01(\t\x12\x1b\n\x13lease_expires_at_ms\x18\x06 \x01(\x03\x12\x19\n\x11source_replica_id\x18\x07 \x01(\t\x12\x16\n\x0esource_address\x18\x08 \x01(\t\x12\x1c\n\x14source_cached_tokens\x18\t \x01(\x03\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"*\n\x14ReleaseLeaseResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"D\n\x14ListReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.chatmesh.v1.ReplicaStatus\"\xf2\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.chatmesh.v1.ReplicaState\x12\x13\n\x0b\x65ngine_load\x18\x04 \x01(\x03\x12\x13\n\x0bopen_leases\x18\x05 \x01(\x03\x12\x0c\n\x04load\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_conversations\x18\x08 \x01(\x03\x12\x14\n\x0cserves_pulls\x18\t \x01(\x08\x12\x16\n\x0ereceives_pulls\x18\n \x01(\x08*s\n\x0bPickOutcome\x12\x1c\n\x18PICK_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11PICK_OUTCOME_HOME\x10\x01\x12\x16\n\x12PICK_OUTCOME_SPILL\x10\x02\x12\x17\n\x13PICK_OUTCOME_PLACED\x10\x03*\x83\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_SERVING\x10\x01\x12\x1d\n\x19REPLICA_STATE_NOT_SERVING\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x32\x8a\x02\n\x0cRouteService\x12P\n\x0bPickReplica\x12\x1f.chatmesh.v1.PickReplicaRequest\x1a .chatmesh.v1.PickReplicaResponse\x12S\n\x0cReleaseLease\x12 .chatmesh.v1.ReleaseLeaseRequest\x1a!.chatmesh.v1.ReleaseLeaseResponse\x12S\n\x0cListReplicas\x12 .chatmesh.v1.ListReplicasRequest\x1a!.chatmesh.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63hatmesh/v1/route.proto\x12\x0b\x63hatmesh.v1\"J\n\x12PickReplicaRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x1b\n\x13\x65xclude_replica_ids\x18\x02 \x03(\t\"\xfe\x01\n\x13PickReplicaResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12)\n\x07outcome\x18\x04 \x01(\x0e\x32\x18.chatmesh.v1.PickOutcome\x12\x17\n\x0fhome_replica_id\x18\x05 \x01(\t\x12\x1b\n\x13lease_expires_at_ms\x18\x06 \x01(\x03\x12\x19\n\x11source_replica_id\x18\x07 \x01(\t\x12\x16\n\x0esource_address\x18\x08 \x01(\t\x12\x1c\n\x14source_cached_tokens\x18\t \x01(\x03\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"*\n\x14ReleaseLeaseResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x15\n\x13ListReplicasRequest\"D\n\x14ListReplicasResponse\x12,\n\x08replicas\x18\x01 \x03(\x0b\x32\x1a.chatmesh.v1.ReplicaStatus\"\x89\x02\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.chatmesh.v1.ReplicaState\x12\x13\n\x0b\x65ngine_load\x18\x04 \x01(\x03\x12\x13\n\x0bopen_leases\x18\x05 \x01(\x03\x12\x0c\n\x04load\x18\x06 \x01(\x03\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_conversations\x18\x08 \x01(\x03\x12\x14\n\x0cserves_pulls\x18\t \x01(\x08\x12\x16\n\x0ereceives_pulls\x18\n \x01(\x08\x12\x15\n\rcached_tokens\x18\x0b \x01(\x03*s\n\x0bPickOutcome\x12\x1c\n\x18PICK_OUTCOME_UNSPECIFIED\x10\x00\x12\x15\n\x11PICK_OUTCOME_HOME\x10\x01\x12\x16\n\x12PICK_OUTCOME_SPILL\x10\x02\x12\x17\n\x13PICK_OUTCOME_PLACED\x10\x03*\x83\x01\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_SERVING\x10\x01\x12\x1d\n\x19REPLICA_STATE_NOT_SERVING\x10\x02\x12\x1a\n\x16REPLICA_STATE_DRAINING\x10\x03\x32\x8a\x02\n\x0cRouteService\x12P\n\x0bPickReplica\x12\x1f.chatmesh.v1.PickReplicaRequest\x1a .chatmesh.v1.PickReplicaResponse\x12S\n\x0cReleaseLease\x12 .chatmesh.v1.ReleaseLeaseRequest\x1a!.chatmesh.v1.ReleaseLeaseResponse\x12S\n\x0cListReplicas\x12 .chatmesh.v1.ListReplicasRequest\x1a!.chatmesh.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chatmesh.v1.route_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PICKOUTCOME']._serialized_start=796
-  _globals['_PICKOUTCOME']._serialized_end=911
-  _globals['_REPLICASTATE']._serialized_start=914
-  _globals['_REPLICASTATE']._serialized_end=1045
+  _globals['_PICKOUTCOME']._serialized_start=819
+  _globals['_PICKOUTCOME']._serialized_end=934
+  _globals['_REPLICASTATE']._serialized_start=937
+  _globals['_REPLICASTATE']._serialized_end=1068
   _globals['_PICKREPLICAREQUEST']._serialized_start=40
   _globals['_PICKREPLICAREQUEST']._serialized_end=114
   _globals['_PICKREPLICARESPONSE']._serialized_start=117
@@ -48,7 +48,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLICASRESPONSE']._serialized_start=481
   _globals['_LISTREPLICASRESPONSE']._serialized_end=549
   _globals['_REPLICASTATUS']._serialized_start=552
-  _globals['_REPLICASTATUS']._serialized_end=794
-  _globals['_ROUTESERVICE']._serialized_start=1048
-  _globals['_ROUTESERVICE']._serialized_end=1314
+  _globals['_REPLICASTATUS']._serialized_end=817
+  _globals['_ROUTESERVICE']._serialized_start=1071
+  _globals['_ROUTESERVICE']._serialized_end=1337
 # @@protoc_insertion_point(module_scope)

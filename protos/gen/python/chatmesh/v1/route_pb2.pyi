@@ -82,7 +82,7 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason", "cached_conversations", "serves_pulls", "receives_pulls")
+    __slots__ = ("replica_id", "address", "state", "engine_load", "open_leases", "load", "reason", "cached_conversations", "serves_pulls", "receives_pulls", "cached_tokens")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class ReplicaStatus(_message.Message):
     CACHED_CONVERSATIONS_FIELD_NUMBER: _ClassVar[int]
     SERVES_PULLS_FIELD_NUMBER: _ClassVar[int]
     RECEIVES_PULLS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     address: str
     state: ReplicaState
@@ -103,4 +104,5 @@ class ReplicaStatus(_message.Message):
     cached_conversations: int
     serves_pulls: bool
     receives_pulls: bool
-    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ..., cached_conversations: _Optional[int] = ..., serves_pulls: _Optional[bool] = ..., receives_pulls: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, replica_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., engine_load: _Optional[int] = ..., open_leases: _Optional[int] = ..., load: _Optional[int] = ..., reason: _Optional[str] = ..., cached_conversations: _Optional[int] = ..., serves_pulls: _Optional[bool] = ..., receives_pulls: _Optional[bool] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
