@@ -241,8 +241,8 @@ async def _moved_turn_pulls(mesh: Mesh) -> None:
     first = (await picks(mesh, [conversation]))[conversation]
     assert first.source_replica_id == ""
     await generate(first, history)
-    await until("the home's report", lambda r: {x.replica_id: x.cached_conversations for x in r.replicas}
-                [first.replica_id] == 1, mesh)
+    await until("the home's report", lambda r: {x.replica_id: x.cached_tokens for x in r.replicas}
+                [first.replica_id] >= 80, mesh)  # the engine's count, not the pick's placeholder of 1
     busy = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
     assert busy.replica_id == first.replica_id and busy.outcome == route_pb2.PICK_OUTCOME_HOME
     moved = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
@@ -256,8 +256,8 @@ async def _moved_turn_pulls(mesh: Mesh) -> None:
     await halt(mesh.engines[first.replica_id])
     await until("the old home no source", lambda r: not next(
         x for x in r.replicas if x.replica_id == first.replica_id).serves_pulls, mesh)
-    await until("the new home's report", lambda r: {x.replica_id: x.cached_conversations for x in r.replicas}
-                [moved.replica_id] == 1, mesh)
+    await until("the new home's report", lambda r: {x.replica_id: x.cached_tokens for x in r.replicas}
+                [moved.replica_id] >= 80, mesh)
     busy = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
     third = await mesh.router.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation))
     assert busy.replica_id == moved.replica_id

@@ -146,6 +146,7 @@ async def test_a_moved_turn_names_its_source_and_a_draining_replica_is_listed_so
     listed = {r.replica_id: r for r in (await servicer.ListReplicas(route_pb2.ListReplicasRequest(), ctx)).replicas}
     assert listed["engine-0"].state == route_pb2.REPLICA_STATE_DRAINING
     assert listed["engine-0"].serves_pulls and listed["engine-1"].receives_pulls
+    assert listed["engine-0"].cached_tokens == 3000 and listed["engine-0"].cached_conversations == 1
     policy.set_pulls(e0, False, False)  # its grace is over
     assert {r.replica_id: r.state for r in (await servicer.ListReplicas(
         route_pb2.ListReplicasRequest(), ctx)).replicas}["engine-0"] == route_pb2.REPLICA_STATE_NOT_SERVING

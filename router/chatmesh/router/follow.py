@@ -141,6 +141,11 @@ class Placement:
     def conversations(self, replica: ReplicaId) -> int:
         return len(self._by_replica.get(replica, ()))
 
+    def tokens(self, replica: ReplicaId) -> int:
+        """Tokens the table says `replica` caches, over its conversations (O(its conversations): for listings)."""
+        held = self._held
+        return sum(held[c][replica] for c in self._by_replica.get(replica, ()))
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -76,6 +76,7 @@ class ReplicaView:
     serves_pulls: bool = False     # follow with pulls: planned as a source (says it serves them, stream open)
     receives_pulls: bool = False   # follow with pulls: may be sent a turn that names a source
     draining: bool = False         # not serving turns, still serving pulls (SIGTERM, within its grace period)
+    cached_tokens: int = 0         # follow policy: the tokens of those prefixes, as the table has them
 
 
 class Membership:
@@ -121,7 +122,7 @@ class Membership:
             serves, receives = follow.pull_roles(rid) if follow is not None else (False, False)
             draining = follow is not None and follow.draining(rid)
             views.append(ReplicaView(load, self._reasons[rid], placement.conversations(rid) if placement else 0,
-                                     serves, receives, draining))
+                                     serves, receives, draining, placement.tokens(rid) if placement else 0))
         return tuple(views)
 
     def mark(self, replica_id: ReplicaId, serving: bool, reason: str = "") -> None:

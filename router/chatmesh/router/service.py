@@ -164,7 +164,7 @@ class RouteServicer(route_pb2_grpc.RouteServiceServicer):
                     route_pb2.REPLICA_STATE_DRAINING if v.draining else route_pb2.REPLICA_STATE_NOT_SERVING),
                 engine_load=v.load.engine_load, open_leases=v.load.open_leases, load=v.load.load,
                 reason=v.reason, cached_conversations=v.cached_conversations, serves_pulls=v.serves_pulls,
-                receives_pulls=v.receives_pulls)
+                receives_pulls=v.receives_pulls, cached_tokens=v.cached_tokens)
             for v in self._membership.views()
         ])
 
