@@ -132,7 +132,8 @@ class Proc:
 
 class FaultMesh:
     def __init__(self, root: Path, database_url: str = "", schema: str = "", redis_url: str = "",
-                 engines: int = 3, chats: int = 2, step_ms: int = 20, reply_tokens: int = 48) -> None:
+                 engines: int = 3, chats: int = 2, step_ms: int = 20, reply_tokens: int = 48,
+                 env: Mapping[str, str] | None = None) -> None:
         self.root = root
         env = mesh_env(
             root / "data",
@@ -142,6 +143,7 @@ class FaultMesh:
             CHATMESH_LIMIT_OPEN_STREAMS="1000",
             CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="1000000000",  # the load is one user's: no 429 in the figures
             CHATMESH_STORE_PURGE_INTERVAL_S="0",
+            **(env or {}),  # a caller's own settings for every process (bench/rolling_restart.py)
         )
         if database_url:
             env["CHATMESH_DATABASE_URL"] = database_url

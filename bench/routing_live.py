@@ -27,9 +27,21 @@ runs the simulator with the engines' own (`block_size` 16: whole blocks, the las
 prompt stored once per replica) and the router's load as live (leases plus the engines' reported in-flight
 turns), with the turn time measured live.
 
-Hit rate live = (hit tokens) / (hit + miss tokens) summed over the engines' GetStats counters (before/after).
+Hit rate live = (hit tokens) / (hit + miss tokens) summed over the engines' GetStats counters (before/after);
+with pulls (issue 29) the rate that counts is hit-or-pull: (hit + pulled) / (hit + pulled + miss), pulled tokens
+from EngineStats.prefix_transfer, predicted by the simulator with pulls on (`PolicySpec.pull`). A policy spelled
+`follow+pull:0.05` runs the router with CHATMESH_ROUTER_PULLS on and that pull eps (the prefill eps stays 0.2);
+without `+pull` the router plans no pulls. Every turn names an owner (its conversation: one owner each, as the
+simulator's salting), so the engines derive its salt and a moved turn can pull its prefix.
 
-    .venv/bin/python -m bench.routing_live [--replicas 4] [--policies follow,ring] [--eps 0.2]
+`--rolling-restart`: while the schedule runs, every engine in turn gets SIGTERM (it drains: no new turns, pulls
+still served through CHATMESH_SHUTDOWN_GRACE_S, then exits), is started again once gone, and the next follows
+once the router lists it serving. Figures before (turns started before the first SIGTERM), during (until the
+last engine serves again) and after, from the turns' own Started events: cached on the replica, pulled,
+prefilled.
+
+    .venv/bin/python -m bench.routing_live [--replicas 4] [--policies follow:0.2,follow+pull:0.05,ring:0.25]
+        [--rolling-restart]
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import math
 import os
 import platform
 import random
@@ -48,6 +61,7 @@ import tempfile
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +109,11 @@ class Turn:
     replica: str
     seconds: float
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # the replica's own cache
     late_s: float  # how long it waited for the previous turn of its conversation
+    pulled_tokens: int = 0
+    started_at: float = 0.0  # monotonic
+    source: str = ""  # the replica the pick named to pull from
 
 
 class Processes:
@@ -105,15 +122,25 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.by_name: dict[str, tuple[subprocess.Popen[bytes], str, str, dict[str, str]]] = {}
 
     def start(self, name: str, service: str, address: str, env: dict[str, str]) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
         full = {**os.environ, "CHATMESH_LOG_LEVEL": "warning", "CHATMESH_ROUTER_METRICS_PORT": "0",
                 "CHATMESH_MESH_PLAINTEXT": "true",  # loopback only
                 "CHATMESH_ENGINE_METRICS_PORT": "0", **env}
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", service,
-                                            "--listen", address], env=full, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.DEVNULL))
+        proc = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "serve", service,
+                                 "--listen", address], env=full, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        self.by_name[name] = (proc, service, address, env)
+
+    def terminate_and_restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """SIGTERM to one process (by its pid), wait for it to exit, start it again with the same settings."""
+        proc, service, address, env = self.by_name[name]
+        proc.terminate()
+        proc.wait(timeout_s)
+        self.start(name, service, address, env)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -128,14 +155,41 @@ class Processes:
         self.procs.clear()
 
 
-async def engine_counters(addresses: dict[str, str]) -> dict[str, tuple[int, int]]:
+async def engine_counters(addresses: dict[str, str]) -> dict[str, tuple[int, int, int]]:
+    """Each engine's (hit, miss, pulled) prompt tokens since it started."""
     out = {}
     for rid, address in addresses.items():
         async with grpc.aio.insecure_channel(address) as channel:
             stats = (await generate_pb2_grpc.GenerateServiceStub(channel).GetStats(
                 generate_pb2.GetStatsRequest(), timeout=10)).stats
-            out[rid] = (stats.hit_tokens, stats.miss_tokens)
+            out[rid] = (stats.hit_tokens, stats.miss_tokens, stats.prefix_transfer.pulled_tokens)
     return out
+
+
+def router_serving(router: str, replica: str) -> bool:
+    async def ask() -> bool:
+        async with grpc.aio.insecure_channel(router) as channel:
+            resp = await route_pb2_grpc.RouteServiceStub(channel).ListReplicas(route_pb2.ListReplicasRequest(),
+                                                                               timeout=2)
+        return any(r.replica_id == replica and r.state == route_pb2.REPLICA_STATE_SERVING for r in resp.replicas)
+    try:
+        return asyncio.run(ask())
+    except grpc.RpcError:
+        return False
+
+
+def rolling_restart(procs: Processes, names: list[str], router: str, marks: list[tuple[str, float]]) -> None:
+    """Every engine in turn: SIGTERM, wait for its exit, start it again, wait until the router serves it."""
+    for name in names:
+        rid = name.split("-", 1)[1]
+        marks.append((f"term {rid}", time.monotonic()))
+        procs.terminate_and_restart(name)
+        deadline = time.monotonic() + 120
+        while not router_serving(router, rid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router never saw {rid} serving again")
+            time.sleep(0.1)
+        marks.append((f"back {rid}", time.monotonic()))
 
 
 def wait_serving(router: str, timeout_s: float = 120.0) -> None:
@@ -146,8 +200,10 @@ def wait_serving(router: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-async def drive(s: Scaled, router: str, addresses: dict[str, str]) -> list[Turn]:
-    """Every turn of the simulator's schedule at its (scaled) time: pick, generate, release."""
+async def drive(s: Scaled, router: str, addresses: dict[str, str],
+                during: Callable[[], None] | None = None, at_s: float = 0.0) -> list[Turn]:
+    """Every turn of the simulator's schedule at its (scaled) time: pick, generate, release; `during` runs in a
+    thread from `at_s` seconds in (a rolling restart)."""
     cfg = s.cfg
     schedule = simulate.arrivals(cfg)
     rng = random.Random(cfg.seed ^ 0xB0B)
@@ -169,26 +225,40 @@ async def drive(s: Scaled, router: str, addresses: dict[str, str]) -> list[Turn]
         late = time.monotonic() - queued
         prompt = prompts.get(c, system) + [rng.randrange(30_000, 60_000) for _ in range(cfg.message_tokens)]
         start = time.monotonic()
-        pick = await route.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation_ids[c]))
+        cached = pulled = 0
         reply: list[int] = []
-        cached = 0
-        try:
-            async for event in engines[pick.replica_id].Generate(generate_pb2.GenerateRequest(
-                    request_id=str(uuid.uuid4()), conversation_id=conversation_ids[c], turn_id=str(uuid.uuid4()),
-                    prompt_token_ids=prompt, cache_salt=conversation_ids[c].encode(),
-                    platform_prefix_tokens=cfg.system_tokens, max_tokens=cfg.reply_tokens, seed=c * 31 + k)):
-                kind = event.WhichOneof("event")
-                if kind == "started":
-                    cached = event.started.cached_prompt_tokens
-                elif kind == "delta":
-                    reply.extend(event.delta.token_ids)
-        finally:
-            await route.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=pick.lease_id))
+        for attempt in range(50):  # an engine restarting: ask the router again (it learns within a stats interval)
+            pick = await route.PickReplica(route_pb2.PickReplicaRequest(conversation_id=conversation_ids[c]))
+            reply = []
+            try:
+                async for event in engines[pick.replica_id].Generate(generate_pb2.GenerateRequest(
+                        request_id=str(uuid.uuid4()), conversation_id=conversation_ids[c], turn_id=str(uuid.uuid4()),
+                        prompt_token_ids=prompt, owner_id=conversation_ids[c],
+                        platform_prefix_tokens=cfg.system_tokens, max_tokens=cfg.reply_tokens, seed=c * 31 + k,
+                        source_replica_id=pick.source_replica_id, source_address=pick.source_address)):
+                    kind = event.WhichOneof("event")
+                    if kind == "started":
+                        cached, pulled = event.started.cached_prompt_tokens, event.started.pulled_prompt_tokens
+                    elif kind == "delta":
+                        reply.extend(event.delta.token_ids)
+                break
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or reply or attempt == 49:
+                    raise
+                await asyncio.sleep(0.1)
+            finally:
+                await route.ReleaseLease(route_pb2.ReleaseLeaseRequest(lease_id=pick.lease_id))
         prompts[c] = prompt + reply
         turns.append(Turn(OUTCOMES[pick.outcome], pick.replica_id, time.monotonic() - start, len(prompt), cached,
-                          late))
+                          late, pulled, start, pick.source_replica_id))
 
     t0 = time.monotonic()
+    side: asyncio.Task[None] | None = None
+    if during is not None:
+        async def later() -> None:
+            await asyncio.sleep(at_s)
+            await asyncio.to_thread(during)
+        side = asyncio.create_task(later())
     try:
         for a in schedule:
             wait = t0 + a.t - time.monotonic()
@@ -196,6 +266,8 @@ async def drive(s: Scaled, router: str, addresses: dict[str, str]) -> list[Turn]
                 await asyncio.sleep(wait)
             previous[a.conversation] = asyncio.create_task(turn(a.conversation, a.turn, previous.get(a.conversation)))
         await asyncio.gather(*previous.values())
+        if side is not None:
+            await side
     finally:
         for ch in channels.values():
             await ch.close(None)
@@ -204,10 +276,34 @@ async def drive(s: Scaled, router: str, addresses: dict[str, str]) -> list[Turn]
 
 
 @dataclass(frozen=True)
+class Window:
+    """Prompt tokens of the turns started in one stretch of a run, by where they came from."""
+
+    name: str
+    turns: int
+    cached: float
+    pulled: float
+    prefilled: float
+
+
+def windows(turns: list[Turn], marks: list[tuple[str, float]]) -> list[Window]:
+    if not marks:
+        return []
+    first, last = marks[0][1], marks[-1][1]
+    out = []
+    for name, lo, hi in (("before", -math.inf, first), ("during", first, last), ("after", last, math.inf)):
+        chosen = [t for t in turns if lo <= t.started_at < hi]
+        total = sum(t.prompt_tokens for t in chosen) or 1
+        cached, pulled = sum(t.cached_tokens for t in chosen), sum(t.pulled_tokens for t in chosen)
+        out.append(Window(name, len(chosen), cached / total, pulled / total, 1 - (cached + pulled) / total))
+    return out
+
+
+@dataclass(frozen=True)
 class Result:
     policy: str
     eps: float
-    live_hit: float
+    live_hit: float  # hit-or-pull: (cached + pulled) / prompt tokens, engines' counters
     client_hit: float
     predicted_hit: float
     live_spill: float
@@ -217,45 +313,64 @@ class Result:
     turn_s: float
     late_p99_s: float
     turns: int
+    live_pulled: float = 0.0
+    predicted_pulled: float = 0.0
+    windows: tuple[Window, ...] = ()
+    restarts: tuple[tuple[str, float], ...] = ()
 
 
-def run_policy(s: Scaled, policy: str, eps: float, log_dir: Path) -> Result:
+def run_policy(s: Scaled, policy: str, eps: float, log_dir: Path, restart: bool = False) -> Result:
     cfg = s.cfg
     bs = cfg.block_size
+    family, pull = policy.removesuffix("+pull"), policy.endswith("+pull")
+    tag = policy.replace("+", "-")
     addresses = {f"engine-{i}": f"127.0.0.1:{free_port()}" for i in range(cfg.replicas)}
     router = f"127.0.0.1:{free_port()}"
     procs = Processes(log_dir)
+    marks: list[tuple[str, float]] = []
+    eps_env = {"CHATMESH_ROUTER_PULL_EPS": f"{eps:g}"} if pull else {"CHATMESH_ROUTER_EPS": f"{eps:g}"}
     try:
         for rid, address in addresses.items():
-            procs.start(f"{policy}-{rid}", "engine", address, {
+            procs.start(f"{tag}-{rid}", "engine", address, {
                 "CHATMESH_ENGINE": "sim", "CHATMESH_REPLICA_ID": rid, "CHATMESH_SIM_TEXT": "words",
                 "CHATMESH_SIM_STEP_MS": f"{s.step_ms:g}", "CHATMESH_BLOCK_SIZE": str(bs),
-                "CHATMESH_DEVICE_BLOCKS": str(s.cache_tokens // bs), "CHATMESH_HOST_BLOCKS": "0"})
-        procs.start(f"{policy}-router", "router", router, {
+                "CHATMESH_DEVICE_BLOCKS": str(s.cache_tokens // bs), "CHATMESH_HOST_BLOCKS": "0",
+                "CHATMESH_SIM_REPLY_TOKENS": "0", "CHATMESH_SHUTDOWN_GRACE_S": "3"})
+        procs.start(f"{tag}-router", "router", router, {
             "CHATMESH_REPLICAS": ",".join(f"{k}={v}" for k, v in addresses.items()),
-            "CHATMESH_ROUTER_POLICY": policy, "CHATMESH_ROUTER_EPS": f"{eps:g}",
+            "CHATMESH_ROUTER_POLICY": family, "CHATMESH_ROUTER_PULLS": "true" if pull else "false", **eps_env,
             "CHATMESH_ROUTER_MIN_SPILL_LOAD": str(cfg.min_spill_load),
             "CHATMESH_ROUTER_HOLD_TOKENS": str(s.hold_tokens),
             "CHATMESH_ROUTER_STATS_INTERVAL_MS": str(round(1000 * cfg.report_interval_s))})
         wait_serving(router)
         before = asyncio.run(engine_counters(addresses))
-        turns = asyncio.run(drive(s, router, addresses))
+        during = (lambda: rolling_restart(procs, [f"{tag}-{rid}" for rid in addresses], router, marks)) \
+            if restart else None
+        turns = asyncio.run(drive(s, router, addresses, during, at_s=0.4 * cfg.arrival_window_s))
         after = asyncio.run(engine_counters(addresses))
     finally:
         procs.stop()
-    hit = sum(after[r][0] - before[r][0] for r in addresses)
-    miss = sum(after[r][1] - before[r][1] for r in addresses)
+    if restart:  # the engines' counters restarted with them: the turns' own Started events are the figures
+        cached_live = sum(t.cached_tokens for t in turns)
+        pulled_live = sum(t.pulled_tokens for t in turns)
+        total_live = sum(t.prompt_tokens for t in turns)
+    else:
+        cached_live = sum(after[r][0] - before[r][0] for r in addresses)
+        pulled_live = sum(after[r][2] - before[r][2] for r in addresses)
+        total_live = cached_live + pulled_live + sum(after[r][1] - before[r][1] for r in addresses)
     turn_s = statistics.fmean(t.seconds for t in turns)
-    spec = PolicySpec(Policy.FOLLOW if policy == "follow" else Policy.BOUNDED, eps, hold_tokens=s.hold_tokens,
-                      floor=cfg.min_spill_load)
+    spec = PolicySpec(Policy.FOLLOW if family == "follow" else Policy.BOUNDED, follow.DEFAULT_EPS if pull else eps,
+                      hold_tokens=s.hold_tokens, floor=cfg.min_spill_load, pull=pull, pull_eps=eps)
     predicted = simulate.simulate(spec, dataclasses.replace(cfg, turn_seconds=turn_s), simulate.arrivals(cfg),
                                   s.cache_tokens)
     outcomes = Counter(t.outcome for t in turns)
     late = sorted(t.late_s for t in turns)
-    return Result(policy, eps, hit / (hit + miss), sum(t.cached_tokens for t in turns) / sum(
-        t.prompt_tokens for t in turns), predicted.hit_rate, outcomes["spill"] / len(turns), predicted.spill_rate,
+    return Result(policy, eps, (cached_live + pulled_live) / total_live, sum(
+        t.cached_tokens + t.pulled_tokens for t in turns) / sum(t.prompt_tokens for t in turns),
+        predicted.served_rate, outcomes["spill"] / len(turns), predicted.spill_rate,
         outcomes["placed"] / len(turns), predicted.placed / predicted.turns, turn_s,
-        late[int(0.99 * (len(late) - 1))], len(turns))
+        late[int(0.99 * (len(late) - 1))], len(turns), pulled_live / total_live, predicted.pulled_rate,
+        tuple(windows(turns, marks)), tuple((m, round(t - marks[0][1], 1)) for m, t in marks))
 
 
 def main() -> int:
@@ -266,7 +381,10 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=0.2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--floor", type=int, default=2, help="the load bound's floor, live and predicted")
-    ap.add_argument("--policies", default="follow:0.2,ring:0.25", help="policy:eps pairs, comma-separated")
+    ap.add_argument("--policies", default="follow:0.2,follow+pull:0.05,ring:0.25",
+                    help="policy:eps pairs, comma-separated (follow+pull: with pulls, eps the pull eps)")
+    ap.add_argument("--rolling-restart", action="store_true",
+                    help="SIGTERM and restart every engine in turn during the run (figures before/during/after)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     s = scaled(args.replicas, args.per_replica, args.token_scale, args.time_scale, args.block_size, args.floor,
@@ -278,13 +396,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="chatmesh-routing-live-") as tmp:
         for item in args.policies.split(","):
             policy, _, eps = item.partition(":")
-            results.append(run_policy(s, policy.strip(), float(eps or 0.2), Path(tmp)))
+            results.append(run_policy(s, policy.strip(), float(eps or 0.2), Path(tmp), args.rolling_restart))
     load_end = os.getloadavg()
     print(f"Routing live vs planner, {started:%Y-%m-%d %H:%M} UTC. Machine: {platform.machine()}, "
           f"{os.cpu_count()} cores, Python {platform.python_version()}, grpcio {grpc.__version__}.")
     print(f"Command: python -m bench.routing_live --replicas {args.replicas} --per-replica {args.per_replica} "
           f"--token-scale {args.token_scale:g} --time-scale {args.time_scale:g} --block-size {args.block_size} "
-          f"--floor {args.floor} --policies {args.policies} --seed {args.seed}")
+          f"--floor {args.floor} --policies {args.policies} --seed {args.seed}"
+          + (" --rolling-restart" if args.rolling_restart else ""))
     print(f"Scaled workload: {cfg.conversations} conversations x {cfg.turns} turns on {cfg.replicas} sim replicas, "
           f"system/message/reply {cfg.system_tokens}/{cfg.message_tokens}/{cfg.reply_tokens} tokens, a turn every "
           f"{cfg.turn_gap_s:g} s, starts over {cfg.arrival_window_s:g} s, KV {s.cache_tokens:,} tokens per replica "
@@ -293,16 +412,32 @@ def main() -> int:
     print(f"Load average (1, 5, 15 min) at start: {', '.join(f'{x:.2f}' for x in load_start)}; "
           f"at end: {', '.join(f'{x:.2f}' for x in load_end)}.")
     print("")
-    print("| policy | hit rate, engines' counters | predicted (chatmesh simulate) | live - predicted | "
-          "spill live / predicted | placed live / predicted | mean turn (s) | p99 wait for previous turn (s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    source = "the turns' Started events" if args.rolling_restart else "engines' counters"
+    print(f"| policy | hit-or-pull, {source} | predicted (chatmesh simulate) | live - predicted | pulled live / "
+          "predicted | spill live / predicted | placed live / predicted | mean turn (s) | p99 wait for previous "
+          "turn (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r.policy} e={r.eps:g} | {r.live_hit:.1%} | {r.predicted_hit:.1%} | "
-              f"{100 * (r.live_hit - r.predicted_hit):+.1f} pt | {r.live_spill:.1%} / {r.predicted_spill:.1%} | "
+              f"{100 * (r.live_hit - r.predicted_hit):+.1f} pt | {r.live_pulled:.1%} / {r.predicted_pulled:.1%} | "
+              f"{r.live_spill:.1%} / {r.predicted_spill:.1%} | "
               f"{r.live_placed:.1%} / {r.predicted_placed:.1%} | {r.turn_s:.2f} | {r.late_p99_s:.2f} |")
     print("")
-    print("(Client-side check, cached tokens the engines announced in Started over prompt tokens: "
+    print("(Client-side check, cached + pulled tokens the engines announced in Started over prompt tokens: "
           + ", ".join(f"{r.policy} {r.client_hit:.1%}" for r in results) + ".)")
+    if args.rolling_restart:
+        print("")
+        print("Rolling restart (every engine SIGTERM, restarted once gone, the next once the router serves it), "
+              "prompt tokens of the turns started in each stretch:")
+        print("")
+        print("| policy | stretch | turns | cached | pulled | prefilled |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in results:
+            for w in r.windows:
+                print(f"| {r.policy} e={r.eps:g} | {w.name} | {w.turns} | {w.cached:.1%} | {w.pulled:.1%} | "
+                      f"{w.prefilled:.1%} |")
+        for r in results:
+            print(f"({r.policy}: " + ", ".join(f"{m} at +{t:g} s" for m, t in r.restarts) + ")")
     return 0
 
 
