@@ -96,11 +96,10 @@ async def test_slash_redirect_never_reflects_the_host_header(start_gateway: Star
         assert "evil" not in r.headers["location"]
 
 
-async def _closed_after(reader: asyncio.StreamReader, limit_s: float) -> tuple[float, bytes]:
-    """Seconds until the server closed the connection, and what it sent before."""
-    start = time.monotonic()
-    data = await asyncio.wait_for(reader.read(), limit_s)
-    return time.monotonic() - start, data
+async def _closed(reader: asyncio.StreamReader, limit_s: float) -> bytes:
+    """What the server sent before it closed the connection (waiting at most `limit_s`: a timeout, not a
+    measurement)."""
+    return await asyncio.wait_for(reader.read(), limit_s)
 
 
 async def test_slow_header_slow_body_and_idle_connections_are_dropped(start_gateway: StartGateway) -> None:
@@ -128,15 +127,15 @@ async def test_slow_header_slow_body_and_idle_connections_are_dropped(start_gate
                     writer.write(b"X")
 
     feeder = asyncio.create_task(trickle())
-    results = await asyncio.gather(*(_closed_after(reader, 8.0) for reader, _ in conns), return_exceptions=True)
+    results = await asyncio.gather(*(_closed(reader, 8.0) for reader, _ in conns), return_exceptions=True)
+    assert not feeder.done()  # every connection was dropped while the trickle went on: bytes do not extend it
     feeder.cancel()
     for _, writer in conns:
         writer.close()
     for group, answer in ((idle, b""), (slow_header, b"HTTP/1.1 408"), (slow_body, b"HTTP/1.1 408")):
         for reader, _ in group:
-            elapsed, data = results[conns.index((reader, _))]  # type: ignore[misc]
-            assert elapsed < 4.0
-            assert data.startswith(answer), data[:80]
+            data = results[conns.index((reader, _))]
+            assert isinstance(data, bytes) and data.startswith(answer), data
     async with gw.client() as client:  # and the edge still serves
         assert (await client.get("/healthz")).status_code == 200
 
@@ -150,9 +149,8 @@ async def test_a_kept_alive_connection_is_closed_when_idle(start_gateway: StartG
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200")
-    elapsed, _ = await _closed_after(reader, 8.0)
+    assert await _closed(reader, 8.0) == b'{"status":"ok"}'  # the body, then closed by the idle timeout
     writer.close()
-    assert elapsed < 4.0
 
 
 async def test_a_client_gone_mid_body_is_not_an_error(gateway: Gateway, fake: FakeChat) -> None:
@@ -209,13 +207,13 @@ async def test_on_hypercorn_slow_headers_are_dropped_and_a_long_silent_stream_is
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
         await writer.drain()
-        elapsed, _ = await _closed_after(reader, 8.0)
+        dropped = await _closed(reader, 8.0)
         writer.close()
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)
-    assert streamed_s > 1.5 and reply_text(events) == "x" * 8
-    assert elapsed < 4.0
+    assert streamed_s > 1.5 and reply_text(events) == "x" * 8  # a stream outlives the header timeout
+    assert dropped.startswith(b"HTTP/1.1 408") or dropped == b""  # and a slow header does not
 
 
 async def test_a_body_of_a_million_empty_arrays_is_refused_before_it_is_parsed(gateway: Gateway) -> None:
