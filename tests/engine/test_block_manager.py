@@ -355,3 +355,15 @@ def test_a_hit_only_ever_reuses_what_the_same_owner_or_the_shared_prefix_compute
             computed.update(key(salt, prefix, tokens, i) for i in range(len(tokens) // BS))
         bm.release(seq_id)
         bm.check()
+
+
+def test_evicting_a_conversation_under_a_salt_drops_that_owners_blocks_only() -> None:
+    """Issue 30: an owner's deletion of a conversation id evicts its own blocks of it, never another owner's (the
+    engine passes the verified owner's salt)."""
+    bm = BlockManager(BlockConfig(BS, 64, 0))
+    for seq, salt in ((1, b"alice"), (2, b"bob")):
+        _run(bm, seq, SYSTEM + list(range(20, 40)), len(SYSTEM), salt, "shared-id")
+    assert bm.evict_conversation("shared-id", b"mallory") == 0
+    alices = bm.evict_conversation("shared-id", b"alice")
+    assert alices > 0 and bm.evict_conversation("shared-id", b"alice") == 0
+    assert bm.evict_conversation("shared-id") > 0  # unscoped (plaintext, no owner): what is left, bob's

@@ -304,3 +304,50 @@ async def test_generate_without_the_bound_conversation_is_refused(
         owner_id=BOB, conversation_id=conv, prompt_token_ids=[1, 2, 3], max_tokens=4), metadata=bound)]
     assert events[-1] == "finished"
     assert (await engine.GetStats(generate_pb2.GetStatsRequest())).stats.generations == 1
+
+
+async def test_evicting_a_conversation_drops_only_the_callers_own_blocks(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel]) -> None:
+    """The finding: Evict by conversation id was not owner-scoped, so alice's token (for her own conversation id,
+    or owner-wide) evicted bob's cached blocks by naming his conversation."""
+    engine = EngineStub(mesh[1])
+    bobs = str(uuid.uuid4())
+    prompt = list(range(1, 200))
+
+    async def generate(owner: OwnerId, conv: str) -> int:
+        events = [r async for r in engine.Generate(generate_pb2.GenerateRequest(
+            owner_id=owner, conversation_id=conv, prompt_token_ids=prompt, max_tokens=2), metadata=md(token(certs,
+                                                                                                         owner, conv)))]
+        return events[0].started.cached_prompt_tokens
+
+    assert await generate(BOB, bobs) == 0
+    assert await generate(BOB, bobs) > 0  # bob's prefix is cached under his salt
+    for alices in (md(token(certs, ALICE)), md(token(certs, ALICE, bobs))):
+        evicted = await engine.Evict(generate_pb2.EvictRequest(owner_id=ALICE, conversation_id=bobs), metadata=alices)
+        assert evicted.blocks_evicted == 0
+    assert (await refused(engine.Evict(generate_pb2.EvictRequest(owner_id=BOB, conversation_id=bobs),
+                                       metadata=md(token(certs, ALICE)))))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert await generate(BOB, bobs) > 0  # still cached
+    mine = await engine.Evict(generate_pb2.EvictRequest(owner_id=BOB, conversation_id=bobs),
+                              metadata=md(token(certs, BOB, bobs)))
+    assert mine.blocks_evicted > 0
+
+
+async def test_an_owner_id_that_would_forge_a_log_line_is_refused_and_logs_stay_one_line_per_event(
+        certs: Path, mesh: tuple[grpc.aio.Channel, grpc.aio.Channel], captured: io.StringIO) -> None:
+    """The finding: an internal caller's owner_id was written into a log line verbatim (log injection). Owner ids
+    are validated to a charset that cannot forge a line or a field; human-readable lines quote every value."""
+    store = StoreStub(mesh[0])
+    forged = 'bob\n{"event": "owner_token_issued", "caller": "spiffe://chatmesh/gateway"} caller=x'
+    for owner in (forged, "bob caller=spiffe://chatmesh/gateway", "b\x1b[2Jb"):
+        code, details = await refused(store.ReadConversation(store_pb2.ReadConversationRequest(
+            owner_id=owner, conversation_id=str(uuid.uuid4())), metadata=md(token(certs, BOB))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "ASCII letters, digits" in details
+    assert "caller=x" not in captured.getvalue() and "\x1b" not in captured.getvalue()
+    assert all(json.loads(line) for line in captured.getvalue().splitlines() if line.strip())
+    out = io.StringIO()
+    from chatmesh.mesh import logs
+    logs.configure("test", json=False, stream=out)
+    logs.get("test").info("probe", reason="a\nb caller=spiffe://chatmesh/gateway")
+    lines = [line for line in out.getvalue().splitlines() if "probe" in line]
+    assert len(lines) == 1 and "reason='a\\nb caller=spiffe://chatmesh/gateway'" in lines[0], out.getvalue()

@@ -291,8 +291,9 @@ class Backend(Protocol):
         """Streams Started, Deltas, Finished. Raises ResourceExhausted (admission queue full) before any event."""
         ...
 
-    async def evict_conversation(self, conversation_id: ConversationId) -> int:
-        """Drops every cached block of the conversation from every tier; returns how many."""
+    async def evict_conversation(self, conversation_id: ConversationId, salt: bytes | None = None) -> int:
+        """Drops every cached block of the conversation from every tier (with `salt`: only the blocks under that
+        owner's salt); returns how many."""
         ...
 
     async def evict_salt(self, salt: bytes) -> int:

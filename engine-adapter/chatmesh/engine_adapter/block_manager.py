@@ -376,9 +376,14 @@ class BlockManager:
 
     # ---- eviction for deletion ---------------------------------------------------------------------------
 
-    def evict_conversation(self, conversation: str) -> int:
-        """Drops every cached block tagged with the conversation, from both tiers; returns how many."""
-        return self._drop_all(self._by_conversation.get(conversation, set()))
+    def evict_conversation(self, conversation: str, salt: bytes | None = None) -> int:
+        """Drops every cached block tagged with the conversation (with `salt`: only those under that owner's salt,
+        so one owner's deletion cannot evict another's blocks by naming their conversation), from both tiers;
+        returns how many."""
+        hashes = self._by_conversation.get(conversation, set())
+        if salt is not None:
+            hashes = {h for h in hashes if self._tags[h].salt == salt}
+        return self._drop_all(hashes)
 
     def evict_salt(self, salt: bytes) -> int:
         """Drops every cached block under the owner's salt, from both tiers; returns how many."""

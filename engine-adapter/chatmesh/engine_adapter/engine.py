@@ -243,8 +243,8 @@ class EngineCore:
         async for event in self.transfers.serve(request):
             yield event
 
-    async def evict_conversation(self, conversation_id: ConversationId) -> int:
-        return self.blocks.evict_conversation(conversation_id)
+    async def evict_conversation(self, conversation_id: ConversationId, salt: bytes | None = None) -> int:
+        return self.blocks.evict_conversation(conversation_id, salt)
 
     async def evict_salt(self, salt: bytes) -> int:
         return self.blocks.evict_salt(salt)

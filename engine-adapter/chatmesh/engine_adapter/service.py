@@ -376,9 +376,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         match request.WhichOneof("target"):
             case "conversation_id":
                 conversation = parse_conversation_id(request.conversation_id)
+                # only the owner's own blocks of it: a conversation id is no secret, and alice's token naming bob's
+                # conversation must not evict his cache (issue 30)
+                salt = None
                 if request.owner_id or self.guard.verifier is not None:
-                    self.guard.owner(context, request.owner_id, conversation)
-                n = await self.backend.evict_conversation(conversation)
+                    salt = self.salts.of(self.guard.owner(context, request.owner_id, conversation))
+                n = await self.backend.evict_conversation(conversation, salt)
             case "cache_salt":
                 if self.guard.verifier is not None:
                     raise InvalidArgument("evict an owner's blocks by owner_id: the engine derives salts itself")

@@ -175,7 +175,9 @@ class _Pipeline:
     def __init__(self, service: str, json: bool) -> None:
         self.service = service
         self.renderer: structlog.typing.Processor = (
-            structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False))
+            # human-readable lines quote every string value (repr), so no value can pass for another field
+            structlog.processors.JSONRenderer() if json else
+            structlog.dev.ConsoleRenderer(colors=False, repr_native_str=True))
         self.stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
     def add_service(self, _logger: object, _method: str, event_dict: MutableMapping[str, Any]

@@ -279,9 +279,10 @@ class TritonBackend:
             else:
                 call.cancel()  # the caller left early: Triton cancels the request, the model aborts it
 
-    async def _command(self, command: wire.Command, argument: bytes | str | int = b"") -> wire.Getter:
+    async def _command(self, command: wire.Command, argument: bytes | str | int = b"", salt: bytes = b""
+                       ) -> wire.Getter:
         try:
-            async with contextlib.aclosing(self._stream(wire.command_tensors(command, argument))) as responses:
+            async with contextlib.aclosing(self._stream(wire.command_tensors(command, argument, salt))) as responses:
                 async for get in responses:
                     if wire.kind_of(get) is wire.WireEvent.ERROR:
                         error = wire.error_of(get)
@@ -350,8 +351,9 @@ class TritonBackend:
         if snapshot.model is not None:
             self._model = snapshot.model
 
-    async def evict_conversation(self, conversation_id: ConversationId) -> int:
-        return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_CONVERSATION, conversation_id))
+    async def evict_conversation(self, conversation_id: ConversationId, salt: bytes | None = None) -> int:
+        return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_CONVERSATION, conversation_id,
+                                                          salt or b""))
 
     async def evict_salt(self, salt: bytes) -> int:
         return wire.blocks_evicted_of(await self._command(wire.Command.EVICT_SALT, salt))

@@ -215,7 +215,9 @@ class ChatmeshModel:
                         return
                     case wire.Command.EVICT_CONVERSATION:
                         conversation = parse_conversation_id(wire.text_of(get, "conversation_id"))
-                        send(wire.evicted_tensors(await self.backend.evict_conversation(conversation)), final=True)
+                        owner_salt = wire.bytes_of(get, "cache_salt") or None  # the deleting owner's blocks only
+                        send(wire.evicted_tensors(await self.backend.evict_conversation(conversation, owner_salt)),
+                             final=True)
                         return
                     case wire.Command.EVICT_SALT:
                         salt = wire.bytes_of(get, "cache_salt")

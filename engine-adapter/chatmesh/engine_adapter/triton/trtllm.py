@@ -191,7 +191,7 @@ class TrtLlmBackend:
                     self.kv_map.apply([event])
             await asyncio.sleep(STATS_POLL_S)
 
-    async def evict_conversation(self, conversation_id: ConversationId) -> int:
+    async def evict_conversation(self, conversation_id: ConversationId, salt: bytes | None = None) -> int:
         log.info("trtllm_evict_unsupported", target="conversation")  # salted blocks age out by LRU
         return 0
 

@@ -166,7 +166,8 @@ def _float(get: Getter, name: str, default: float = 0.0) -> float:
 
 # ---- requests -------------------------------------------------------------------------------------------------
 
-def command_tensors(command: Command, argument: bytes | str | int = b"") -> dict[str, Array]:
+def command_tensors(command: Command, argument: bytes | str | int = b"", salt: bytes = b"") -> dict[str, Array]:
+    """A control command's inputs; an evict_conversation with `salt` drops only that owner's blocks."""
     out = {"command": _bytes(command.value)}
     match command:
         case Command.GENERATE | Command.STATS:
@@ -174,6 +175,8 @@ def command_tensors(command: Command, argument: bytes | str | int = b"") -> dict
         case Command.EVICT_CONVERSATION:
             assert not isinstance(argument, int)
             out["conversation_id"] = _bytes(argument)
+            if salt:
+                out["cache_salt"] = _bytes(salt)
         case Command.EVICT_SALT:
             assert not isinstance(argument, int)
             out["cache_salt"] = _bytes(argument)
