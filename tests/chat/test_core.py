@@ -18,6 +18,7 @@ import pytest
 
 from chatmesh.chat import context
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
+from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent, TurnEventKind
 from chatmesh.chat.ports import EngineDelta, EngineFinished, EngineStarted, FinishReason, PullSource, TurnKey
 from chatmesh.mesh import errors
@@ -693,6 +694,49 @@ async def summary_is_made_at_the_boundary_and_prompts_stay_stable_after_it() -> 
         (sp.USER, "message number 2 with words"), (sp.ASSISTANT, "Hello there."), (sp.USER, "next")])
     assert summary.covers_through_index == 1  # the first exchange; the last two messages stay verbatim
     assert w.idle()
+    return w
+
+
+@scenario
+async def compaction_stores_the_summary_through_the_last_reply_and_the_next_prompt_starts_from_it() -> World:
+    """The Responses API's compaction (Prompts.compact): the whole conversation summarised and stored as its
+    summary; the next turn's prompt is the system prompt, the stored summary and the new message, built as after
+    any summary (I3); compacting again with nothing new generates nothing; a point the conversation has moved on
+    from is refused and stores nothing."""
+    w, conv = await fresh()
+    first = await w.turn(conv, "remember the number seven")
+    await w.turn(conv, "and the colour blue")
+    last = w.store.conversations[(OWNER, conv)].messages[-1]
+    with pytest.raises(errors.FailedPrecondition):  # the first turn is no longer the conversation's last
+        await w.core.compact(OWNER, conv, w.store.conversations[(OWNER, conv)].messages[1].turn_id)
+    assert w.store.conversations[(OWNER, conv)].summary is None and first
+    done = await w.core.compact(OWNER, conv, last.turn_id)
+    stored_summary = w.store.conversations[(OWNER, conv)].summary
+    assert stored_summary is not None and stored_summary.covers_through_index == last.index
+    assert done.summary.text == stored_summary.text == "Hello there." and done.prompt_tokens > 0
+    again = await w.core.compact(OWNER, conv, None)
+    assert again.summary == done.summary and again.prompt_tokens == 0
+    assert len([g for g in w.engine.generations if g.turn is None]) == 1
+    await w.turn(conv, "next")
+    sp = context.Speaker
+    assert w.engine.generations[-1].prompt_token_ids == WordRenderer().render([
+        (sp.SYSTEM, DEFAULT_SYSTEM_PROMPTS["v1"]), (sp.SYSTEM, context.SUMMARY_HEADER + "Hello there."),
+        (sp.USER, "next")]).token_ids
+    assert w.idle()
+    return w
+
+
+@scenario
+async def a_turns_compact_threshold_summarises_before_the_services_would() -> World:
+    """TurnOptions.compact_threshold_tokens (Responses' context_management): that turn summarises past its own
+    threshold, here far below the service's 10,000."""
+    w, conv = await fresh(keep_recent_messages=2)
+    for n in range(3):
+        await collect(w.core.send_turn(OWNER, conv, w.key(conv).turn, f"message number {n} with words",
+                                       TurnOptions(compact_threshold_tokens=8 if n == 2 else None)))
+        await w.settled()
+        summary = w.store.conversations[(OWNER, conv)].summary
+        assert (summary is not None) == (n == 2)
     return w
 
 

@@ -41,6 +41,7 @@ class Turn:
     status: chat_pb2.TurnStatus = chat_pb2.TURN_STATUS_RUNNING
     reply: str = ""
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+    stored_at_ms: int = 0
 
 
 @dataclass
@@ -66,6 +67,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.billed = 0
         self.report_prompt_tokens = True
         self.token_claims: list[OwnerClaims] = []  # with mutual TLS: the verified owner token of each call
+        self.summaries: dict[str, tuple[str, int]] = {}  # conversation -> (summary, last index it covers)
 
     async def _admit(self, allowance: int, context: Ctx) -> None:
         self.allowances.append(allowance)
@@ -205,8 +207,24 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, "turn not found")
         assert turn is not None
         return chat_pb2.GetTurnResponse(status=turn.status, reply=turn.reply, usage=turn.usage,
-                                        stored_at_ms=int(time.time() * 1000) if turn.done.is_set() else 0,
+                                        stored_at_ms=turn.stored_at_ms,
                                         finish_reason=self.finish_reason if turn.status == chat_pb2.TURN_STATUS_COMPLETED else "")
+
+    async def CompactConversation(self, request: chat_pb2.CompactConversationRequest, context: Ctx
+                                  ) -> chat_pb2.CompactConversationResponse:
+        conv = self._conv(request.owner_id, request.conversation_id)
+        if conv is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "conversation not found")
+        assert conv is not None
+        live = [m for m in conv.messages if not m.superseded]
+        if not live or live[-1].role != common_pb2.ROLE_ASSISTANT or (
+                request.expect_last_turn_id and live[-1].turn_id != request.expect_last_turn_id):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "nothing to compact at that point")
+        text = "Summary: " + " | ".join(m.content for m in live)
+        fresh = self.summaries.get(conv.meta.conversation_id, ("", -1))[1] < conv.messages[-1].index
+        self.summaries[conv.meta.conversation_id] = (text, conv.messages[-1].index)
+        return chat_pb2.CompactConversationResponse(summary_text=text, covers_through_index=conv.messages[-1].index,
+                                                    token_count=len(text.split()), prompt_tokens=11 if fresh else 0)
 
     async def DeleteTurn(self, request: chat_pb2.DeleteTurnRequest, context: Ctx) -> chat_pb2.DeleteTurnResponse:
         conv = self._conv(request.owner_id, request.conversation_id)
@@ -262,7 +280,7 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
             status = common_pb2.MESSAGE_STATUS_STOPPED if turn.stop else common_pb2.MESSAGE_STATUS_COMPLETE
             conv.messages.append(common_pb2.Message(index=len(conv.messages), role=common_pb2.ROLE_ASSISTANT,
                                                     content=text, turn_id=turn.turn_id, status=status))
-            turn.reply, turn.usage = text, usage
+            turn.reply, turn.usage, turn.stored_at_ms = text, usage, int(time.time() * 1000)
             turn.status = chat_pb2.TURN_STATUS_STOPPED if turn.stop else chat_pb2.TURN_STATUS_COMPLETED
             final = chat_pb2.TurnEvent(stopped=chat_pb2.TurnStopped(usage=usage)) if turn.stop else \
                 chat_pb2.TurnEvent(completed=chat_pb2.TurnCompleted(usage=usage, replica_id="fake-0",

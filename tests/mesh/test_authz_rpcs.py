@@ -31,7 +31,7 @@ CLIENT = ident.client("dev")
 EXPECTED: dict[str, dict[str, set[Identity]]] = {
     "chatmesh.v1.ChatService": {**{rpc: {GATEWAY, CLIENT} for rpc in (
         "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
-        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn")},
+        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn", "CompactConversation")},
         "StopTurn": {GATEWAY, CLIENT, CHAT}},
     "chatmesh.v1.StoreService": {**{rpc: {CHAT} for rpc in (
         "InsertConversation", "ReadConversation", "BeginTurn", "FinishTurn", "FailTurn", "UpdateTurnProgress",

@@ -174,7 +174,8 @@ class ClaimedTurn:
                 if options.tools and not self.job.resume else ""
             rendered = await self.prompts.prompt_for(
                 owner, conv, view, new, self.job.regenerates, options.instructions,
-                options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results, options.tools, prefill)
+                options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results, options.tools, prefill,
+                options.compact_threshold_tokens)
             self.calls = self._calls(prefill)
             if self.job.allowance and len(rendered.token_ids) > self.job.allowance:
                 raise errors.PromptOverAllowance(len(rendered.token_ids), self.job.allowance)

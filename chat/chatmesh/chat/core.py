@@ -26,7 +26,7 @@ from chatmesh.chat.conversations import Conversations
 from chatmesh.chat.events import TurnEvent
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import EnginePort, ModerationPort, PeerPort, Ports, RouterPort, StorePort, TurnKey
-from chatmesh.chat.prompt import DEFAULT_SYSTEM_PROMPTS, Prompts
+from chatmesh.chat.prompt import DEFAULT_SYSTEM_PROMPTS, Compacted, Prompts
 from chatmesh.chat.turns import NewConversation, Turns
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.mesh.turn import Move
@@ -98,6 +98,10 @@ class ChatCore:
     async def release(self, owner: OwnerId, conv: ConversationId, turn: TurnId) -> bool:
         """The turn's client went away having been shown nothing: released for its retry, not stored stopped."""
         return await self.turns.release(TurnKey(owner, conv, turn))
+
+    async def compact(self, owner: OwnerId, conv: ConversationId, expect_last: TurnId | None) -> Compacted:
+        """The conversation summarised through its last reply, stored as its summary (`Prompts.compact`)."""
+        return await self.prompts.compact(owner, conv, expect_last)
 
     async def next_prompt(self, owner: OwnerId, conv: ConversationId, new_message: str) -> context.Rendered:
         """The prompt the next turn with `new_message` would send (no summarising side effect)."""

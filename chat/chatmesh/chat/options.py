@@ -54,6 +54,7 @@ class TurnOptions:
     tools: tuple[ToolDefinition, ...] = ()  # tools the reply may call, rendered in the model's own format
     tool_choice: ToolChoice = AUTO
     parallel_tool_calls: bool = True
+    compact_threshold_tokens: int | None = None  # summarise past this many history tokens (None: the service's)
 
     def max_reply_tokens(self, cap: int) -> int:
         return min(self.max_tokens, cap) if self.max_tokens > 0 else cap
@@ -86,6 +87,8 @@ class TurnOptions:
                 else self.tool_choice.mode.value
         if not self.parallel_tool_calls:
             out["parallel_tool_calls"] = False
+        if self.compact_threshold_tokens is not None:
+            out["compact_threshold_tokens"] = self.compact_threshold_tokens
         return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
     @staticmethod
@@ -103,6 +106,7 @@ class TurnOptions:
         stop = data.get("stop", [])
         tools = data.get("tools", [])
         choice = data.get("tool_choice", "auto")
+        threshold = data.get("compact_threshold_tokens")
         return TurnOptions(
             temperature=number("temperature"), top_p=number("top_p"),
             seed=seed if isinstance(seed, int) else None,
@@ -111,7 +115,8 @@ class TurnOptions:
             tools=tuple(ToolDefinition.of(t) for t in tools) if isinstance(tools, list) else (),
             tool_choice=ToolChoice(ChoiceMode.NAMED, str(choice.get("name", ""))) if isinstance(choice, dict)
             else ToolChoice(ChoiceMode(choice)) if choice in ("auto", "none", "required") else AUTO,
-            parallel_tool_calls=data.get("parallel_tool_calls", True) is not False)
+            parallel_tool_calls=data.get("parallel_tool_calls", True) is not False,
+            compact_threshold_tokens=threshold if isinstance(threshold, int) else None)
 
 
 DEFAULT_TURN = TurnOptions()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from chatmesh.chat import context
 from chatmesh.chat.options import ChatOptions
@@ -101,6 +102,15 @@ def transcript_line(m: context.HistoryMessage) -> str:
     return f"{m.speaker.value}: {m.content}{calls}"
 
 
+@dataclass(frozen=True)
+class Compacted:
+    """A summary just stored (or found stored), with what writing it cost."""
+
+    summary: context.PromptSummary
+    token_count: int  # of the summary text
+    prompt_tokens: int  # of the prompt that wrote it (0: it was already stored)
+
+
 class Prompts:
     def __init__(self, ports: Ports, renderer: context.Renderer, count_tokens: Callable[[str], int],
                  options: ChatOptions):
@@ -125,10 +135,11 @@ class Prompts:
     async def prompt_for(self, owner: OwnerId, conv: ConversationId, view: History, new_message: str | None,
                          regenerates: TurnId | None, instructions: str, reply_tokens: int,
                          new_results: Sequence[ToolResult] = (), tools: Sequence[ToolDefinition] = (),
-                         prefill: str = "") -> context.Rendered:
-        """A turn's prompt, summarising first as the module header says (at the threshold, then as far as the
-        prompt needs to fit); PromptTooLong only when the turn's own message cannot fit."""
-        summary = await self.summary_for(owner, conv, view)
+                         prefill: str = "", threshold: int | None = None) -> context.Rendered:
+        """A turn's prompt, summarising first as the module header says (at the threshold, the turn's own when it
+        sets one, then as far as the prompt needs to fit); PromptTooLong only when the turn's own message cannot
+        fit."""
+        summary = await self.summary_for(owner, conv, view, threshold)
         least = 2 if regenerates is not None else 0  # a regenerate keeps the user message it answers
 
         def render() -> context.Rendered:
@@ -139,19 +150,42 @@ class Prompts:
             try:
                 return render()
             except context.PromptTooLong:
-                summary = await self._fold(owner, conv, view, summary, keep) or summary
+                folded = await self._fold(owner, conv, view, summary, keep)
+                summary = folded.summary if folded is not None else summary
         return render()
 
-    async def summary_for(self, owner: OwnerId, conv: ConversationId, view: History) -> context.PromptSummary | None:
-        """The stored summary, refreshed first when the replayed history is over the threshold."""
+    async def summary_for(self, owner: OwnerId, conv: ConversationId, view: History,
+                          threshold: int | None = None) -> context.PromptSummary | None:
+        """The stored summary, refreshed first when the replayed history is over the threshold (`threshold`: the
+        turn's own, Responses' context_management; else the service's)."""
         summary = stored_summary(view)
         counts = {m.index: m.token_count for m in view.messages}
-        if context.history_tokens(history(view), summary, counts) <= self.opt.summary_threshold_tokens:
+        limit = threshold if threshold is not None else self.opt.summary_threshold_tokens
+        if context.history_tokens(history(view), summary, counts) <= limit:
             return summary
-        return await self._fold(owner, conv, view, summary, self.opt.keep_recent_messages) or summary
+        folded = await self._fold(owner, conv, view, summary, self.opt.keep_recent_messages)
+        return folded.summary if folded is not None else summary
+
+    async def compact(self, owner: OwnerId, conv: ConversationId, expect_last: TurnId | None) -> Compacted:
+        """Summarises the whole conversation, through its last reply, and stores that as its summary (the
+        Responses API's compaction): `_fold` keeping nothing. The next turn's prompt is then built like any after
+        a summary: the system prompt, the stored summary, the new message. Compacting again with nothing new
+        returns the stored summary."""
+        view = await self.store.read_conversation(owner, conv)
+        live = [m for m in view.messages if not m.superseded]
+        if not live or live[-1].role is not Role.ASSISTANT:
+            raise errors.FailedPrecondition("nothing to compact: the conversation does not end with a reply")
+        if expect_last is not None and live[-1].turn_id != expect_last:
+            raise errors.FailedPrecondition("the conversation has moved on since that response: compact its last one")
+        summary = stored_summary(view)
+        folded = await self._fold(owner, conv, view, summary, 0)
+        if folded is None:  # the stored summary covers every message already
+            assert summary is not None and view.summary is not None
+            return Compacted(summary, view.summary.token_count, 0)
+        return folded
 
     async def _fold(self, owner: OwnerId, conv: ConversationId, view: History, summary: context.PromptSummary | None,
-                    keep: int) -> context.PromptSummary | None:
+                    keep: int) -> Compacted | None:
         """Summarises the replayed history but its last `keep` messages into a new stored summary (None: there
         is nothing more to summarise)."""
         replayed = history(view)
@@ -160,10 +194,12 @@ class Prompts:
             return None
         start = summary.covers_until if summary else 0
         lines = [transcript_line(m) for m in replayed if start <= m.index < cut and m.replayable]
-        text = await self._summarise(owner, conv, self.transcript(summary.text if summary else "", lines))
+        text, prompt_tokens = await self._summarise(owner, conv,
+                                                    self.transcript(summary.text if summary else "", lines))
         saved = await self.store.save_summary(owner, conv, text, cut - 1, self.count_tokens(text))
         log.info("summary_stored", conversation_id=conv, covers_through_index=cut - 1, kept_messages=keep)
-        return context.PromptSummary(saved.text, saved.covers_through_index + 1)
+        return Compacted(context.PromptSummary(saved.text, saved.covers_through_index + 1), saved.token_count,
+                         prompt_tokens)
 
     def transcript(self, earlier: str, lines: list[str]) -> str:
         """What the summariser reads: the earlier summary and the messages (`transcript_line`), within its
@@ -192,7 +228,8 @@ class Prompts:
             raise errors.FailedPrecondition(f"system prompt version {version!r} is not configured")
         return prompt
 
-    async def _summarise(self, owner: OwnerId, conv: ConversationId, transcript: str) -> str:
+    async def _summarise(self, owner: OwnerId, conv: ConversationId, transcript: str) -> tuple[str, int]:
+        """The engine's summary of `transcript`, and the tokens of the prompt that asked for it."""
         rendered = self.renderer.render([(context.Speaker.SYSTEM, SUMMARY_PROMPT), (context.Speaker.USER, transcript)])
         pick = await self.router.pick(conv)
         parts: list[str] = []
@@ -214,4 +251,4 @@ class Prompts:
         text = "".join(parts).strip()
         if not text:
             raise errors.Unavailable("the engine returned an empty summary; retry the turn")
-        return text
+        return text, len(rendered.token_ids)

@@ -53,7 +53,7 @@ _FOR_USERS = [identity.GATEWAY, identity.ANY_CLIENT]
 AUTHZ = {"chatmesh.v1.ChatService": {
     **{rpc: _FOR_USERS for rpc in (
         "CreateConversation", "GetConversation", "SendTurn", "AttachTurn", "RegenerateTurn", "ListConversations",
-        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn")},
+        "DeleteConversation", "GetUsage", "ExportUserData", "GetTurn", "DeleteTurn", "CompactConversation")},
     "StopTurn": [*_FOR_USERS, identity.CHAT],
 }}
 
@@ -101,10 +101,14 @@ def options_of(o: chat_pb2.TurnOptions) -> TurnOptions:
         raise errors.InvalidArgument("options.max_tokens must be >= 0")
     if len(o.stop) > 4 or any(not s or len(s) > 64 for s in o.stop):
         raise errors.InvalidArgument("options.stop: at most 4 strings of 1-64 characters")
+    threshold = o.compact_threshold_tokens if o.HasField("compact_threshold_tokens") else None
+    if threshold is not None and threshold < 1:
+        raise errors.InvalidArgument("options.compact_threshold_tokens must be at least 1")
     return TurnOptions(temperature=temperature, top_p=top_p, seed=o.seed if o.HasField("seed") else None,
                        stop=tuple(o.stop), max_tokens=o.max_tokens, instructions=o.instructions,
                        tools=tools_of(o.tools), tool_choice=tool_choice_of(o.tool_choice, o.tools),
-                       parallel_tool_calls=o.parallel_tool_calls if o.HasField("parallel_tool_calls") else True)
+                       parallel_tool_calls=o.parallel_tool_calls if o.HasField("parallel_tool_calls") else True,
+                       compact_threshold_tokens=threshold)
 
 
 MAX_TOOLS = 128
@@ -279,6 +283,17 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         owner, conv = self._in(request, context)
         evicted = await self.core.delete_turn(owner, conv, parse_turn_id(request.turn_id))
         return chat_pb2.DeleteTurnResponse(blocks_evicted=evicted)
+
+    @unary_errors
+    async def CompactConversation(self, request: chat_pb2.CompactConversationRequest, context: Ctx
+                                  ) -> chat_pb2.CompactConversationResponse:
+        owner, conv = self._in(request, context)
+        expect = parse_turn_id(request.expect_last_turn_id, "expect_last_turn_id") \
+            if request.expect_last_turn_id else None
+        done = await self.core.compact(owner, conv, expect)
+        return chat_pb2.CompactConversationResponse(
+            summary_text=done.summary.text, covers_through_index=done.summary.covers_until - 1,
+            token_count=done.token_count, prompt_tokens=done.prompt_tokens)
 
     @unary_errors
     async def ExportUserData(self, request: chat_pb2.ExportUserDataRequest, context: Ctx

@@ -78,7 +78,8 @@ FORWARDERS: tuple[Identity, ...] = (ident.CHAT, ident.ENGINE)
 SCOPES: dict[str, frozenset[str]] = {
     "read": frozenset({"GetConversation", "ListConversations", "GetUsage", "ExportUserData", "GetTurn",
                        "AttachTurn"}),
-    "turns": frozenset({"CreateConversation", "SendTurn", "RegenerateTurn", "StopTurn", "AttachTurn", "GetTurn"}),
+    "turns": frozenset({"CreateConversation", "SendTurn", "RegenerateTurn", "StopTurn", "AttachTurn", "GetTurn",
+                        "CompactConversation"}),
     "delete": frozenset({"DeleteConversation", "DeleteTurn"}),
 }
 

@@ -91,7 +91,7 @@ class SendTurnRequest(_message.Message):
     def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., content: _Optional[str] = ..., prompt_token_allowance: _Optional[int] = ..., options: _Optional[_Union[TurnOptions, _Mapping]] = ..., create: _Optional[_Union[NewConversation, _Mapping]] = ..., expect_last_turn_id: _Optional[str] = ..., tool_results: _Optional[_Iterable[_Union[_common_pb2.ToolResult, _Mapping]]] = ...) -> None: ...
 
 class TurnOptions(_message.Message):
-    __slots__ = ("temperature", "top_p", "seed", "stop", "max_tokens", "instructions", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("temperature", "top_p", "seed", "stop", "max_tokens", "instructions", "tools", "tool_choice", "parallel_tool_calls", "compact_threshold_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class TurnOptions(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_THRESHOLD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     seed: int
@@ -110,7 +111,8 @@ class TurnOptions(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[ToolDefinition]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., instructions: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    compact_threshold_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., max_tokens: _Optional[int] = ..., instructions: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., compact_threshold_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolDefinition(_message.Message):
     __slots__ = ("name", "definition_json")
@@ -381,3 +383,25 @@ class DeleteTurnResponse(_message.Message):
     BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     blocks_evicted: int
     def __init__(self, blocks_evicted: _Optional[int] = ...) -> None: ...
+
+class CompactConversationRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "expect_last_turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAST_TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    expect_last_turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., expect_last_turn_id: _Optional[str] = ...) -> None: ...
+
+class CompactConversationResponse(_message.Message):
+    __slots__ = ("summary_text", "covers_through_index", "token_count", "prompt_tokens")
+    SUMMARY_TEXT_FIELD_NUMBER: _ClassVar[int]
+    COVERS_THROUGH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    summary_text: str
+    covers_through_index: int
+    token_count: int
+    prompt_tokens: int
+    def __init__(self, summary_text: _Optional[str] = ..., covers_through_index: _Optional[int] = ..., token_count: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...

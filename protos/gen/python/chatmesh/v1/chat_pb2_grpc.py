@@ -96,6 +96,11 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.FromString,
                 _registered_method=True)
+        self.CompactConversation = channel.unary_unary(
+                '/chatmesh.v1.ChatService/CompactConversation',
+                request_serializer=chatmesh_dot_v1_dot_chat__pb2.CompactConversationRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_chat__pb2.CompactConversationResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -188,6 +193,14 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompactConversation(self, request, context):
+        """Summarises a conversation through its last reply and stores that as its summary (the Responses API's
+        compaction): later turns' prompts start from the stored summary, as after any summary (I3).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +263,11 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.DeleteTurn,
                     request_deserializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.SerializeToString,
+            ),
+            'CompactConversation': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompactConversation,
+                    request_deserializer=chatmesh_dot_v1_dot_chat__pb2.CompactConversationRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_chat__pb2.CompactConversationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -578,6 +596,33 @@ class ChatService:
             '/chatmesh.v1.ChatService/DeleteTurn',
             chatmesh_dot_v1_dot_chat__pb2.DeleteTurnRequest.SerializeToString,
             chatmesh_dot_v1_dot_chat__pb2.DeleteTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompactConversation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.ChatService/CompactConversation',
+            chatmesh_dot_v1_dot_chat__pb2.CompactConversationRequest.SerializeToString,
+            chatmesh_dot_v1_dot_chat__pb2.CompactConversationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,10 @@ class ChatServiceStub:
     """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
     conversation's cached KV blocks on every engine.
     """
+    CompactConversation: _grpc.UnaryUnaryMultiCallable[_chat_pb2.CompactConversationRequest, _chat_pb2.CompactConversationResponse]
+    """Summarises a conversation through its last reply and stores that as its summary (the Responses API's
+    compaction): later turns' prompts start from the stored summary, as after any summary (I3).
+    """
 
 @_typing.type_check_only
 class ChatServiceAsyncStub(ChatServiceStub):
@@ -94,6 +98,10 @@ class ChatServiceAsyncStub(ChatServiceStub):
     DeleteTurn: _aio.UnaryUnaryMultiCallable[_chat_pb2.DeleteTurnRequest, _chat_pb2.DeleteTurnResponse]  # type: ignore[assignment]
     """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
     conversation's cached KV blocks on every engine.
+    """
+    CompactConversation: _aio.UnaryUnaryMultiCallable[_chat_pb2.CompactConversationRequest, _chat_pb2.CompactConversationResponse]  # type: ignore[assignment]
+    """Summarises a conversation through its last reply and stores that as its summary (the Responses API's
+    compaction): later turns' prompts start from the stored summary, as after any summary (I3).
     """
 
 class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -197,6 +205,16 @@ class ChatServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_chat_pb2.DeleteTurnResponse, _abc.Awaitable[_chat_pb2.DeleteTurnResponse]]:
         """Deletes one turn: its user message, its replies (regenerated ones included) and their turn records, then the
         conversation's cached KV blocks on every engine.
+        """
+
+    @_abc_1.abstractmethod
+    def CompactConversation(
+        self,
+        request: _chat_pb2.CompactConversationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_chat_pb2.CompactConversationResponse, _abc.Awaitable[_chat_pb2.CompactConversationResponse]]:
+        """Summarises a conversation through its last reply and stores that as its summary (the Responses API's
+        compaction): later turns' prompts start from the stored summary, as after any summary (I3).
         """
 
 def add_ChatServiceServicer_to_server(servicer: ChatServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
