@@ -16,7 +16,8 @@ import pytest
 from tests.gateway.conftest import Gateway, StartGateway
 from tests.gateway.fake_chat import FakeChat
 from tests.gateway.openai_client import make_key, sdk
-from tests.gateway.openresponses_spec import check_error, check_response, check_stream
+from chatmesh.gateway.openai import ids
+from tests.gateway.openresponses_spec import check_compacted, check_error, check_response, check_stream
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -205,3 +206,49 @@ async def test_websocket_mode_is_refused_with_a_clear_400(gateway: Gateway) -> N
     body = json.loads(rest.split("\r\n\r\n", 1)[1])
     check_error(body)
     assert body["error"]["code"] == "websocket_not_supported"
+
+
+async def test_compaction_returns_the_stored_summary_and_continues_from_it(gateway: Gateway, key: str,
+                                                                          fake: FakeChat) -> None:
+    client = sdk(gateway.url, key)
+    first = await client.responses.create(model=MODEL, input="Remember seven")
+    second = await client.responses.create(model=MODEL, input="And blue", previous_response_id=first.id)
+    assert second.conversation is not None
+    async with http(gateway, key) as c:
+        r = await c.post("/openai/v1/responses/compact", json={"model": MODEL, "previous_response_id": second.id})
+        assert r.status_code == 200, r.text
+        raw = r.json()
+    check_compacted(raw)
+    compacted = await client.responses.compact(model=MODEL, previous_response_id=second.id)
+    kinds = [item.type for item in compacted.output]
+    assert kinds == ["message", "message", "compaction"]  # the user messages, then the compaction
+    conv_id = ids.parse_conversation(second.conversation.id)
+    stored = fake.summaries[conv_id]
+    item = raw["output"][-1]
+    assert item["summary"] == stored[0] and stored[1] == len(fake.convs[conv_id].messages) - 1
+    assert raw["usage"]["input_tokens"] == 11 and compacted.usage.input_tokens == 0  # the second found it stored
+    # sent back with a new message, the compaction continues that conversation where it summarised
+    sent_back: Any = [*[i.model_dump() for i in compacted.output], {"role": "user", "content": "What did I say?"}]
+    follow = await client.responses.create(model=MODEL, input=sent_back,
+                                           context_management=[{"type": "compaction", "compact_threshold": 500}])
+    assert follow.conversation is not None and follow.conversation.id == second.conversation.id
+    assert [m.content for m in fake.convs[conv_id].messages][-2:] == ["What did I say?", "Hello, world."]
+    assert fake.options[-1].compact_threshold_tokens == 500
+    # the old point has moved on: compacting it is refused (422), nothing stored
+    with pytest.raises(openai.UnprocessableEntityError):
+        await client.responses.compact(model=MODEL, previous_response_id=second.id)
+    # a history of the client's own is compacted as a conversation of its own
+    own = await client.responses.compact(model=MODEL, input=[{"role": "user", "content": "Hi"},
+                                                             {"role": "assistant", "content": "Hello"}])
+    assert [i.type for i in own.output] == ["message", "compaction"]
+    async with http(gateway, key) as c:
+        for body, param in (({"previous_response_id": second.id, "instructions": "Be brief"}, "instructions"),
+                            ({"input": [{"role": "user", "content": "Hi"}]}, "input[0]"),
+                            ({"input": [{"type": "compaction", "encrypted_content": "forged"},
+                                        {"role": "user", "content": "Hi"}]}, "input[1]"),
+                            ({"input": [{"type": "compaction", "encrypted_content": "forged"}]}, "input")):
+            r = await c.post("/openai/v1/responses/compact", json={"model": MODEL, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        r = await post(c, {"input": [{"type": "compaction", "encrypted_content": "forged"},
+                                     {"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

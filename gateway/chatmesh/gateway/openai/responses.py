@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from chatmesh.gateway import bodies, events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.gateway.openai import background, ids, replies, wire
+from chatmesh.gateway.openai import background, compaction, ids, replies, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.records import Ended, Recorded
@@ -125,10 +125,15 @@ async def create(request: Request) -> Response:
     surface.check_model(req.model)
     after = ids.parse_response(req.previous_response_id, "previous_response_id") \
         if req.previous_response_id else None
+    if req.compacted is not None:  # a compaction item: continue where it summarised (compaction.py)
+        point = compaction.point_of(req.compacted, "input")
+        after = (point.conversation, point.turn)
     conversation = ids.parse_conversation(req.conversation, "conversation") if req.conversation else None
     history, instructions = _split_input(req, continuing=after is not None or conversation is not None)
     options = wire.Options(req.options.temperature, req.options.top_p, None, (), req.options.max_tokens,
                            instructions).proto()
+    if req.compact_threshold is not None:
+        options.compact_threshold_tokens = req.compact_threshold
     shape_key = json.dumps([req.previous_response_id, req.conversation, req.raw_input, instructions,
                             options.SerializeToString(deterministic=True).hex(), req.store, req.background],
                            sort_keys=True)

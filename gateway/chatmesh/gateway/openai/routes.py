@@ -14,7 +14,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from chatmesh.gateway.errors import ApiError
-from chatmesh.gateway.openai import completions, conversations, errors, models, responses
+from chatmesh.gateway.openai import compaction, completions, conversations, errors, models, responses
 
 BASE = "/openai/v1"
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -36,6 +36,7 @@ def route_table() -> list[BaseRoute]:
         ("/models/{model}", models.one, "GET"),
         ("/chat/completions", completions.create, "POST"),
         ("/responses", responses.create, "POST"),
+        ("/responses/compact", compaction.compact, "POST"),
         ("/responses/{response_id}", responses.retrieve, "GET"),
         ("/responses/{response_id}", responses.delete, "DELETE"),
         ("/responses/{response_id}/cancel", responses.cancel, "POST"),

@@ -106,6 +106,8 @@ class ResponseRequest:
     options: Options
     user: str | None
     raw_input: Any = field(compare=False, default=None)  # echoed nowhere; kept for the request digest
+    compacted: str | None = None  # an input compaction item's encrypted_content: where the input continues
+    compact_threshold: int | None = None  # context_management's compaction threshold, in tokens
     background: bool = False
     truncation: str = "disabled"
     metadata: dict[str, str] = field(default_factory=dict)
@@ -255,7 +257,8 @@ ITEM_PARTS = ("input_text", "output_text", "text")
 
 
 def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...], item_keys: frozenset[str],
-              last_user: bool = True) -> tuple[Message, ...]:
+              last_user: bool = True, start: int = 0) -> tuple[Message, ...]:
+    """`raw`'s messages; `start`: the index of raw[0] in the request's list (for the names in errors)."""
     if not isinstance(raw, list):
         raise _type_error(param, "an array of messages")
     if not raw:
@@ -263,7 +266,7 @@ def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...],
     if len(raw) > MAX_MESSAGES:
         raise invalid(param, f"more than {MAX_MESSAGES} messages")
     out: list[Message] = []
-    for i, item in enumerate(raw):
+    for i, item in enumerate(raw, start):
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise _type_error(where, "a message object")
@@ -290,7 +293,8 @@ def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...],
             raise invalid(f"{where}.content", f"longer than {max_chars} characters", "string_above_max_length")
         out.append(Message(_ROLES[role], text, phase))
     if last_user and out[-1].role is not Role.USER:
-        raise invalid(f"{param}[{len(out) - 1}].role", "the last message must be the user's (the one to answer)")
+        raise invalid(f"{param}[{start + len(out) - 1}].role",
+                      "the last message must be the user's (the one to answer)")
     return tuple(out)
 
 
@@ -362,7 +366,8 @@ def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int
 
 _RESPONSE_KEYS = frozenset({"model", "input", "instructions", "previous_response_id", "conversation", "store",
                             "stream", "max_output_tokens", "temperature", "top_p", "user", "text", "truncation",
-                            "stream_options", "background", "metadata", "safety_identifier", "prompt_cache_key"})
+                            "stream_options", "background", "metadata", "safety_identifier", "prompt_cache_key",
+                            "context_management"})
 _RESPONSE_NO_OP: dict[str, Callable[[Any], bool]] = {
     **{k: v for k, v in _NO_OP.items() if k in ("tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
                                                  "service_tier", "presence_penalty", "frequency_penalty")},
@@ -389,6 +394,45 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str]:
     return dict(value)
 
 
+COMPACTION_KEYS = frozenset({"type", "id", "encrypted_content", "created_by", "summary"})
+
+
+def _compaction(raw: Any) -> tuple[str | None, int]:
+    """An input's compaction item (`POST /responses/compact`'s output, sent back): its encrypted_content, and the
+    index of the first item after it. The items before it are what it summarised: they are not sent again."""
+    if not isinstance(raw, list):
+        return None, 0
+    at = [i for i, item in enumerate(raw) if isinstance(item, dict) and item.get("type") == "compaction"]
+    if not at:
+        return None, 0
+    if len(at) > 1:
+        raise invalid(f"input[{at[1]}]", "at most one compaction item (the last compaction covers the earlier ones)")
+    item = raw[at[0]]
+    for key in item:
+        if key not in COMPACTION_KEYS:
+            raise invalid(f"input[{at[0]}].{key}", "unknown field", "unknown_parameter")
+    content = _string(item, "encrypted_content", required=True, max_chars=4096,
+                      param=f"input[{at[0]}].encrypted_content")
+    assert content is not None
+    return content, at[0] + 1
+
+
+def _compact_threshold(body: Mapping[str, Any]) -> int | None:
+    """`context_management: [{"type": "compaction", "compact_threshold": N}]`: chatmesh summarises older turns once
+    the history passes N tokens (as it does past CHATMESH_SUMMARY_THRESHOLD_TOKENS)."""
+    value = body.get("context_management")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > 1:
+        raise _type_error("context_management", "an array of at most one {\"type\": \"compaction\"} entry")
+    if not value:
+        return None
+    entry = value[0]
+    if not isinstance(entry, dict) or entry.get("type") != "compaction" or set(entry) - {"type", "compact_threshold"}:
+        raise unsupported("context_management[0]", "only {\"type\": \"compaction\", \"compact_threshold\": N}")
+    return _integer(entry, "compact_threshold", 1, 1 << 30)
+
+
 def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int) -> ResponseRequest:
     _refuse_unsupported(body, _RESPONSE_KEYS, _RESPONSE_NO_OP, {"background": "responses run in the foreground"})
     model = model_of(body)
@@ -401,9 +445,14 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
         if len(raw) > max_chars:
             raise invalid("input", f"longer than {max_chars} characters", "string_above_max_length")
         items: tuple[Message, ...] = (Message(Role.USER, raw),)
+        compacted = None
     else:
-        items = _messages(raw, "input", max_chars, ITEM_PARTS, ITEM_KEYS)
+        compacted, first = _compaction(raw)
+        items = _messages(raw[first:], "input", max_chars, ITEM_PARTS, ITEM_KEYS, start=first)
     previous = _string(body, "previous_response_id", max_chars=128)
+    if compacted is not None and previous is not None:
+        raise invalid("previous_response_id", "cannot be used together with a compaction item in input (the "
+                                              "compaction already names where the conversation stands)")
     conversation = body.get("conversation")
     if isinstance(conversation, dict):
         conversation = _string(conversation, "id", required=True, max_chars=128, param="conversation.id")
@@ -433,11 +482,56 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
     if background and not store:
         raise invalid("background", "a background response is stored (store: true): it is read back later")
     return ResponseRequest(model, items, instructions, previous, conversation, store, stream, options,
-                           _string(body, "user", max_chars=256), raw, background, truncation, _metadata(body),
-                           _string(body, "safety_identifier", max_chars=64),
-                           _string(body, "prompt_cache_key", max_chars=64))
+                           _string(body, "user", max_chars=256), raw, compacted=compacted,
+                           compact_threshold=_compact_threshold(body), background=background, truncation=truncation,
+                           metadata=_metadata(body), safety_identifier=_string(body, "safety_identifier", max_chars=64),
+                           prompt_cache_key=_string(body, "prompt_cache_key", max_chars=64))
 
 
 def conversation_items(raw: Any, max_chars: int) -> tuple[Message, ...]:
     """POST /conversations `items`: messages to start a conversation with (any role last)."""
     return _messages(raw, "items", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False)
+
+
+@dataclass(frozen=True)
+class CompactRequest:
+    """POST /responses/compact: what to compact, named by exactly one of the three."""
+
+    model: str
+    previous_response_id: str | None
+    compacted: str | None  # the input is an earlier compaction's output: compact that point again
+    items: tuple[Message, ...]  # a history of the client's own to compact (ends with a reply)
+
+
+_COMPACT_KEYS = frozenset({"model", "input", "previous_response_id", "instructions", "prompt_cache_key"})
+
+
+def compact_request(body: Mapping[str, Any], *, max_chars: int) -> CompactRequest:
+    _refuse_unsupported(body, _COMPACT_KEYS, {}, {})
+    model = model_of(body)
+    if body.get("instructions"):
+        raise unsupported("instructions", "chatmesh's summaries are written with its own summary prompt, the one "
+                                          "every long conversation is summarised with")
+    _string(body, "prompt_cache_key", max_chars=64)  # accepted; the cache is per owner and conversation already
+    previous = _string(body, "previous_response_id", max_chars=128)
+    raw = body.get("input")
+    if isinstance(raw, str):
+        raw = [{"role": "user", "content": raw}]
+    if raw is None or raw == []:
+        if previous is None:
+            raise invalid("input", "is required without previous_response_id", "missing_required_parameter")
+        return CompactRequest(model, previous, None, ())
+    if previous is not None:
+        raise unsupported("input", "compacts either previous_response_id (a stored conversation) or input, "
+                                   "not both")
+    compacted, first = _compaction(raw)
+    if compacted is not None:
+        if first < len(raw):
+            raise unsupported(f"input[{first}]", "nothing may follow a compaction item here: continue the "
+                                                 "conversation with POST /responses first, then compact it")
+        return CompactRequest(model, None, compacted, ())
+    items = _messages(raw, "input", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False)
+    if items[-1].role is not Role.ASSISTANT:
+        raise invalid(f"input[{len(items) - 1}]", "a history to compact ends with the assistant's reply (chatmesh "
+                                                  "summarises whole turns)")
+    return CompactRequest(model, None, None, items)
