@@ -113,6 +113,14 @@ class FakeStore:
     def _history(self, c: _Conversation) -> History:
         return History(replace(c.conversation, message_count=len(c.messages)), list(c.messages), c.summary)
 
+    def _claim_context(self, c: _Conversation, limit: int) -> History | None:
+        """What a claim carries, as the store's: the summary and the newest `limit` messages after it."""
+        if not limit:
+            return None
+        start = c.summary.covers_through_index + 1 if c.summary is not None else 0
+        after = [m for m in c.messages if m.index >= start]
+        return History(replace(c.conversation, message_count=len(c.messages)), after[-limit:], c.summary)
+
     async def insert_conversation(self, owner: OwnerId, title: str, system_prompt_version: str) -> Conversation:
         self._enter("insert_conversation")
         conv = ConversationId(f"00000000-0000-4000-8000-{len(self.conversations):012d}")
@@ -177,13 +185,13 @@ class FakeStore:
             record.results = claim.tool_results
             record.expires_ms = now + claim.lease_ttl_ms
             self.reclaims += 1
-            return Claimed(lease, int(record.expires_ms), self._history(c) if claim.context_messages else None,
+            return Claimed(lease, int(record.expires_ms), self._claim_context(c, claim.context_messages),
                            record.options, record.partial, taken)
         lease = next(self.leases)
         self.records[claim.key] = _Record(TurnRecordState.RECEIVED, claim.fingerprint, claim.content, lease,
                                           claim.lease_holder, now + claim.lease_ttl_ms, claim.regenerates,
                                           user_index, options=claim.options, results=claim.tool_results)
-        return Claimed(lease, int(now + claim.lease_ttl_ms), self._history(c) if claim.context_messages else None)
+        return Claimed(lease, int(now + claim.lease_ttl_ms), self._claim_context(c, claim.context_messages))
 
     def _record(self, key: TurnKey) -> _Record:
         record = self.records.get(key)

@@ -717,7 +717,9 @@ async def compaction_stores_the_summary_through_the_last_reply_and_the_next_prom
     again = await w.core.compact(OWNER, conv, None)
     assert again.summary == done.summary and again.prompt_tokens == 0
     assert len([g for g in w.engine.generations if g.turn is None]) == 1
-    await w.turn(conv, "next")
+    # the next turn continues the point the compaction summarised (the claim's context is the summary alone)
+    await collect(w.core.send_turn(OWNER, conv, w.key(conv).turn, "next", expect_last=last.turn_id))
+    await w.settled()
     sp = context.Speaker
     assert w.engine.generations[-1].prompt_token_ids == WordRenderer().render([
         (sp.SYSTEM, DEFAULT_SYSTEM_PROMPTS["v1"]), (sp.SYSTEM, context.SUMMARY_HEADER + "Hello there."),

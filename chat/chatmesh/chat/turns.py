@@ -339,7 +339,9 @@ class Turns:
     async def _expect(self, machine: TurnMachine, key: TurnKey, lease: LeaseId, admission: Admission,
                       view: History | None, expected: TurnId) -> None:
         """The expect_last_turn_id guard on a won claim (see the module header)."""
-        if view is None:  # the claim brought no whole context: the end of the conversation is read instead
+        if view is None or (not view.messages and view.summary is not None):
+            # the claim brought no whole context, or only a summary that covers every message (a compaction):
+            # the end of the conversation is read instead
             view = await self.store.read_conversation(key.owner, key.conversation)
         live = [m for m in view.messages if not m.superseded]
         if live and live[-1].turn_id == expected:
