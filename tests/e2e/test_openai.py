@@ -9,6 +9,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -285,3 +286,28 @@ async def test_a_background_stream_cut_and_resumed_on_another_gateway_is_one_str
     client = sdk(openai_mesh.gateway_url, key)
     resumed = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=last)]
     assert [e.sequence_number for e in resumed] == [e["sequence_number"] for e in tail]
+
+
+async def test_compaction_stores_a_summary_the_next_turn_is_built_from(openai_mesh: Mesh) -> None:
+    """POST /responses/compact on the real mesh: chat summarises the conversation with the engine and stores it;
+    the compaction item sent back continues the conversation, whose next prompt is the summary, not the turns."""
+    client = await client_of(openai_mesh, f"c-{uuid.uuid4().hex[:8]}")
+    notes = " ".join(f"note {n}: the lighthouse keeper logs the tide." for n in range(40))  # ~400 tokens
+    first = await client.responses.create(model=MODEL, input=f"Remember: the code word is heron. {notes}")
+    second = await client.responses.create(model=MODEL, input=f"Also remember the number 42. {notes}",
+                                           previous_response_id=first.id)
+    before = await client.responses.create(model=MODEL, input="What was the code word?",
+                                           previous_response_id=second.id, store=False)
+    compacted = await client.responses.compact(model=MODEL, previous_response_id=second.id)
+    item = compacted.output[-1]
+    assert item.type == "compaction" and compacted.usage.input_tokens > 0
+    summary = item.model_dump()["summary"]
+    assert summary and compacted.usage.output_tokens > 0
+    sent_back: Any = [*[i.model_dump(warnings=False) for i in compacted.output],
+                      {"role": "user", "content": "What was the code word?"}]
+    after = await client.responses.create(model=MODEL, input=sent_back)
+    assert after.conversation is not None and second.conversation is not None
+    assert after.conversation.id == second.conversation.id
+    assert before.usage is not None and after.usage is not None
+    # the same question, its prompt built from the summary (at most 200 tokens) instead of the two turns before it
+    assert after.usage.input_tokens < before.usage.input_tokens - 400

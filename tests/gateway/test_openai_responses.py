@@ -228,7 +228,8 @@ async def test_compaction_returns_the_stored_summary_and_continues_from_it(gatew
     assert item["summary"] == stored[0] and stored[1] == len(fake.convs[conv_id].messages) - 1
     assert raw["usage"]["input_tokens"] == 11 and compacted.usage.input_tokens == 0  # the second found it stored
     # sent back with a new message, the compaction continues that conversation where it summarised
-    sent_back: Any = [*[i.model_dump() for i in compacted.output], {"role": "user", "content": "What did I say?"}]
+    sent_back: Any = [*[i.model_dump(warnings=False) for i in compacted.output],
+                      {"role": "user", "content": "What did I say?"}]
     follow = await client.responses.create(model=MODEL, input=sent_back,
                                            context_management=[{"type": "compaction", "compact_threshold": 500}])
     assert follow.conversation is not None and follow.conversation.id == second.conversation.id
