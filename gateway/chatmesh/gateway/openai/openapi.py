@@ -103,6 +103,14 @@ PATHS: dict[str, Any] = {
         "summary": "Create a response (a chatmesh turn), streamed or not", "operationId": "openaiCreateResponse",
         "parameters": _HEADERS[:2], "requestBody": {"required": True, **_json(_ref("ResponseRequest"))},
         "responses": {"200": _STREAM, **_errors(404, 409, 422, 429)}}},
+    BASE + "/responses/compact": {"post": {
+        "summary": "Compact a conversation into chatmesh's stored summary (the next turns' prompts start from it)",
+        "operationId": "openaiCompactResponse",
+        "requestBody": {"required": True, **_json({"type": "object", "required": ["model"], "properties": {
+            "model": {"type": "string"}, "previous_response_id": {"type": "string"},
+            "input": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+            "prompt_cache_key": {"type": "string", "maxLength": 64}}})},
+        "responses": {"200": _OBJECT, **_errors(404, 422)}}},
     BASE + "/responses/{response_id}": {
         "parameters": [_RESP],
         "get": {"summary": "Retrieve a response; a background one's events again with stream=true",
