@@ -8,8 +8,14 @@ pieces (`server.SERVER_OPTIONS`, `tls.server_credentials`, `authz.guarded`, `own
 - `plain`: an insecure port, no interceptor (CHATMESH_MESH_PLAINTEXT);
 - `tls`: mutual TLS (the dynamic, reloading server credentials; the client's `channels.open_channel`), no check;
 - `authz`: `tls` plus the authorization check `server.start_server` installs (caller's identity, policy);
-- `full`: `authz` plus an owner-token check in the handler (`OwnerGuard.owner`, a cached verification) and the
-  token in every call's metadata, as the store and engine take chat's calls.
+- `full`: `authz` plus an owner-token check in the handler (`OwnerGuard.owner`, a cached verification, with the
+  presenter binding and retired-key check of issue 30; the streaming handler also asks `prompt_allowance`, as
+  chat's SendTurn does) and the token in every call's metadata, as the store and engine take chat's calls (chat
+  presenting the gateway's token);
+- `client`: `full` as chat takes an internal client's calls (issue 30's grants): the client presents a token minted
+  for itself, with scopes (checked against the RPC) and a per-turn budget;
+- `base` (with `--base REV`): `full` served by REV's `chatmesh.mesh` (bench/trust_off's CHATMESH_BENCH_MESH_SRC),
+  the owner check before a change, beside it in the same run.
 
 Each round, in an order that changes every round, the client makes `--calls` sequential unary calls (a 100-byte
 request and answer: the store's and router's shape) and `--streams` sequential server-streaming calls of
@@ -18,7 +24,11 @@ the servers' CPU is read from /proc. Reported per mode: unary round trip p50, a 
 p50, the time per streamed message after the first, and server CPU per unary call and per streamed message, each
 with its difference from the layer below.
 
-    .venv/bin/python -m bench.trust_layers --calls 2000 --streams 300 --messages 20 --rounds 5
+    .venv/bin/python -m bench.trust_layers --calls 2000 --streams 300 --messages 20 --rounds 5 [--base REV]
+
+A turn makes `OWNER_CHECKS_PER_TURN` owner-checked calls (SendTurn at chat, BeginTurn and FinishTurn at the store,
+Generate at the engine; longer turns add a store heartbeat each CHATMESH_CHAT_PROGRESS_INTERVAL_MS), so the
+per-call CPU difference times that is what a change adds to a turn's CPU.
 """
 
 from __future__ import annotations
@@ -47,7 +57,9 @@ from chatmesh.mesh.owner_guard import OwnerGuard
 from chatmesh.mesh.tls import TlsFiles
 from chatmesh.mesh.trust import Trust
 
-MODES = ("plain", "tls", "authz", "full")
+MODES = ("plain", "tls", "authz", "full", "client")
+CLIENT = ident.client("bench")
+OWNER_CHECKS_PER_TURN = 4
 SERVICE = "bench.TrustLayers"
 UNARY, STREAM = f"/{SERVICE}/Unary", f"/{SERVICE}/Stream"
 OWNER = OwnerId("owner-bench")
@@ -55,7 +67,7 @@ CHUNK = b"x" * 40
 
 
 def _policy() -> authz.Policy:
-    return authz.Policy({UNARY: (ident.CHAT,), STREAM: (ident.CHAT,)})
+    return authz.Policy({UNARY: (ident.CHAT, CLIENT), STREAM: (ident.CHAT, CLIENT)})
 
 
 def _serve(mode: str, folder: str) -> None:
@@ -64,8 +76,9 @@ def _serve(mode: str, folder: str) -> None:
 
     async def run() -> None:
         guard = None
-        if mode == "full":
+        if mode in ("full", "client", "base"):
             guard = OwnerGuard(tokens.Verifier(tokens.watch_keys(certs / pki.TOKEN_PUBLIC_KEYS_FILE)))
+        allowance = getattr(guard, "prompt_allowance", None)  # none in a base before issue 30
 
         async def unary(request: bytes, context: Any) -> bytes:
             if guard is not None:
@@ -75,11 +88,13 @@ def _serve(mode: str, folder: str) -> None:
         async def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
             if guard is not None:
                 guard.owner(context, OWNER)
+                if allowance is not None:
+                    allowance(context, 0)
             for _ in range(int(request)):
                 yield CHUNK
 
         srv = grpc.aio.server(options=server.SERVER_OPTIONS)
-        checked = authz.guarded(srv, authz.Guard(_policy())) if mode in ("authz", "full") else srv
+        checked = authz.guarded(srv, authz.Guard(_policy())) if mode in ("authz", "full", "client", "base") else srv
         checked.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
             "Unary": grpc.unary_unary_rpc_method_handler(unary),
             "Stream": grpc.unary_stream_rpc_method_handler(stream)})])
@@ -102,11 +117,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, mode: str, certs: Path) -> None:
+    def __init__(self, mode: str, certs: Path, base_src: Path | None = None) -> None:
         self.mode = mode
+        env = dict(os.environ)
+        if base_src is not None:  # REV's chatmesh.mesh (bench/trust_off/sitecustomize.py)
+            env["CHATMESH_BENCH_MESH_SRC"] = str(base_src)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent / "trust_off"),
+                                                            env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", f"from bench.trust_layers import _serve; _serve({mode!r}, {str(certs)!r})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1], env=env)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
 
@@ -120,13 +140,14 @@ def _channel(mode: str, port: int, certs: Path) -> grpc.aio.Channel:
     address = f"127.0.0.1:{port}"
     if mode == "plain":
         return open_channel(Trust.insecure(), address, "store")
-    return open_channel(Trust.from_files(TlsFiles.in_folder(certs, ident.CHAT), ident.CHAT, None), address, "store")
+    who = CLIENT if mode == "client" else ident.CHAT
+    return open_channel(Trust.from_files(TlsFiles.in_folder(certs, who), who, None), address, "store")
 
 
-async def _measure(mode: str, port: int, certs: Path, calls: int, streams: int, messages: int, token: str
-                   ) -> tuple[list[float], list[float], list[float]]:
+async def _measure(mode: str, port: int, certs: Path, calls: int, streams: int, messages: int,
+                   minted: dict[str, str]) -> tuple[list[float], list[float], list[float]]:
     """Unary round trips; streams' first-message times; per-message times after the first (seconds)."""
-    metadata = tokens.metadata_of(token) if mode == "full" else ()
+    metadata = tokens.metadata_of(minted[mode]) if mode in minted else ()
     channel = _channel(mode, port, certs)
     try:
         unary = channel.unary_unary(UNARY, None, None)
@@ -157,6 +178,15 @@ async def _measure(mode: str, port: int, certs: Path, calls: int, streams: int, 
         await channel.close(None)
 
 
+def _base_mesh(rev: str, tmp: Path) -> Path:
+    """`rev`'s chatmesh.mesh package, extracted under `tmp`."""
+    root = Path(__file__).parents[1]
+    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "mesh/chatmesh/mesh"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    return tmp / "mesh" / "chatmesh" / "mesh"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -164,27 +194,34 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--append", help="append the results to this Markdown file")
+    parser.add_argument("--base", default="", metavar="REV",
+                        help="also a `base` mode: `full` with REV's chatmesh.mesh (the owner check before a change)")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
+    modes = (*MODES, "base") if args.base else MODES
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp) / "certs"
-        pki.ensure(certs, [ident.CHAT, ident.STORE])
+        pki.ensure(certs, [ident.CHAT, ident.STORE, CLIENT])
         issuer = tokens.Issuer(tokens.watch_keys(pki.private_keys_file(certs)), 900)
-        token = issuer.mint(OWNER, presenter=ident.GATEWAY).token  # chat forwards the gateway's
-        servers = {m: Server(m, certs) for m in MODES}
+        gateways = issuer.mint(OWNER, presenter=ident.GATEWAY).token  # chat forwards the gateway's
+        minted = {"full": gateways, "base": gateways,
+                  "client": issuer.mint(OWNER, presenter=CLIENT, scopes=("read", "turns", "Unary", "Stream"),
+                                        prompt_allowance=4000).token}
+        base_src = _base_mesh(args.base, Path(tmp)) if args.base else None
+        servers = {m: Server(m, certs, base_src if m == "base" else None) for m in modes}
         results: dict[str, dict[str, list[float]]] = {
-            m: {"trip": [], "first": [], "per_message": [], "cpu_unary": [], "cpu_message": []} for m in MODES}
+            m: {"trip": [], "first": [], "per_message": [], "cpu_unary": [], "cpu_message": []} for m in modes}
         try:
             for r in range(args.rounds):
-                order = list(MODES[r % len(MODES):] + MODES[:r % len(MODES)])
+                order = list(modes[r % len(modes):] + modes[:r % len(modes)])
                 for mode in order if r % 2 == 0 else order[::-1]:
                     pid = servers[mode].proc.pid
                     before = cpu_seconds(pid)
                     trips, firsts, per = asyncio.run(_measure(mode, servers[mode].port, certs, args.calls, 0, 0,
-                                                              token))
+                                                              minted))
                     mid = cpu_seconds(pid)
                     _, firsts, per = asyncio.run(_measure(mode, servers[mode].port, certs, 0, args.streams,
-                                                          args.messages, token))
+                                                          args.messages, minted))
                     after = cpu_seconds(pid)
                     res = results[mode]
                     res["trip"] += trips
@@ -197,13 +234,14 @@ def main() -> int:
                 s.stop()
     us = 1e6
     rows = []
-    for mode in MODES:
+    for mode in modes:
         res = results[mode]
         rows.append((mode, statistics.median(res["trip"]) * us, statistics.median(res["first"]) * us,
                      statistics.median(res["per_message"]) * us, statistics.mean(res["cpu_unary"]) * us,
                      statistics.mean(res["cpu_message"]) * us))
     names = {"plain": "plaintext", "tls": "mutual TLS, no checks", "authz": "mTLS + authorization",
-             "full": "mTLS + authorization + owner token"}
+             "full": "mTLS + authorization + owner token", "client": "full, as an internal client's (scopes, budget)",
+             "base": f"full at {args.base} (--base)"}
     lines = [
         f"### One hop by trust layer ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{os.cpu_count()} cores, {platform.machine()}, {args.rounds} rounds, {args.calls} unary calls and "
@@ -215,11 +253,21 @@ def main() -> int:
         "|---|---|---|---|---|---|",
     ]
     prev = None
+    by_mode = {row[0]: row for row in rows}
     for row in rows:
-        cells = [f"{v:.1f}" + (f" ({v - p:+.1f})" if prev is not None else "")
-                 for v, p in zip(row[1:], prev[1:] if prev is not None else row[1:])]
+        below = by_mode["full"] if row[0] in ("client", "base") else prev  # each beside the layer it adds to
+        cells = [f"{v:.1f}" + (f" ({v - p:+.1f})" if below is not None else "")
+                 for v, p in zip(row[1:], below[1:] if below is not None else row[1:])]
         lines.append(f"| {names[row[0]]} | " + " | ".join(cells) + " |")
-        prev = row
+        prev = row if row[0] in MODES[:4] else prev
+    lines.append("")
+    full = by_mode["full"]
+    for other in ("base", "client"):
+        if other in by_mode:
+            per_call = full[4] - by_mode[other][4] if other == "base" else by_mode[other][4] - full[4]
+            what = f"full vs {args.base}" if other == "base" else "an internal client's token vs the gateway's"
+            lines.append(f"- {what}: {per_call:+.1f} us of server CPU per owner-checked call, "
+                         f"{per_call * OWNER_CHECKS_PER_TURN:+.1f} us per turn ({OWNER_CHECKS_PER_TURN} such calls)")
     lines.append("")
     text = "\n".join(lines)
     print(text)
