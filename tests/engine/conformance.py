@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
@@ -27,11 +28,13 @@ from chatmesh.engine_adapter.backend import (
     FinishReason,
     GenerateEvent,
     GenerateParams,
+    ResumeRefused,
     Started,
 )
+from chatmesh.engine_adapter.executor import SamplingParams
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument
-from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.model.assets import ModelMissing
 from tests.conftest import need
 
@@ -159,6 +162,47 @@ async def test_cancelling_frees_the_sequence(backend: Backend) -> None:
     assert s.running_sequences == 0
     if backend.name in ("sim", "local"):  # these split cached blocks out of used; triton reports no split
         assert s.device.used == s.device.cached  # no block is referenced any more
+
+
+async def test_cancel_turn_ends_that_turns_generation_as_cancelled(backend: Backend) -> None:
+    """A chat process that took a turn over cancels its old holder's generation (issue 33): it ends with
+    Finished(CANCELLED) and frees its sequence; the same turn id under another owner's salt runs on."""
+    turn = TurnId(str(uuid.uuid4()))
+    mine = backend.generate(replace(_params(SYSTEM + list(range(400, 440)), max_tokens=100_000), turn_id=turn))
+    theirs = backend.generate(replace(_params(SYSTEM + list(range(400, 440)), max_tokens=100_000, salt=b"owner-b"),
+                                      turn_id=turn))
+    for stream in (mine, theirs):
+        async for event in stream:
+            if isinstance(event, Delta):
+                break
+    assert backend.cancel_turn(b"owner-a", turn) == 1
+    last = [e async for e in mine][-1]
+    assert isinstance(last, Finished) and last.reason is FinishReason.CANCELLED
+    assert isinstance(await anext(theirs), Delta)  # another owner's generation is untouched
+    assert backend.cancel_turn(b"owner-a", turn) == 0
+    assert isinstance(theirs, AsyncGenerator)
+    await theirs.aclose()
+    assert (await _eventually(backend, lambda s: s.running_sequences == 0)).running_sequences == 0
+
+
+async def test_a_continuation_goes_on_with_the_reply_or_is_refused(backend: Backend) -> None:
+    """A reply continued from its first tokens (resumed_tokens: the prompt ends with them, a turn taken over) goes
+    on with the tokens the reply had, greedy or sampled; a backend that cannot continue a sampled reply exactly
+    (triton: TensorRT-LLM's sampler) refuses it before any work, and never answers it with other draws."""
+    prompt = SYSTEM + list(range(140, 180))
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11)):
+        whole = _tokens(await _collect(backend, replace(_params(prompt, max_tokens=8), sampling=sampling)))
+        shown = min(3, len(whole) - 1)
+        if shown < 1:
+            continue  # the model ended at once: nothing to continue
+        params = replace(_params(prompt + whole[:shown], max_tokens=len(whole) - shown), sampling=sampling,
+                         resumed_tokens=shown)
+        try:
+            rest = _tokens(await _collect(backend, params))
+        except ResumeRefused:
+            assert backend.name == "triton" and sampling.temperature > 0
+            continue
+        assert rest == whole[shown:], (backend.name, sampling)
 
 
 async def test_invalid_params_are_rejected() -> None:

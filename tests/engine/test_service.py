@@ -181,3 +181,39 @@ def test_step_token_budget_is_the_backends_unless_set() -> None:
     for bad in ("0", "-2"):
         with pytest.raises(ValueError, match="at least 1"):
             engine_settings.step_token_budget(Config(env={"CHATMESH_STEP_TOKEN_BUDGET": bad}), 256)
+
+
+async def test_cancel_turn_ends_that_turns_generations_and_no_other(
+        stub: generate_pb2_grpc.GenerateServiceAsyncStub) -> None:
+    """A chat process that took a turn over cancels the old holder's sequence (issue 33): CancelTurn ends that
+    turn's generation as its caller's cancel would, and leaves another owner's generation of the same ids running
+    (the engine runs two at once here)."""
+    victim = _request(max_tokens=10_000)
+    other_owner = _request(max_tokens=10_000)
+    other_owner.owner_id, other_owner.conversation_id, other_owner.turn_id = (
+        "owner-b", victim.conversation_id, victim.turn_id)
+    calls = [stub.Generate(r) for r in (victim, other_owner)]
+    for call in calls:
+        await call.read()  # started
+    done = await stub.CancelTurn(generate_pb2.CancelTurnRequest(
+        owner_id=victim.owner_id, conversation_id=victim.conversation_id, turn_id=victim.turn_id))
+    assert done.cancelled == 1
+    while True:  # the victim's stream ends as a cancelled generation does
+        message = await calls[0].read()
+        assert isinstance(message, generate_pb2.GenerateResponse)
+        if message.WhichOneof("event") == "finished":
+            assert message.finished.finish_reason == generate_pb2.FINISH_REASON_CANCELLED
+            break
+    for call in calls[1:]:
+        message = await call.read()
+        assert isinstance(message, generate_pb2.GenerateResponse) and message.WhichOneof("event") == "delta"
+        call.cancel()  # the other owner's is still generating
+    again = await stub.CancelTurn(generate_pb2.CancelTurnRequest(
+        owner_id=victim.owner_id, conversation_id=victim.conversation_id, turn_id=victim.turn_id))
+    assert again.cancelled == 0
+    for _ in range(200):
+        stats = (await stub.GetStats(generate_pb2.GetStatsRequest())).stats
+        if stats.running_sequences == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stats.running_sequences == 0

@@ -71,6 +71,26 @@ async def test_replies_end_at_a_drawn_length_the_same_for_the_same_seed() -> Non
         await core.close()
 
 
+async def test_a_continued_reply_goes_on_with_the_tokens_and_the_end_of_the_reply_it_continues() -> None:
+    """A turn continued elsewhere (the prompt plus the reply shown so far, resumed_tokens): the same tokens after
+    the shown part, and the end where the whole reply ended (the length is drawn from the prompt without them)."""
+    codec = WordCodec()
+    core = _sim(codec, CHATMESH_SIM_REPLY_TOKENS="40")
+    await core.start()
+    try:
+        prompt = tuple(codec.encode("tell me about the river and the lantern"))
+        whole, _, _ = await _reply(core, prompt, seed=9)
+        for shown in (1, 7, len(whole) - 1):
+            events = [e async for e in core.generate(GenerateParams(
+                prompt + tuple(whole[:shown]), 2000, cache_salt=b"o", sampling=SamplingParams(seed=9),
+                resumed_tokens=shown))]
+            rest = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+            last = events[-1]
+            assert rest == whole[shown:] and isinstance(last, Finished) and last.reason is FinishReason.STOP
+    finally:
+        await core.close()
+
+
 async def test_reply_tokens_zero_runs_to_max_tokens() -> None:
     codec = WordCodec()
     core = _sim(codec, CHATMESH_SIM_REPLY_TOKENS="0")

@@ -167,14 +167,23 @@ def test_sampling_is_reproducible_by_seed_and_top_p_near_zero_is_greedy(model: L
     assert draw(SamplingParams(temperature=1.0, top_p=1e-6, seed=1)) == draw(GREEDY)
 
 
-def test_release_forgets_the_generator(model: LoadedModel) -> None:
+def test_a_continuation_draws_what_the_reply_it_continues_drew(model: LoadedModel) -> None:
+    """Draws are keyed by seed and position (sampling.py): a turn continued elsewhere (the prompt plus the reply
+    shown so far, prefilled) samples the rest of that reply, not another one."""
+    prompt = _prompt(model, "Tell me a story")
+    hot = SamplingParams(temperature=1.2, top_p=0.95, seed=7)
     ex = _executor(model)
-    prompt = _prompt(model, "Hi")
-    params = SamplingParams(temperature=1.0, seed=5)
-    ex.execute([SeqWork(1, prompt, 0, [0, 1], True, params)])
-    assert 1 in ex._generators
-    ex.release(1)
-    assert 1 not in ex._generators and 1 not in ex.last_logits
+    out = [ex.execute([SeqWork(1, prompt, 0, [0, 1, 2, 3], True, hot)]).next_tokens[1]]
+    for i in range(5):
+        out.append(ex.execute([SeqWork(1, [out[-1]], len(prompt) + i, [0, 1, 2, 3], True, hot)]).next_tokens[1])
+    again = _executor(model)  # another replica: the prompt and the first three tokens, then on from there
+    rest = [again.execute([SeqWork(2, [*prompt, *out[:3]], 0, [0, 1, 2, 3], True, hot)]).next_tokens[2]]
+    for i in range(2):
+        rest.append(again.execute([SeqWork(2, [rest[-1]], len(prompt) + 3 + i, [0, 1, 2, 3], True, hot)])
+                    .next_tokens[2])
+    assert rest == out[3:]
+    again.release(2)
+    assert 2 not in again.last_logits
 
 
 @pytest.fixture(scope="module")

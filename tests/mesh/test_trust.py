@@ -82,7 +82,7 @@ def engine_service(servicer: SlowEngine) -> Service:
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)
         return ["chatmesh.v1.GenerateService"]
 
-    every = {n: [ident.CHAT] for n in ("Generate", "Evict", "GetStats", "WatchStats", "PullPrefix")}
+    every = {n: [ident.CHAT] for n in ("Generate", "Evict", "GetStats", "WatchStats", "PullPrefix", "CancelTurn")}
     return Service("engine", register, authz={"chatmesh.v1.GenerateService": every})
 
 

@@ -197,7 +197,7 @@ async def test_unavailable_before_the_first_token_is_retried_invisibly() -> None
     attempts: list[int] = []
 
     class Flaky(tb.TritonBackend):
-        async def _stream(self, inputs: object) -> AsyncGenerator[wire.Getter, None]:
+        async def _stream(self, inputs: object, cancel: object = None) -> AsyncGenerator[wire.Getter, None]:
             attempts.append(1)
             yield wire.getter(wire.event_tensors(Started(cached_tokens=0, host_cached_tokens=0)))
             if len(attempts) < 3:

@@ -97,6 +97,9 @@ class GenerateParams:
     expected_model: ModelIdentity | None = None  # the model the prompt was rendered for (checked by the servicer)
     owner_id: OwnerId | None = None  # the verified owner (a pull names it to the source); None: plaintext, no owner
     source: PullSource | None = None  # pull the prompt's cached prefix from this replica before prefill
+    # The prompt's last `resumed_tokens` are reply already shown (a continued turn): sampled on as if generated
+    # here (draws keyed by seed and position); a backend that cannot continue it exactly raises ResumeRefused.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -107,6 +110,8 @@ class GenerateParams:
             raise InvalidArgument(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.platform_prefix_tokens <= len(self.prompt_token_ids):
             raise InvalidArgument("platform_prefix_tokens must be between 0 and the prompt length")
+        if not 0 <= self.resumed_tokens < len(self.prompt_token_ids):
+            raise InvalidArgument("resumed_tokens must be between 0 and the prompt length minus one")
         s = self.sampling
         if not 0.0 < s.top_p <= 1.0:
             raise InvalidArgument(f"top_p must be in (0, 1], got {s.top_p}")
@@ -270,6 +275,11 @@ def cannot_transfer(backend: str) -> FailedPrecondition:
                               f"never plans a pull to or from it")
 
 
+class ResumeRefused(FailedPrecondition):
+    """This backend cannot continue a sampled reply exactly (GenerateRequest.resumed_tokens): refused before any
+    work, so the turn is failed retryable rather than spliced."""
+
+
 class PrefixEvicted(Exception):
     """A block being served was evicted for deletion during the transfer (the servicer answers ABORTED)."""
 
@@ -309,6 +319,11 @@ class Backend(Protocol):
 
     def mark_draining(self) -> None:
         """Shutdown began: refuse new generations (Unavailable), keep serving pulls and running generations."""
+        ...
+
+    def cancel_turn(self, salt: bytes, turn_id: TurnId) -> int:
+        """Cancels the running generations of `turn_id` under the owner's `salt` (its lease moved to another chat
+        process): each ends with Finished(CANCELLED), as if its caller had cancelled it. Returns how many."""
         ...
 
     def stats(self) -> EngineStats:

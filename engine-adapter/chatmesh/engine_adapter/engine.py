@@ -58,7 +58,7 @@ from chatmesh.engine_adapter.text import TextCodec
 from chatmesh.engine_adapter.transfer import PullConfig, Transfers
 from chatmesh.mesh import logs
 from chatmesh.mesh.errors import Unavailable
-from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.engine")
@@ -192,6 +192,15 @@ class EngineCore:
 
     def mark_draining(self) -> None:
         self.draining = True
+
+    def cancel_turn(self, salt: bytes, turn_id: TurnId) -> int:
+        seqs = [s.seq for s in self._streams.values() if s.seq.params.turn_id == turn_id
+                and s.seq.params.cache_salt == salt and s.seq.state is not SeqState.FINISHED and not s.seq.cancelled]
+        for seq in seqs:
+            self.scheduler.cancel(seq)  # reaped by the next step: its stream ends with Finished(CANCELLED)
+        if seqs:
+            self._wake.set()
+        return len(seqs)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
         if not self.ready():

@@ -56,6 +56,7 @@ from chatmesh.engine_adapter.backend import (
     PullOutcome,
     PullSource,
     Residency,
+    ResumeRefused,
     ServeRequest,
     Started,
     TierStats,
@@ -79,6 +80,7 @@ from chatmesh.mesh import identity, logs, tokens
 from chatmesh.mesh import metrics as mesh_metrics
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.config import Config
+from chatmesh.mesh import errors
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId, parse_conversation_id, parse_turn_id
 from chatmesh.mesh.owner_guard import OwnerGuard
@@ -114,6 +116,7 @@ AUTHZ = {"chatmesh.v1.GenerateService": {
     "GetStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
     "WatchStats": [identity.ROUTER, identity.CHAT, identity.OPERATOR],
     "PullPrefix": [identity.ENGINE],  # engine to engine only: a replica pulling a prefix before its prefill
+    "CancelTurn": [identity.CHAT],  # a chat process that took a turn over cancels its old holder's sequences
 }}
 
 
@@ -164,6 +167,7 @@ def params_from_proto(req: generate_pb2.GenerateRequest, cache_salt: bytes, owne
         expected_model=identity_from_proto(req.expected_model) if req.HasField("expected_model") else None,
         owner_id=owner,
         source=source,
+        resumed_tokens=req.resumed_tokens,
     )
 
 
@@ -366,9 +370,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             check_agreement(params.expected_model, self.backend.model, self.replica_id)
         observed = self.metrics.generation(params, self.replica_id)
         # Cancelling the RPC cancels this coroutine inside backend.generate, whose cleanup cancels the sequence.
-        async for event in self.backend.generate(params):
-            observed.event(event)
-            yield event_to_proto(event, self.replica_id)
+        try:
+            async for event in self.backend.generate(params):
+                observed.event(event)
+                yield event_to_proto(event, self.replica_id)
+        except ResumeRefused:
+            context.set_trailing_metadata(((errors.RESUME_REFUSED_TRAILER, "1"),))
+            raise
+
+    @unary_errors
+    async def CancelTurn(self, request: generate_pb2.CancelTurnRequest,
+                         context: grpc.aio.ServicerContext[object, object]) -> generate_pb2.CancelTurnResponse:
+        conversation = parse_conversation_id(request.conversation_id)
+        turn = parse_turn_id(request.turn_id)
+        _, salt = self._owner(context, request.owner_id, conversation, b"")
+        cancelled = self.backend.cancel_turn(salt, turn)
+        if cancelled:
+            log.info("turn_cancelled", turn_id=turn, generations=cancelled, reason="lease_moved")
+        return generate_pb2.CancelTurnResponse(cancelled=cancelled)
 
     @unary_errors
     async def Evict(self, request: generate_pb2.EvictRequest,

@@ -9,7 +9,9 @@ the seed and the token's position, so streams read as words and the same seed an
 Reply length (EOS). A real model ends its reply by sampling its end-of-turn token; `sim` does so after a length
 drawn once per generation, uniformly from [mean / 2, 3 x mean / 2] (CHATMESH_SIM_REPLY_TOKENS, default 400: the
 reference workload's reply), seeded by the request's seed and the prompt's length, so a retry with the same seed
-ends where the first try did. A reply also ends at max_tokens (finish "length") or a requested stop token, as on
+ends where the first try did. A continued reply (`resumed_tokens`: the prompt ends with reply already shown)
+draws its length from the prompt without those tokens and counts them as output, so it ends where the reply it
+continues would have; its tokens, read by seed and position, are the ones that reply had. A reply also ends at max_tokens (finish "length") or a requested stop token, as on
 any engine. CHATMESH_SIM_REPLY_TOKENS=0 turns EOS off: replies run to max_tokens.
 
 Scripted replies (CHATMESH_SIM_REPLIES, for tests). A list of rules `{"when": text, "reply": text}` or
@@ -104,7 +106,8 @@ class SimExecutor:
 
     def __init__(self, node: NodeModel, script: Sequence[int], block_size: int, fixed_step_s: float = 0.0, *,
                  end_token: int | None = None, reply_tokens: int = 0, replies: Script | None = None,
-                 prompt_of: Callable[[int], Sequence[int]] | None = None, link: Link | None = None):
+                 prompt_of: Callable[[int], Sequence[int]] | None = None, link: Link | None = None,
+                 resumed_of: Callable[[int], int] | None = None):
         if not script:
             raise ValueError("the sim script must not be empty")
         if (reply_tokens or replies) and end_token is None:
@@ -119,6 +122,7 @@ class SimExecutor:
         self.reply_tokens = reply_tokens
         self.replies = replies
         self.prompt_of = prompt_of
+        self.resumed_of = resumed_of  # a sequence's resumed tokens (reply already shown at the prompt's end)
         self._plans: dict[int, tuple[int, int, tuple[int, ...] | None]] = {}  # seq -> (prompt len, length, text)
         self.link = link or Link()
         self._format = KvFormat("none", block_size * node.plan.kv_bytes_per_token, 0)
@@ -153,8 +157,11 @@ class SimExecutor:
         """A generation's reply, fixed at its first sample: where its output starts, its drawn length, and its
         scripted tokens if a rule matched."""
         prompt = self.prompt_of(seq_id) if self.prompt_of is not None else ()
-        start = len(prompt) or end
         scripted = self.replies.reply(prompt) if self.replies is not None and prompt else None
+        # A scripted reply continues from what the prompt already holds of it (Script.reply); the passage's reply
+        # starts where the prompt did before the resumed tokens.
+        resumed = self.resumed_of(seq_id) if self.resumed_of is not None and scripted is None else 0
+        start = (len(prompt) or end) - resumed
         length = 0
         if self.reply_tokens:
             low = max(1, self.reply_tokens // 2)
@@ -299,6 +306,7 @@ def build_sim(cfg: Config, *, codec: TextCodec | None = None, clock: Clock | Non
                       flush_interval_s=cfg[settings.FLUSH_INTERVAL_MS] / 1000,
                       clock=clock or RealClock(cfg[settings.SIM_SPEED]), pulls=settings.pull_config(cfg))
     executor.prompt_of = lambda seq_id: core.scheduler.seq(seq_id).params.prompt_token_ids
+    executor.resumed_of = lambda seq_id: core.scheduler.seq(seq_id).params.resumed_tokens
     return core
 
 

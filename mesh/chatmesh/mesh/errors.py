@@ -63,3 +63,8 @@ class Unauthenticated(CoreError):
 class PermissionDenied(CoreError):
     """The caller is known but may not do this: its identity may not call the RPC, or its owner token is for
     another owner or conversation."""
+
+
+# The trailer an engine's FAILED_PRECONDITION carries when it refuses to continue a reply it cannot continue
+# exactly (generate.proto, GenerateRequest.resumed_tokens): chat fails the turn retryable instead of splicing it.
+RESUME_REFUSED_TRAILER = "chatmesh-resume-refused"

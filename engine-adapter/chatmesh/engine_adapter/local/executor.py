@@ -24,7 +24,7 @@ import torch
 from chatmesh.engine_adapter.executor import BlockCopy, KvFormat, SamplingParams, SeqWork, StepResult, Tier
 from chatmesh.engine_adapter.local import native_attention
 from chatmesh.engine_adapter.local.model import KV_DTYPES, KVPool, LoadedModel, PagedLlama, SeqSlice
-from chatmesh.engine_adapter.local.sampling import new_generator, sample
+from chatmesh.engine_adapter.local.sampling import new_generator, position_seed, sample
 
 
 @functools.cache
@@ -58,7 +58,7 @@ class LocalExecutor:
         self.block_size = block_size
         self.pools = {Tier.DEVICE: KVPool(model.config, device_blocks, block_size, kv_dtype),
                       Tier.HOST: KVPool(model.config, host_blocks, block_size, kv_dtype)}
-        self._generators: dict[int, torch.Generator] = {}
+        self._draws = new_generator(0)  # reseeded for every draw: seed and position (sampling.py)
         self.prefill_tokens = 0  # tokens run by steps of more than one token per sequence (counters for tests)
         self.decode_tokens = 0
         self.steps = 0
@@ -93,17 +93,12 @@ class LocalExecutor:
                 next_tokens[sampled[i].seq_id] = int(tok)
         for i, w in enumerate(sampled):
             if w.sampling.temperature > 0.0:
-                next_tokens[w.seq_id] = sample(logits[i], w.sampling, self._generator(w.seq_id, w.sampling))
+                self._draws.manual_seed(position_seed(w.sampling.seed, w.start_pos + len(w.token_ids)))
+                next_tokens[w.seq_id] = sample(logits[i], w.sampling, self._draws)
             if self.keep_logits:
                 self.last_logits[w.seq_id] = logits[i].clone()
         self.steps += 1
         return StepResult(next_tokens=next_tokens, duration_s=time.perf_counter() - t0)
-
-    def _generator(self, seq_id: int, params: SamplingParams) -> torch.Generator:
-        gen = self._generators.get(seq_id)
-        if gen is None:
-            gen = self._generators[seq_id] = new_generator(params.seed)
-        return gen
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> float:
         t0 = time.perf_counter()
@@ -117,7 +112,6 @@ class LocalExecutor:
         return time.perf_counter() - t0
 
     def release(self, seq_id: int) -> None:
-        self._generators.pop(seq_id, None)
         self.last_logits.pop(seq_id, None)
 
     @property

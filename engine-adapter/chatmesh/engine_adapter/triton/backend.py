@@ -52,6 +52,7 @@ from chatmesh.engine_adapter.backend import (
     PullOutcome,
     PullReport,
     Residency,
+    ResumeRefused,
     ServeRequest,
     Started,
     TierStats,
@@ -71,7 +72,7 @@ from chatmesh.mesh import logs, tracing
 from chatmesh.mesh import settings as mesh_settings
 from chatmesh.mesh.config import Config, Setting
 from chatmesh.mesh.errors import Unavailable
-from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.model import profile
 from chatmesh.model import settings as model_settings
 from chatmesh.model.profile import ModelIdentity
@@ -91,6 +92,14 @@ class _StreamFailed(Exception):
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+
+
+@dataclass(eq=False)  # kept in sets by identity
+class _Cancel:
+    """One generation's handle for `cancel_turn`: its Triton stream, once open, and whether it was cancelled."""
+
+    call: Any = None
+    requested: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class TritonBackend:
         self._background: set[asyncio.Task[None]] = set()
         self._ready = False
         self._poller: asyncio.Task[None] | None = None
+        self._turns: dict[tuple[bytes, TurnId], set[_Cancel]] = {}  # running generations, for cancel_turn
         self._residency = ResidencyJournal()  # the model's residency, mirrored
         self._residency_cursor = FROM_START
         self._residency_epoch = ""
@@ -197,15 +207,43 @@ class TritonBackend:
     # ---- generation ------------------------------------------------------------------------------------------
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenerateEvent]:
+        if params.resumed_tokens and params.sampling.temperature > 0:
+            # TensorRT-LLM draws from a per-request random state seeded once: a continuation would draw other
+            # tokens than the reply it continues had. Greedy decoding continues as it is.
+            raise ResumeRefused("the triton backend cannot continue a sampled reply exactly (TensorRT-LLM's sampler "
+                                "state cannot be resumed); the turn is retried from its start")
         inputs = wire.request_tensors(params)
         prompt = len(params.prompt_token_ids)
         attempt = 0
+        cancel = _Cancel()
+        key = (params.cache_salt, params.turn_id) if params.turn_id is not None else None
+        if key is not None:
+            self._turns.setdefault(key, set()).add(cancel)
+        try:
+            async for event in self._generate(params, inputs, prompt, attempt, cancel):
+                yield event
+        finally:
+            if key is not None and (running := self._turns.get(key)) is not None:
+                running.discard(cancel)
+                if not running:
+                    del self._turns[key]
+
+    def cancel_turn(self, salt: bytes, turn_id: TurnId) -> int:
+        running = self._turns.pop((salt, turn_id), set())
+        for cancel in running:
+            cancel.requested = True
+            if cancel.call is not None:
+                cancel.call.cancel()  # Triton cancels the request; the model aborts it
+        return len(running)
+
+    async def _generate(self, params: GenerateParams, inputs: Mapping[str, wire.Array], prompt: int, attempt: int,
+                        cancel: _Cancel) -> AsyncIterator[GenerateEvent]:
         while True:
             produced = 0
             streamed = False
             held: Started | None = None  # Started waits for the first token: until then a retry is invisible
             try:
-                async with contextlib.aclosing(self._stream(inputs)) as responses:
+                async with contextlib.aclosing(self._stream(inputs, cancel)) as responses:
                     async for get in responses:
                         for event in self._events(get, prompt):
                             if isinstance(event, Started):
@@ -222,10 +260,20 @@ class TritonBackend:
                             if isinstance(event, Finished):
                                 return
                 raise _StreamFailed("the stream ended before the generation finished")
-            except (GeneratorExit, asyncio.CancelledError):
+            except asyncio.CancelledError:
                 self._refresh_soon()  # the caller cancelled: the model frees the sequence within a cancel check
+                if not cancel.requested:
+                    raise
+                yield Finished(FinishReason.CANCELLED, Usage(prompt, 0, produced))  # cancel_turn's: ended here
+                return
+            except GeneratorExit:
+                self._refresh_soon()
                 raise
             except _StreamFailed as err:
+                if cancel.requested:
+                    self._refresh_soon()
+                    yield Finished(FinishReason.CANCELLED, Usage(prompt, 0, produced))
+                    return
                 if streamed:
                     log.warning("triton_stream_failed", address=self.address, code=str(err.code), produced=produced)
                     yield Finished(FinishReason.ERROR, Usage(prompt, 0, produced), f"Triton at {self.address}: {err}")
@@ -246,8 +294,10 @@ class TritonBackend:
         self._take(wire.stats_of(get))
         return wire.events_of(get)
 
-    async def _stream(self, inputs: Mapping[str, wire.Array]) -> AsyncGenerator[wire.Getter, None]:
-        """One request on its own stream; yields each response's outputs. Leaving early cancels the stream."""
+    async def _stream(self, inputs: Mapping[str, wire.Array], cancel: _Cancel | None = None
+                      ) -> AsyncGenerator[wire.Getter, None]:
+        """One request on its own stream; yields each response's outputs. Leaving early cancels the stream, as
+        does `cancel_turn` (through `cancel`)."""
         if self._client is None:
             raise _StreamFailed("the backend is not started", grpc.StatusCode.UNAVAILABLE)
         done = asyncio.Event()
@@ -260,6 +310,8 @@ class TritonBackend:
         # trace mode is on (`--trace-config mode=opentelemetry`); empty when tracing is off
         call = self._client.stream_infer(requests(), stream_timeout=self.options.timeout_s,
                                          headers=tracing.inject({}) or None)
+        if cancel is not None:
+            cancel.call = call
         complete = False
         try:
             async for result, error in call:

@@ -48,7 +48,7 @@ from chatmesh.engine_adapter.backend import (
 )
 from chatmesh.engine_adapter.triton.kv_events import KvEventMap
 from chatmesh.mesh import logs
-from chatmesh.mesh.ids import ConversationId
+from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.model.profile import ModelIdentity
 
 log = logs.get("chatmesh.triton.trtllm")
@@ -207,6 +207,9 @@ class TrtLlmBackend:
 
     def mark_draining(self) -> None:
         pass  # Triton drains its own models
+
+    def cancel_turn(self, salt: bytes, turn_id: TurnId) -> int:
+        return 0  # inside Triton each request is its own stream: the forwarder cancels it (TritonBackend.cancel_turn)
 
     def stats(self) -> EngineStats:
         kv = self._iteration.get("kvCacheStats", {})

@@ -45,7 +45,7 @@ FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id", "expected_model", "source_replica_id", "source_address")
+    __slots__ = ("request_id", "conversation_id", "turn_id", "prompt_token_ids", "cache_salt", "platform_prefix_tokens", "max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "owner_id", "expected_model", "source_replica_id", "source_address", "resumed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     EXPECTED_MODEL_FIELD_NUMBER: _ClassVar[int]
     SOURCE_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     conversation_id: str
     turn_id: str
@@ -76,7 +77,8 @@ class GenerateRequest(_message.Message):
     expected_model: ModelIdentity
     source_replica_id: str
     source_address: str
-    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., source_replica_id: _Optional[str] = ..., source_address: _Optional[str] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ..., platform_prefix_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., owner_id: _Optional[str] = ..., expected_model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., source_replica_id: _Optional[str] = ..., source_address: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelIdentity(_message.Message):
     __slots__ = ("model_id", "tokenizer_digest")
@@ -143,6 +145,22 @@ class EvictResponse(_message.Message):
     BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     blocks_evicted: int
     def __init__(self, blocks_evicted: _Optional[int] = ...) -> None: ...
+
+class CancelTurnRequest(_message.Message):
+    __slots__ = ("owner_id", "conversation_id", "turn_id")
+    OWNER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_id: str
+    conversation_id: str
+    turn_id: str
+    def __init__(self, owner_id: _Optional[str] = ..., conversation_id: _Optional[str] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class CancelTurnResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: int
+    def __init__(self, cancelled: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

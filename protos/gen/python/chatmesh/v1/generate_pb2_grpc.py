@@ -60,6 +60,11 @@ class GenerateServiceStub:
                 request_serializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.FromString,
                 _registered_method=True)
+        self.CancelTurn = channel.unary_unary(
+                '/chatmesh.v1.GenerateService/CancelTurn',
+                request_serializer=chatmesh_dot_v1_dot_generate__pb2.CancelTurnRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_v1_dot_generate__pb2.CancelTurnResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -108,6 +113,15 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelTurn(self, request, context):
+        """Cancels this replica's generations of one turn (of owner_id): a chat process that takes a turn over from a
+        holder whose lease lapsed calls it on every replica before it generates, so a holder that is only paused does
+        not go on generating beside it. Cancelled generations end as if their caller had cancelled them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +149,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.PullPrefix,
                     request_deserializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.FromString,
                     response_serializer=chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.SerializeToString,
+            ),
+            'CancelTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTurn,
+                    request_deserializer=chatmesh_dot_v1_dot_generate__pb2.CancelTurnRequest.FromString,
+                    response_serializer=chatmesh_dot_v1_dot_generate__pb2.CancelTurnResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +292,33 @@ class GenerateService:
             '/chatmesh.v1.GenerateService/PullPrefix',
             chatmesh_dot_v1_dot_generate__pb2.PullPrefixRequest.SerializeToString,
             chatmesh_dot_v1_dot_generate__pb2.PullPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.v1.GenerateService/CancelTurn',
+            chatmesh_dot_v1_dot_generate__pb2.CancelTurnRequest.SerializeToString,
+            chatmesh_dot_v1_dot_generate__pb2.CancelTurnResponse.FromString,
             options,
             channel_credentials,
             insecure,

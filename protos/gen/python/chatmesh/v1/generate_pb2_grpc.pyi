@@ -51,6 +51,11 @@ class GenerateServiceStub:
     digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
     ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
     """
+    CancelTurn: _grpc.UnaryUnaryMultiCallable[_generate_pb2.CancelTurnRequest, _generate_pb2.CancelTurnResponse]
+    """Cancels this replica's generations of one turn (of owner_id): a chat process that takes a turn over from a
+    holder whose lease lapsed calls it on every replica before it generates, so a holder that is only paused does
+    not go on generating beside it. Cancelled generations end as if their caller had cancelled them.
+    """
 
 @_typing.type_check_only
 class GenerateServiceAsyncStub(GenerateServiceStub):
@@ -74,6 +79,11 @@ class GenerateServiceAsyncStub(GenerateServiceStub):
     hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
     digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
     ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+    """
+    CancelTurn: _aio.UnaryUnaryMultiCallable[_generate_pb2.CancelTurnRequest, _generate_pb2.CancelTurnResponse]  # type: ignore[assignment]
+    """Cancels this replica's generations of one turn (of owner_id): a chat process that takes a turn over from a
+    holder whose lease lapsed calls it on every replica before it generates, so a holder that is only paused does
+    not go on generating beside it. Cancelled generations end as if their caller had cancelled them.
     """
 
 class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -125,6 +135,17 @@ class GenerateServiceServicer(metaclass=_abc_1.ABCMeta):
         hold, one evicted, and another owner's all read the same: not held), then chunks of blocks, each with a
         digest of its contents. Flow control is the stream's (HTTP/2); the caller sets a deadline, and the transfer
         ends with it. A block evicted for deletion during the transfer ends the stream ABORTED.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelTurn(
+        self,
+        request: _generate_pb2.CancelTurnRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_generate_pb2.CancelTurnResponse, _abc.Awaitable[_generate_pb2.CancelTurnResponse]]:
+        """Cancels this replica's generations of one turn (of owner_id): a chat process that takes a turn over from a
+        holder whose lease lapsed calls it on every replica before it generates, so a holder that is only paused does
+        not go on generating beside it. Cancelled generations end as if their caller had cancelled them.
         """
 
 def add_GenerateServiceServicer_to_server(servicer: GenerateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
