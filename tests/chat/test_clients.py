@@ -21,6 +21,7 @@ from chatmesh.mesh.config import Config
 from chatmesh.mesh.ids import ConversationId, OwnerId, ReplicaId
 from chatmesh.mesh.server import serve
 from chatmesh.mesh.trust import Trust
+from chatmesh.engine_adapter.backend import ResumeRefused
 from chatmesh.router.service import build
 from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
 from tests.conftest import free_port
@@ -161,3 +162,38 @@ async def test_the_picks_pull_source_reaches_the_engine_request() -> None:
         await server.stop(None)
     assert [(r.source_replica_id, r.source_address) for r in engine.requests] == [
         ("engine-0", "127.0.0.1:1"), ("", "")]
+
+
+class _CannotResume:
+    """A backend that, like triton on a sampled reply, cannot continue one exactly (the rest is never called)."""
+
+    name = "refusing"
+    model = None
+
+    async def generate(self, params: object) -> AsyncIterator[object]:
+        nothing: tuple[object, ...] = ()
+        for event in nothing:  # an async generator, as every backend's generate is
+            yield event
+        raise ResumeRefused("cannot continue a sampled reply exactly")
+
+
+async def test_an_engine_that_cannot_continue_a_reply_is_resume_refused() -> None:
+    """The engine's refusal (FAILED_PRECONDITION with the resume-refused trailer) reaches the turn as
+    ResumeRefused, so it fails retryable with the shown text dropped (claimed.py), never spliced."""
+    from chatmesh.chat.ports import ResumeRefused as TurnResumeRefused
+    from chatmesh.engine_adapter.service import GenerateServicer
+
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(_CannotResume(), "r"), server)  # type: ignore[arg-type]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channels = Channels(Trust.insecure())
+    generation = Generation(request_id="r", conversation=CONV, turn=None, owner=OwnerId("o"), prompt_token_ids=(1, 2),
+                            platform_prefix_tokens=0, max_tokens=1, temperature=0.7, top_p=1.0, resumed_tokens=1)
+    try:
+        with pytest.raises(TurnResumeRefused):
+            async for _ in GrpcEngines(channels).generate(f"127.0.0.1:{port}", generation, 5.0):
+                pass
+    finally:
+        await channels.close()
+        await server.stop(None)

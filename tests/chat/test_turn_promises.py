@@ -66,6 +66,8 @@ async def test_a_takeover_generates_with_the_stored_options_and_bills_the_reply_
     assert final.usage.prompt_tokens == len(g.prompt_token_ids) - len(resumed)
     assert final.usage.cached_prompt_tokens == 3
     assert w.store.records[key].usage == final.usage and w.store.records[key].options == ""  # cleared when stored
+    # The holder whose lease lapsed may only be paused: its sequence was cancelled on every replica first.
+    assert w.engine.cancelled_turns == [("addr-engine-0", key.turn)]
     assert w.idle()
 
 
@@ -88,6 +90,7 @@ async def test_a_turn_failed_mid_reply_is_continued_by_its_retry_with_its_own_se
     g = w.engine.generations[1]
     assert (g.seed, g.temperature) == (seed, 0.9) and g.resumed_tokens == 1
     assert stored(w, conv)[-1] == (Role.ASSISTANT, "Half done.", MessageStatus.COMPLETE)
+    assert w.engine.cancelled_turns == []  # a failed attempt left no sequence behind: nothing to cancel
     assert w.idle()
 
 

@@ -26,6 +26,13 @@ sampled); a backend that cannot continue a sampled reply exactly refuses it (`Re
 retryable with the shown text dropped, so its retry generates afresh rather than splice. The bill covers the reply
 once: output tokens are the resumed ones plus the new, prompt tokens the prompt without the resumed reply.
 
+A takeover from a holder whose lease lapsed (`Job.taken_over`: paused, partitioned from the store, or dead) first
+cancels that turn's generations on every replica (`EnginePort.cancel_turn`, before its own starts), so a holder
+that is only paused does not go on generating beside the successor: its sequence runs at most from its last
+renewal until the takeover (the lease, 1.5 s by default, plus the follow poll and one claim) and never beside the
+successor's. Were a replica unreachable then, its sequence runs until the holder's next renewal says the lease
+moved (the holder then cancels it, `LeaseLost`), or the engine's keepalive drops the silent holder's connection.
+
 A heartbeat writes the reply so far to the turn record and renews the lease every `progress_interval_s`, so
 other chat processes can follow the turn and take it over if this one dies; when a renewal says the lease is no
 longer ours (another process took the turn over), the stream is stopped at once, its engine sequence cancelled
@@ -184,6 +191,8 @@ class ClaimedTurn:
             if self.job.resume:  # claimed again: the reply continues the text an earlier attempt showed
                 resumed = self.prompts.renderer.continuation(self.job.resume)
                 await self.live.publish(Delta(self.job.resume))
+            if self.job.taken_over:
+                await self._cancel_elsewhere()
             self.machine.advance(TurnState.QUEUED)
             return await self._stream(rendered, resumed, user_tokens)
         finally:
@@ -197,6 +206,19 @@ class ClaimedTurn:
         turn = self.job.key.turn
         return Calls(reply_scanner(syntax, options.tools, options.tool_choice, options.parallel_tool_calls),
                      lambda i: call_id(turn, i), prefill)
+
+    async def _cancel_elsewhere(self) -> None:
+        """Cancels the turn's sequences on every replica: the holder this claim took the lapsed lease from may be
+        paused rather than dead, its sequence still generating. Best effort (an unreachable replica is skipped:
+        its sequence ends with its holder's next renewal, or at its token cap)."""
+        owner, conv, turn = self.job.key
+        with contextlib.suppress(errors.CoreError):
+            replicas = await self.router.replicas()
+            counts = await asyncio.gather(*(self.ports.engines.cancel_turn(r.address, owner, conv, turn)
+                                            for r in replicas), return_exceptions=True)
+            log.info("turn_taken_over", conversation_id=conv, turn_id=turn,
+                     cancelled=sum(c for c in counts if isinstance(c, int)),
+                     unreachable=sum(1 for c in counts if isinstance(c, BaseException)))
 
     async def _release(self) -> None:
         pick, self.pick = self.pick, None

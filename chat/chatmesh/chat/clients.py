@@ -25,13 +25,13 @@ import grpc
 
 from chatmesh.chat.ports import (
     ClaimRequest, EngineDelta, EngineEvent, EngineFinished, EngineStarted, EngineUnreachable, FinishReason, Generation,
-    OutputScreen, Pick, PullSource, Replica, RouteLeaseId, Screening, TurnKey,
+    OutputScreen, Pick, PullSource, Replica, ResumeRefused, RouteLeaseId, Screening, TurnKey,
 )
 from chatmesh.chat.observe import ChatMetrics
 from chatmesh.mesh import errors, tokens, tracing
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.trust import Trust
-from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId
+from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.model.profile import ModelIdentity
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
 from chatmesh.store import wire
@@ -43,6 +43,12 @@ from chatmesh.v1 import (
 )
 
 T = TypeVar("T")
+CANCEL_TIMEOUT_S = 2.0  # a takeover's CancelTurn on one replica (claimed.py): best effort, never holds the turn up long
+
+
+def _trailer(err: grpc.aio.AioRpcError, key: str) -> bool:
+    metadata: object = err.trailing_metadata()  # grpc.aio hands (key, value) pairs
+    return any(k == key for k, _ in (metadata or ()))  # type: ignore[attr-defined]
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -297,6 +303,7 @@ class GrpcEngines:
                 turn_id=generation.turn or "", owner_id=generation.owner, prompt_token_ids=generation.prompt_token_ids,
                 platform_prefix_tokens=generation.platform_prefix_tokens, max_tokens=generation.max_tokens,
                 temperature=generation.temperature, top_p=generation.top_p, seed=generation.seed,
+                resumed_tokens=generation.resumed_tokens,
                 expected_model=self.expected,
                 source_replica_id=generation.source.replica_id if generation.source is not None else "",
                 source_address=generation.source.address if generation.source is not None else ""),
@@ -314,6 +321,8 @@ class GrpcEngines:
                     # not connected (a restarted engine chat has not reconnected to yet), or gone before its first
                     # message: nothing was generated, another replica may take the turn (claimed.py)
                     raise EngineUnreachable(str(failure)) from None
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION and _trailer(err, errors.RESUME_REFUSED_TRAILER):
+                    raise ResumeRefused(str(failure)) from None
                 raise failure from None
             finally:
                 rpc.cancel()  # a no-op after a normal end; otherwise cancels the engine sequence
@@ -323,6 +332,13 @@ class GrpcEngines:
         resp = await call(f"engine at {address}", stub.Evict(generate_pb2.EvictRequest(
             owner_id=owner, conversation_id=conversation), metadata=tokens.forwarded()))
         return resp.blocks_evicted
+
+    async def cancel_turn(self, address: str, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> int:
+        stub = generate_pb2_grpc.GenerateServiceStub(self.channels.get(address, "engine"))
+        resp = await call(f"engine at {address}", stub.CancelTurn(generate_pb2.CancelTurnRequest(
+            owner_id=owner, conversation_id=conversation, turn_id=turn), timeout=CANCEL_TIMEOUT_S,
+            metadata=tokens.forwarded()))
+        return resp.cancelled
 
 
 class _StreamFigures:

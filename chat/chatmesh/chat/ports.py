@@ -199,6 +199,10 @@ class EnginePort(Protocol):
 
     async def evict(self, address: str, owner: OwnerId, conversation: ConversationId) -> int: ...
 
+    async def cancel_turn(self, address: str, owner: OwnerId, conversation: ConversationId, turn: TurnId) -> int:
+        """Cancels the replica's generations of `turn` (a holder whose lease moved); how many it cancelled."""
+        ...
+
 
 # ---- moderation ---------------------------------------------------------------------------------------------
 
