@@ -98,3 +98,20 @@ async def test_a_finished_stream_releases_nothing(gateway: Gateway, fake: FakeCh
                                  json={"turn_id": str(uuid.uuid4()), "content": "hi"}) as r:
             events = await collect(r)
     assert events[-1].event == "turn.completed" and fake.released == [] and fake.cancelled == []
+
+
+async def test_a_turns_sampling_options_reach_chat_and_bad_ones_are_400(gateway: Gateway, fake: FakeChat) -> None:
+    async with gateway.client() as client:
+        conv = await _conversation(client)
+        ok = await client.post(f"/v1/conversations/{conv}/turns", json={
+            "turn_id": str(uuid.uuid4()), "content": "hi",
+            "options": {"temperature": 0.7, "seed": 7, "max_tokens": 40, "stop": ["END"]}})
+        assert ok.status_code == 200
+        sent = fake.options[-1]
+        assert (round(sent.temperature, 3), sent.seed, sent.max_tokens, list(sent.stop)) == (0.7, 7, 40, ["END"])
+        assert not sent.HasField("top_p")
+        bads: list[object] = [{"temperature": "hot"}, {"seed": -1}, {"beam": 4}, {"stop": [1]}, []]
+        for bad in bads:
+            r = await client.post(f"/v1/conversations/{conv}/turns", json={
+                "turn_id": str(uuid.uuid4()), "content": "hi", "options": bad})
+            assert r.status_code == 400, bad

@@ -24,6 +24,7 @@ from starlette.requests import Request
 
 from chatmesh.gateway.errors import ApiError, bad_request
 from chatmesh.mesh import errors, ids
+from chatmesh.v1 import chat_pb2
 
 
 # Deepest nesting of arrays and objects a body may have. chatmesh's bodies are flat objects; the limit is far
@@ -37,6 +38,12 @@ MAX_JSON_ELEMENTS = 200_000
 class TurnBody:
     turn_id: ids.TurnId
     content: str
+    options: chat_pb2.TurnOptions | None = None  # how the reply is sampled (`options_field`)
+
+
+# A turn's optional `options` on chatmesh's own routes: the same knobs as chat's TurnOptions (chat checks the ranges).
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float), "top_p": (int, float), "seed": (int,), "max_tokens": (int,), "stop": (list,)}
 
 
 async def json_object(request: Request, max_bytes: int, *, optional: bool = False) -> dict[str, Any]:
@@ -139,7 +146,37 @@ def content_field(body: dict[str, Any]) -> str:
 
 
 def turn_body(body: dict[str, Any]) -> TurnBody:
-    return TurnBody(turn_id_field(body), content_field(body))
+    return TurnBody(turn_id_field(body), content_field(body), options_field(body))
+
+
+def options_field(body: dict[str, Any]) -> chat_pb2.TurnOptions | None:
+    """`options`: {"temperature", "top_p", "seed", "max_tokens", "stop"}, each optional (absent: the mesh's
+    defaults). Types are checked here, ranges by chat (400 naming the field either way)."""
+    raw = body.get("options")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad_request("options must be an object")
+    unknown = sorted(set(raw) - set(_OPTION_TYPES))
+    if unknown:
+        raise bad_request(f"options: unknown field(s) {', '.join(unknown)}; known: {', '.join(_OPTION_TYPES)}")
+    for name, value in raw.items():
+        if not isinstance(value, _OPTION_TYPES[name]) or isinstance(value, bool):
+            raise bad_request(f"options.{name} has the wrong type")
+    stop = raw.get("stop", [])
+    if not all(isinstance(s, str) for s in stop):
+        raise bad_request("options.stop must be a list of strings")
+    seed = raw.get("seed")
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise bad_request("options.seed must be between 0 and 2^64 - 1")
+    out = chat_pb2.TurnOptions(stop=stop, max_tokens=raw.get("max_tokens", 0))
+    if "temperature" in raw:
+        out.temperature = float(raw["temperature"])
+    if "top_p" in raw:
+        out.top_p = float(raw["top_p"])
+    if seed is not None:
+        out.seed = seed
+    return out
 
 
 def conversation_path(text: str) -> ids.ConversationId:

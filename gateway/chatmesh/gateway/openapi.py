@@ -53,7 +53,17 @@ TURN_PARAM = {"name": "turn_id", "in": "path", "required": True, "schema": UUID}
 TURN_BODY = {"required": True, **_json({
     "type": "object", "required": ["turn_id", "content"],
     "properties": {"turn_id": {**UUID, "description": "client-generated idempotency key"},
-                   "content": {"type": "string", "minLength": 1, "description": "the user message"}}})}
+                   "content": {"type": "string", "minLength": 1, "description": "the user message"},
+                   "options": {"type": "object", "additionalProperties": False,
+                               "description": "how the reply is sampled (absent: the mesh's defaults); kept with "
+                                              "the turn, so a retry or a takeover samples alike",
+                               "properties": {
+                                   "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+                                   "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                                   "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+                                   "max_tokens": {"type": "integer", "minimum": 1},
+                                   "stop": {"type": "array", "maxItems": 4,
+                                            "items": {"type": "string", "minLength": 1, "maxLength": 64}}}}}})}
 
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {

@@ -214,7 +214,7 @@ async def send_turn(request: Request) -> Response:
     def send(allowance: int) -> TurnCall:
         return edge.chat.SendTurn(chat_pb2.SendTurnRequest(
             owner_id=who.owner, conversation_id=conversation, turn_id=turn.turn_id, content=turn.content,
-            prompt_token_allowance=allowance), metadata=edge.tokens.metadata(who, conversation))
+            options=turn.options, prompt_token_allowance=allowance), metadata=edge.tokens.metadata(who, conversation))
 
     return await edge.relay(who.owner, send, new_turn=True, release=edge.releaser(who, conversation, turn.turn_id))
 
