@@ -248,7 +248,8 @@ async def retry_takes_over_a_turn_whose_holder_died() -> World:
     w, conv = await fresh()
     key = w.key(conv)
     await _held_elsewhere(w, conv, key, "Hello?", ttl_ms=60_000)
-    w.engine.scripts.append(reply_script(" and", " whole."))
+    w.store.records[key].partial = "Part one"
+    w.engine.scripts.append(reply_script(" one", " and", " whole."))  # the last word shown is generated again
     retry = asyncio.create_task(collect(w.core.send_turn(OWNER, conv, key.turn, "Hello?")))
     while w.store.calls.count("read_turn") < 3:  # following the holder's progress
         await asyncio.sleep(0.001)
@@ -256,10 +257,11 @@ async def retry_takes_over_a_turn_whose_holder_died() -> World:
     events = await retry
     await w.settled()
     assert isinstance(final_of(events), Completed) and len(w.engine.generations) == 1
-    # The takeover continues the reply the client already has ("Part", sent once): what it received is what is
-    # stored, and the engine was asked to continue that text.
-    assert text_of(events) == "Part and whole." and [e.kind for e in events[:2]] == [Started(True), Delta("Part")]
-    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part and whole.", MessageStatus.COMPLETE)
+    # The takeover continues the reply the client already has ("Part one", sent once): what it received is what
+    # is stored, and the engine was asked to continue that text from its last word boundary.
+    assert text_of(events) == "Part one and whole." and [e.kind for e in events[:2]] == [
+        Started(True), Delta("Part one")]
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part one and whole.", MessageStatus.COMPLETE)
     assert w.engine.generations[0].prompt_token_ids[-1:] == WordRenderer.continuation("Part")
     assert [e.sequence for e in events] == sorted({e.sequence for e in events})
     assert path(w)[:2] == [(S.RECEIVED, S.ATTACHED), (S.RECEIVED, S.QUEUED)]  # the follow, then a new attempt

@@ -46,22 +46,22 @@ async def test_a_takeover_generates_with_the_stored_options_and_bills_the_reply_
     w, conv = await fresh()
     key = w.key(conv)
     asked = TurnOptions(temperature=0.7, top_p=0.9, seed=7, max_tokens=20)
-    await _claimed_elsewhere(w, key, "Hello?", asked, "Part")
-    w.engine.scripts.append(reply_script(" and", " whole.", cached=3))
+    await _claimed_elsewhere(w, key, "Hello?", asked, "Part one")
+    w.engine.scripts.append(reply_script(" one", " and", " whole.", cached=3))  # its last word generated again
     # The retry reaching this process names other options (a client that changed them, or none at all): the
     # record's win, so the rest of the reply is sampled as its first part was.
     events = await _taken_over(w, key, "Hello?", TurnOptions(temperature=0.1, seed=1, max_tokens=64))
-    assert text_of(events) == "Part and whole." and isinstance(final_of(events), Completed)
+    assert text_of(events) == "Part one and whole." and isinstance(final_of(events), Completed)
     g = w.engine.generations[0]
-    resumed = WordRenderer.continuation("Part")
+    resumed = WordRenderer.continuation("Part")  # up to the last word boundary (claimed.resumable)
     assert (g.temperature, g.top_p, g.seed) == (0.7, 0.9, 7)
     assert g.resumed_tokens == len(resumed) and g.prompt_token_ids[-len(resumed):] == resumed
     assert g.max_tokens == 20 - len(resumed)  # the cap covers the whole reply, the part already shown included
-    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part and whole.", MessageStatus.COMPLETE)
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part one and whole.", MessageStatus.COMPLETE)
     final = final_of(events)
     assert isinstance(final, Completed)
     # One bill: the shown part is output (generated once, by the first holder), not prompt.
-    new_output = sum(1 + c.count(" ") for c in (" and", " whole."))
+    new_output = sum(1 + c.count(" ") for c in (" one", " and", " whole."))
     assert final.usage.output_tokens == len(resumed) + new_output
     assert final.usage.prompt_tokens == len(g.prompt_token_ids) - len(resumed)
     assert final.usage.cached_prompt_tokens == 3
@@ -74,22 +74,22 @@ async def test_a_takeover_generates_with_the_stored_options_and_bills_the_reply_
 async def test_a_turn_failed_mid_reply_is_continued_by_its_retry_with_its_own_seed() -> None:
     w, conv = await fresh()
     key = w.key(conv)
-    w.engine.scripts.append(Script([EngineStarted(0), EngineDelta("Half", 1), EngineLost()]))
+    w.engine.scripts.append(Script([EngineStarted(0), EngineDelta("Half way", 2), EngineLost()]))
     first = await collect(w.core.send_turn(OWNER, conv, key.turn, "Go", TurnOptions(temperature=0.9)))
     await w.settled()
     final = final_of(first)
-    assert isinstance(final, Failed) and final.retryable and text_of(first) == "Half"
+    assert isinstance(final, Failed) and final.retryable and text_of(first) == "Half way"
     record = w.store.records[key]
-    assert record.state is TurnRecordState.FAILED and record.partial == "Half"  # what the client was shown
+    assert record.state is TurnRecordState.FAILED and record.partial == "Half way"  # what the client was shown
     seed = w.engine.generations[0].seed
     assert TurnOptions.from_json(record.options).seed == seed  # a sampled turn got a seed, stored with it
-    w.engine.scripts.append(reply_script(" done."))
+    w.engine.scripts.append(reply_script(" way", " done."))
     again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Go"))  # the retry sends no options
     await w.settled()
-    assert text_of(again) == "Half done." and isinstance(final_of(again), Completed)
+    assert text_of(again) == "Half way done." and isinstance(final_of(again), Completed)
     g = w.engine.generations[1]
     assert (g.seed, g.temperature) == (seed, 0.9) and g.resumed_tokens == 1
-    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Half done.", MessageStatus.COMPLETE)
+    assert stored(w, conv)[-1] == (Role.ASSISTANT, "Half way done.", MessageStatus.COMPLETE)
     assert w.engine.cancelled_turns == []  # a failed attempt left no sequence behind: nothing to cancel
     assert w.idle()
 
@@ -171,11 +171,11 @@ async def test_a_release_reaching_another_process_is_forwarded_to_the_lease_hold
 async def test_a_backend_that_cannot_continue_exactly_fails_the_turn_and_the_retry_starts_afresh() -> None:
     w, conv = await fresh()
     key = w.key(conv)
-    await _claimed_elsewhere(w, key, "Hello?", TurnOptions(temperature=0.7, seed=3), "Part")
+    await _claimed_elsewhere(w, key, "Hello?", TurnOptions(temperature=0.7, seed=3), "Part one")
     w.engine.refuse_resume = True
     events = await _taken_over(w, key, "Hello?")
     final = final_of(events)
-    assert isinstance(final, Failed) and final.retryable and text_of(events) == "Part"  # never "Part" + other text
+    assert isinstance(final, Failed) and final.retryable and text_of(events) == "Part one"  # never + other text
     record = w.store.records[key]
     assert record.state is TurnRecordState.FAILED and record.partial == "" and stored(w, conv) == []
     again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hello?"))
@@ -187,7 +187,7 @@ async def test_a_backend_that_cannot_continue_exactly_fails_the_turn_and_the_ret
 async def test_a_reply_already_at_its_cap_is_stored_without_generating_more() -> None:
     w, conv = await fresh()
     key = w.key(conv)
-    await _claimed_elsewhere(w, key, "Hello?", TurnOptions(max_tokens=2), "Part two")  # 2 tokens: the cap
+    await _claimed_elsewhere(w, key, "Hello?", TurnOptions(max_tokens=2), "Part two")  # 2 tokens: the cap, shown
     events = await _taken_over(w, key, "Hello?")
     final = final_of(events)
     assert isinstance(final, Completed) and final.finish_reason == "length" and text_of(events) == "Part two"

@@ -19,10 +19,10 @@ writes the turn's outcome. Its steps, with the state machine's moves (`chatmesh.
 
 A turn claimed again (`Job.resume`: the record kept the reply an earlier attempt showed, its holder having died,
 been cut off by a shutdown, or failed mid-reply) continues that text with the options the record kept: the text
-is published first and its tokens follow the generation prompt (`Generation.resumed_tokens` of them), so the
-engine generates the rest, and the stored reply starts with what any client was sent. The engines draw each
-sampled token by seed and position, so the rest is what the first attempt would have generated (greedy or
-sampled); a backend that cannot continue a sampled reply exactly refuses it (`ResumeRefused`) and the turn fails
+is published first (up to its last word boundary: `resumable`) and its tokens follow the generation prompt
+(`Generation.resumed_tokens` of them), so the engine generates the rest, and the stored reply starts with what any
+client was sent (a reply shown to its token cap is stored as it is). The engines draw each sampled token by
+seed and position, so the rest is what the first attempt would have generated (greedy or sampled); a backend that cannot continue a sampled reply exactly refuses it (`ResumeRefused`) and the turn fails
 retryable with the shown text dropped, so its retry generates afresh rather than splice. The bill covers the reply
 once: output tokens are the resumed ones plus the new, prompt tokens the prompt without the resumed reply.
 
@@ -74,6 +74,15 @@ from chatmesh.store.values import History, MessageStatus, Reply, ToolResult
 log = logs.get("chatmesh.chat")
 
 MAX_REROUTES = 2  # other replicas a turn tries when its replica fails before its first event (3 replicas: all)
+
+
+def resumable(text: str) -> str:
+    """The part of a reply shown so far that a continuation prefills: up to its last word boundary. The text is
+    re-encoded, and a word cut short can encode to other tokens than the whole word's first ones (" acceler" alone
+    is not the " acceler" of " accelerator"), which would shift every later position; the words before the cut
+    encode as they were generated, and the last word is generated again, the same at the same positions."""
+    cut = max(text.rfind(" "), text.rfind("\n"))
+    return text[:cut] if cut > 0 else ""
 
 
 class LeaseLost(errors.Unavailable):
@@ -188,9 +197,14 @@ class ClaimedTurn:
                 raise errors.PromptOverAllowance(len(rendered.token_ids), self.job.allowance)
             await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()
-            if self.job.resume:  # claimed again: the reply continues the text an earlier attempt showed
-                resumed = self.prompts.renderer.continuation(self.job.resume)
-                await self.live.publish(Delta(self.job.resume))
+            if self.job.resume:  # claimed again: continue what an earlier attempt showed
+                cap = options.max_reply_tokens(self.opt.limits.reply_tokens)
+                whole = self.prompts.renderer.continuation(self.job.resume)
+                at_cap = len(whole) >= cap  # all of it was shown: stored as it is (`_stream`)
+                resume = self.job.resume if at_cap else resumable(self.job.resume)
+                resumed = whole if at_cap else self.prompts.renderer.continuation(resume) if resume else ()
+                if resume:
+                    await self.live.publish(Delta(resume))
             if self.job.taken_over:
                 await self._cancel_elsewhere()
             self.machine.advance(TurnState.QUEUED)
@@ -260,7 +274,7 @@ class ClaimedTurn:
             top_p=self.opt.top_p if options.top_p is None else options.top_p,
             seed=options.seed or 0, resumed_tokens=len(resumed))
         ending: Ending
-        if resumed and len(resumed) >= cap:  # the earlier attempt reached the cap and died before storing it
+        if resumed and len(resumed) >= cap:  # the earlier attempt showed the whole reply and died before storing it
             ending, tally, pick = EngineFinished(FinishReason.LENGTH, 0), Tally(prompt_tokens), self.pick
             assert pick is not None
             self.machine.advance(TurnState.PREFILL)
