@@ -189,6 +189,11 @@ class FaultMesh:
     def pid(self, name: str) -> int:
         return self.mesh.procs[name].pid
 
+    def chat_holding(self, holder: str) -> str:
+        """The name of the chat process a turn record's lease holder (`name@address`) names."""
+        address = holder.partition("@")[2]
+        return next(name for name, p in self.procs.items() if p.service == "chat" and p.address == address)
+
     def kill(self, name: str, sig: signal.Signals, wait_s: float = 20.0) -> int:
         """Sends `sig` to one process and waits for it to exit; its exit code."""
         proc = self.mesh.procs[name]
