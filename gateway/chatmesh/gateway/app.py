@@ -63,7 +63,7 @@ from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.gateway.observe import EdgeMetrics, Observe
 from chatmesh.gateway.sse import Relays
-from chatmesh.gateway.tokens import MessageTokens
+from chatmesh.gateway.token_counts import MessageTokens
 from chatmesh.mesh import channels, ids, logs, metrics
 from chatmesh.mesh.trust import Trust, service_trust
 from chatmesh.mesh import settings as mesh_settings

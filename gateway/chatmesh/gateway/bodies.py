@@ -136,7 +136,7 @@ def turn_id_field(body: dict[str, Any], field: str = "turn_id") -> ids.TurnId:
 
 def content_field(body: dict[str, Any]) -> str:
     """The message text, present and not blank. Its size is the message size policy's business
-    (chatmesh.gateway.tokens), checked by the route before anything reaches chat."""
+    (chatmesh.gateway.token_counts), checked by the route before anything reaches chat."""
     raw = body.get("content")
     if not isinstance(raw, str):
         raise bad_request("content is required (a string)")

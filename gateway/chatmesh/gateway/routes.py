@@ -22,7 +22,7 @@ from chatmesh.gateway.metering import TurnCharge, over_allowance
 from chatmesh.gateway.owner_tokens import EdgeTokens
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import PromptOverAllowance, Relays, Release, TurnCall, TurnRelay, open_relay
-from chatmesh.gateway.tokens import MessageTokens
+from chatmesh.gateway.token_counts import MessageTokens
 from chatmesh.gateway.observe import EdgeMetrics
 from chatmesh.mesh import ids, logs, tracing
 from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2

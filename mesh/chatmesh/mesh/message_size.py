@@ -5,7 +5,7 @@ by every hop: never a 200 followed by a failure for size, and nothing stored for
 A message may be up to
 - CHATMESH_MAX_MESSAGE_TOKENS tokens (128,000 by default: the reference design's long paste), and no more than
   the configured model takes as input (its context minus the reply tokens, within CHATMESH_PROMPT_CAP_TOKENS):
-  the gateway counts a message's tokens when it could be over either (chatmesh.gateway.tokens), and chat checks
+  the gateway counts a message's tokens when it could be over either (chatmesh.gateway.token_counts), and chat checks
   the whole prompt, history included, before the turn's first event;
 - CHATMESH_MAX_MESSAGE_BYTES UTF-8 bytes (1 MiB by default): a bound on the work done before tokens are
   counted, and what moderation and the store accept. Ordinary text runs 2.5-4.5 bytes a token (chatmesh's own

@@ -59,7 +59,7 @@ class Surface:
         await self.records.forget(owner, conversation)
 
     async def check_sizes(self, messages: Sequence[Message], param: str) -> None:
-        """Each message against the edge's message size policy (chatmesh.gateway.tokens), named when over it."""
+        """Each message against the edge's message size policy (chatmesh.gateway.token_counts), named when over it."""
         for i, m in enumerate(messages):
             where = f"{param}[{i}].content"
             try:

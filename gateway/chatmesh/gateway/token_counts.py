@@ -25,7 +25,7 @@ from chatmesh.mesh.message_size import MessageSize, MessageTooLong
 from chatmesh.model import assets, profile
 from chatmesh.model import settings as model_settings
 
-log = logs.get("chatmesh.gateway.tokens")
+log = logs.get("chatmesh.gateway.token_counts")
 
 
 def model_input_tokens(cfg: Config, context_tokens: int | None = None) -> int:
