@@ -120,13 +120,13 @@ def _free_port() -> int:
 
 
 @dataclass(frozen=True)
-class Ports:
+class TritonPorts:
     grpc: int
     http: int
     metrics: int
 
     @classmethod
-    def pick(cls) -> Ports:
+    def pick(cls) -> TritonPorts:
         picked: set[int] = set()
         while len(picked) < 3:
             picked.add(_free_port())
@@ -151,7 +151,7 @@ class TritonServer:
         self._install = install
         self._own_work_dir = work_dir is None
         self.work_dir = work_dir if work_dir is not None else Path(tempfile.mkdtemp(prefix="chatmesh-triton-"))
-        self.ports: Ports | None = None
+        self.ports: TritonPorts | None = None
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -189,7 +189,7 @@ class TritonServer:
     def _spawn_new(self) -> None:
         install = self._install or TritonInstall.find()
         backends = install.prepare_backends(self.work_dir / "backends")
-        self.ports = Ports.pick()
+        self.ports = TritonPorts.pick()
         self._spawn(install, backends, install.environment())
 
     def _ready_or_retry(self, attempt: int, attempts: int) -> bool:
