@@ -24,7 +24,7 @@ from chatmesh.model.template import Message as PromptMessage
 from chatmesh.model.template import as_messages
 from chatmesh.model.tools import HERMES, ToolDefinition, ToolSyntax, hermes_reply_text, hermes_tools_text
 from chatmesh.store.values import (
-    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
+    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Stored, History, InProgress, Message,
     MessageStatus, Progress, Reply, Role, Seed, Summary, ToolResult, TurnRecord,
 )
 
@@ -199,13 +199,13 @@ class FakeStore:
             raise errors.NotFound(f"turn {key.turn} not found")
         return record
 
-    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Stored:
         self._enter("finish_turn")
         record = self._record(key)
         c = self._conv(key.owner, key.conversation)
         if record.state in RECORD_FINAL:
             assert record.reply is not None
-            return Finished(True, record.reply)
+            return Stored(True, record.reply)
         if not self.held(record, lease):
             raise errors.FailedPrecondition(f"turn {key.turn}: lease {lease} is not held")
         target = TurnRecordState.STOPPED if reply.status is MessageStatus.STOPPED else TurnRecordState.STORED
@@ -229,7 +229,7 @@ class FakeStore:
         record.state, record.reply, record.usage, record.partial = target, stored, reply.usage, ""
         record.options = ""
         self.finishes += 1
-        return Finished(False, stored)
+        return Stored(False, stored)
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
         self._enter("fail_turn")

@@ -36,7 +36,7 @@ from chatmesh.model.profile import ModelIdentity
 from chatmesh.moderation.client import ModerationClient, OutputSession, Outcome, categories_of
 from chatmesh.store import wire
 from chatmesh.store.values import (
-    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, TurnRecord,
+    Claim, Conversation, DailyUsage, Stored, History, Progress, Reply, Seed, Summary, TurnRecord,
 )
 from chatmesh.v1 import (
     chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2, store_pb2_grpc,
@@ -153,7 +153,7 @@ class GrpcStore:
                 tool_results=[wire.tool_result_pb(r) for r in claim.tool_results]))
         return wire.claim_of(resp, whole_context)
 
-    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished:
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Stored:
         with tracing.span("finish", {"chatmesh.reply.status": reply.status.value,
                                      "gen_ai.usage.output_tokens": reply.usage.output_tokens}):
             resp = await _owned(self.stub.FinishTurn, store_pb2.FinishTurnRequest(

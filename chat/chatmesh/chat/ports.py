@@ -16,7 +16,7 @@ from typing import NamedTuple, NewType, Protocol
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, ReplicaId, TurnId
 from chatmesh.store.values import (
-    Claim, Conversation, DailyUsage, Finished, History, Progress, Reply, Seed, Summary, ToolResult, TurnRecord,
+    Claim, Conversation, DailyUsage, Stored, History, Progress, Reply, Seed, Summary, ToolResult, TurnRecord,
 )
 
 
@@ -65,7 +65,7 @@ class StorePort(Protocol):
         """A `Claimed` carries the prompt's context only when it is whole (every message after the summary)."""
         ...
 
-    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Finished: ...
+    async def finish_turn(self, key: TurnKey, lease: LeaseId, reply: Reply) -> Stored: ...
 
     async def fail_turn(self, key: TurnKey, lease: LeaseId, reason: str, shown: str = "") -> bool:
         """Releases the claim; `shown` (the reply its clients were shown, "" for none) stays with the record, so

@@ -50,7 +50,7 @@ from chatmesh.store.guards import later_user_message, lease_held
 from chatmesh.store.limits import FieldLimits, check_count, check_len
 from chatmesh.store.rows import TURN, key, parts_json, usage_of
 from chatmesh.store.values import (
-    Claim, Claimed, Conflicted, Done, Finished, History, InProgress, Message, MessageStatus, Progress, Reply, Role,
+    Claim, Claimed, Conflicted, Done, Stored, History, InProgress, Message, MessageStatus, Progress, Reply, Role,
     ToolResult, TurnRecord, TurnRecordState,
 )
 
@@ -182,7 +182,7 @@ class TurnRecords:
         return index
 
     async def finish_turn(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                          reply: Reply) -> Finished:
+                          reply: Reply) -> Stored:
         """Stores the turn's user message (unless it regenerates), its reply and its usage, once."""
         self.limits.check_text("reply", reply.text, required=False)
         self.limits.check_tools("reply", Role.ASSISTANT, reply.tool_calls, ())
@@ -203,7 +203,7 @@ class TurnRecords:
             if reply_index is not None:
                 log.info("turn_stored", owner_id=owner, conversation_id=conversation, turn_id=turn,
                          state=target.value, output_tokens=usage.output_tokens)
-                return Finished(False, Message(reply_index, Role.ASSISTANT, reply.text, reply.token_count,
+                return Stored(False, Message(reply_index, Role.ASSISTANT, reply.text, reply.token_count,
                                                reply.status, turn, now, tool_calls=reply.tool_calls))
             finished = await self._why_refused(owner, conversation, turn, lease, target)
             if finished is not None:
@@ -211,7 +211,7 @@ class TurnRecords:
         raise Unavailable(f"turn {turn}: finish contended {CLAIM_ATTEMPTS} times; retry")
 
     async def _why_refused(self, owner: OwnerId, conversation: ConversationId, turn: TurnId, lease: LeaseId,
-                           target: TurnRecordState) -> Finished | None:
+                           target: TurnRecordState) -> Stored | None:
         """Why the backend's finish wrote nothing: the stored reply when the turn is already final (a second
         finish), an error when the lease is not held, the regenerate is stale or a row is gone, or None when
         nothing stands in the way any more (a racing write moved on; the finish is tried again)."""
@@ -223,7 +223,7 @@ class TurnRecords:
                 raise NotFound(f"turn {turn} not found")
             state = TurnRecordState(row.state)
             if state in RECORD_FINAL:
-                return Finished(True, await message_at(conn, owner, conversation, row.reply_index))
+                return Stored(True, await message_at(conn, owner, conversation, row.reply_index))
         if not row.held:
             raise FailedPrecondition(f"turn {turn}: lease {lease} is not held (it failed, or expired and "
                                      f"was claimed again)")

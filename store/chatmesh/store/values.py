@@ -10,7 +10,7 @@ from chatmesh.mesh.turn import TurnRecordState, Usage
 from chatmesh.model.tools import ToolCall, ToolResult
 
 __all__ = ["Role", "MessageStatus", "TurnRecordState", "Usage", "ToolCall", "ToolResult", "Conversation", "Message", "Summary", "History",
-           "Seed", "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Finished", "Progress", "TurnRecord",
+           "Seed", "Claimed", "InProgress", "Done", "Conflicted", "Claim", "Reply", "Stored", "Progress", "TurnRecord",
            "DailyUsage", "Purged"]
 
 
@@ -146,7 +146,9 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Finished:
+class Stored:
+    """FinishTurn's answer: the stored reply, and whether an earlier finish had stored it."""
+
     already_finished: bool
     reply: Message
 

@@ -12,7 +12,7 @@ import typing
 from chatmesh.mesh.errors import InvalidArgument, Unavailable
 from chatmesh.mesh.ids import ConversationId, LeaseId, OwnerId, TurnId
 from chatmesh.store.values import (
-    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Finished, History, InProgress, Message,
+    Claim, Claimed, Conflicted, Conversation, DailyUsage, Done, Stored, History, InProgress, Message,
     MessageStatus, Progress, Role, Seed, Summary, ToolCall, ToolResult, TurnRecord, TurnRecordState, Usage,
 )
 from chatmesh.v1 import common_pb2, store_pb2
@@ -235,8 +235,8 @@ def claim_of(r: store_pb2.BeginTurnResponse, context: typing.Callable[[store_pb2
             raise Unavailable(f"the store answered BeginTurn with {other!r}")
 
 
-def finished_of(r: store_pb2.FinishTurnResponse) -> Finished:
-    return Finished(r.already_finished, message_of(r.reply))
+def finished_of(r: store_pb2.FinishTurnResponse) -> Stored:
+    return Stored(r.already_finished, message_of(r.reply))
 
 
 def progress_of(r: store_pb2.UpdateTurnProgressResponse) -> Progress:
