@@ -475,7 +475,7 @@ async def shutdown_releases_a_turn_it_cuts_off_for_the_retry_elsewhere() -> Worl
     w.engine.scripts.append(Script(reply_script("x", " y").events, gates={2: gate}))
     stream = w.core.send_turn(OWNER, conv, key.turn, "Go")
     seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Delta))
-    w.core.drain()  # SIGTERM: the grace ran out with the turn still streaming; its RPC is cancelled
+    w.core.mark_draining()  # SIGTERM: the grace ran out with the turn still streaming; its RPC is cancelled
     await stream.aclose()  # type: ignore[attr-defined]
     await w.settled()
     assert text_of(seen) == "x" and stored(w, conv) == []  # not stored cut short as stopped

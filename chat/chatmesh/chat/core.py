@@ -107,8 +107,8 @@ class ChatCore:
         """The prompt the next turn with `new_message` would send (no summarising side effect)."""
         return await self.prompts.next_prompt(owner, conv, new_message)
 
-    def drain(self) -> None:
-        self.turns.drain()
+    def mark_draining(self) -> None:
+        self.turns.mark_draining()
 
     async def close(self) -> None:
         await self.turns.close()

@@ -365,4 +365,4 @@ def build(cfg: Config, trust: Trust | None = None) -> Service:
         await moderation.close()
         await channels.close()
 
-    return Service(name="chat", register=register, close=close, stopping=core.drain, authz=AUTHZ, metrics=registry)
+    return Service(name="chat", register=register, close=close, stopping=core.mark_draining, authz=AUTHZ, metrics=registry)

@@ -247,13 +247,13 @@ class Turns:
                                             f"{record.lease_holder!r}, which this process cannot reach")
         return await self.ports.peers.stop(address, key, release=release)
 
-    def drain(self) -> None:
+    def mark_draining(self) -> None:
         """Shutdown began: turns cut off by it (their RPC cancelled at the end of the grace) are released as
         failed, so the retry, on another chat process, generates them (a stop would store them cut short)."""
         self.draining = True
 
     async def close(self) -> None:
-        self.drain()
+        self.mark_draining()
         for live in list(self.live.values()):
             live.handed_off = True
             live.stop_requested.set()
