@@ -19,7 +19,7 @@ import pytest
 from chatmesh.chat import context
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.options import TurnOptions
-from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, TurnEvent, TurnEventKind
+from chatmesh.chat.events import Blocked, Completed, TurnDelta, Failed, TurnStarted, Stopped, TurnEvent, TurnEventKind
 from chatmesh.chat.ports import EngineDelta, EngineFinished, EngineStarted, FinishReason, PullSource, TurnKey
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId, OwnerId, ReplicaId, TurnId
@@ -108,7 +108,7 @@ def held(w: World, key: TurnKey, chunks: tuple[str, ...], at: int, content: str 
 
 
 def text_of(events: list[TurnEvent]) -> str:
-    return "".join(e.kind.text for e in events if isinstance(e.kind, Delta))
+    return "".join(e.kind.text for e in events if isinstance(e.kind, TurnDelta))
 
 
 def final_of(events: list[TurnEvent]) -> TurnEventKind:
@@ -139,7 +139,7 @@ def scenario(fn: Scenario) -> Scenario:
 async def completed_turn_is_stored_once_and_frees_everything() -> World:
     w, conv = await fresh()
     events = await w.turn(conv, "What is a block?")
-    assert isinstance(events[0].kind, Started) and not events[0].kind.replayed
+    assert isinstance(events[0].kind, TurnStarted) and not events[0].kind.replayed
     assert text_of(events) == "Hello there."
     final = final_of(events)
     assert isinstance(final, Completed) and final.replica_id == "engine-0"
@@ -162,7 +162,7 @@ async def retry_of_a_stored_turn_replays_it_without_generating() -> World:
     w.moves.clear()
     again = await collect(w.core.send_turn(OWNER, conv, key.turn, "Hi"))
     assert len(w.engine.generations) == 1 and w.router.picks == 2 and w.idle()  # the early pick was released
-    assert isinstance(again[0].kind, Started) and again[0].kind.replayed and again[0].kind.prompt_tokens is None
+    assert isinstance(again[0].kind, TurnStarted) and again[0].kind.replayed and again[0].kind.prompt_tokens is None
     assert text_of(again) == text_of(first) and isinstance(final_of(again), Completed)
     assert final_of(again).usage == final_of(first).usage  # type: ignore[union-attr]
     assert path(w) == [(S.RECEIVED, S.REPLAYED)]
@@ -185,8 +185,8 @@ async def retry_reaching_the_generating_process_attaches_to_the_live_stream() ->
     await w.settled()
     assert text_of(a) == text_of(b) == "one two" and len(w.engine.generations) == 1
     assert text_of(c) == " two" and c[0].sequence > 4  # resumed after what the client had seen
-    assert isinstance(b[0].kind, Started) and b[0].kind.replayed and b[0].kind.prompt_tokens is None
-    assert isinstance(a[0].kind, Started) and a[0].kind.prompt_tokens == len(w.engine.generations[0].prompt_token_ids)
+    assert isinstance(b[0].kind, TurnStarted) and b[0].kind.replayed and b[0].kind.prompt_tokens is None
+    assert isinstance(a[0].kind, TurnStarted) and a[0].kind.prompt_tokens == len(w.engine.generations[0].prompt_token_ids)
     assert (S.RECEIVED, S.ATTACHED) in path(w) and path(w).count((S.RECEIVED, S.ATTACHED)) == 2
     assert w.idle()
     return w
@@ -237,7 +237,7 @@ async def retry_while_another_process_generates_follows_its_stored_progress() ->
     await w.store.finish_turn(key, record.lease, Reply(1, "Part and whole", 3, MessageStatus.COMPLETE, Usage(5, 0, 3)))
     events = await follow
     assert text_of(events) == "Part and whole" and isinstance(final_of(events), Completed)
-    assert events[1].kind == Delta("Part")  # streamed while it was being generated
+    assert events[1].kind == TurnDelta("Part")  # streamed while it was being generated
     assert len(w.engine.generations) == 0 and w.idle()
     assert path(w) == [(S.RECEIVED, S.ATTACHED)]
     return w
@@ -260,7 +260,7 @@ async def retry_takes_over_a_turn_whose_holder_died() -> World:
     # The takeover continues the reply the client already has ("Part one", sent once): what it received is what
     # is stored, and the engine was asked to continue that text from its last word boundary.
     assert text_of(events) == "Part one and whole." and [e.kind for e in events[:2]] == [
-        Started(True), Delta("Part one")]
+        TurnStarted(True), TurnDelta("Part one")]
     assert stored(w, conv)[-1] == (Role.ASSISTANT, "Part one and whole.", MessageStatus.COMPLETE)
     assert w.engine.generations[0].prompt_token_ids[-1:] == WordRenderer.continuation("Part")
     assert [e.sequence for e in events] == sorted({e.sequence for e in events})
@@ -352,7 +352,7 @@ async def blocked_input_is_stored_as_blocked_and_never_reaches_an_engine() -> Wo
     events = await w.turn(conv, "please BLOCKME now")
     final = final_of(events)
     assert isinstance(final, Blocked) and final.stage == "input" and final.category == "abuse"
-    assert [e.kind for e in events] == [Started(False), final]  # no prompt was built: no size to report
+    assert [e.kind for e in events] == [TurnStarted(False), final]  # no prompt was built: no size to report
     assert len(w.engine.generations) == 0 and w.idle()
     assert stored(w, conv) == [(Role.USER, "please BLOCKME now", MessageStatus.COMPLETE),
                                (Role.ASSISTANT, "", MessageStatus.BLOCKED)]
@@ -459,7 +459,7 @@ async def client_disconnect_stops_the_turn_and_frees_the_sequence() -> World:
     gate = asyncio.Event()
     w.engine.scripts.append(Script(reply_script("x", " y").events, gates={2: gate}))
     stream = w.core.send_turn(OWNER, conv, w.key(conv).turn, "Go")
-    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Delta))
+    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, TurnDelta))
     await stream.aclose()  # type: ignore[attr-defined]  # the client went away
     await w.settled()
     assert text_of(seen) == "x" and stored(w, conv)[-1] == (Role.ASSISTANT, "x", MessageStatus.STOPPED)
@@ -474,7 +474,7 @@ async def shutdown_releases_a_turn_it_cuts_off_for_the_retry_elsewhere() -> Worl
     gate = asyncio.Event()
     w.engine.scripts.append(Script(reply_script("x", " y").events, gates={2: gate}))
     stream = w.core.send_turn(OWNER, conv, key.turn, "Go")
-    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Delta))
+    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, TurnDelta))
     w.core.mark_draining()  # SIGTERM: the grace ran out with the turn still streaming; its RPC is cancelled
     await stream.aclose()  # type: ignore[attr-defined]
     await w.settled()
@@ -532,7 +532,7 @@ async def replica_unreachable_before_its_first_event_is_left_for_another_within_
     assert isinstance(final, Completed) and final.replica_id == "engine-1" and text_of(events) == "Hello there."
     assert w.engine.addresses == ["addr-engine-0", "addr-engine-1"] and len(w.engine.generations) == 1
     assert w.router.excluded == [(), (ReplicaId("engine-0"),)]
-    assert sum(isinstance(e.kind, Started) for e in events) == 1  # one attempt, as the client sees it
+    assert sum(isinstance(e.kind, TurnStarted) for e in events) == 1  # one attempt, as the client sees it
     assert path(w) == [(S.RECEIVED, S.QUEUED), (S.QUEUED, S.PREFILL), (S.PREFILL, S.DECODE), (S.DECODE, S.STORED)]
     assert stored(w, conv)[-1] == (Role.ASSISTANT, "Hello there.", MessageStatus.COMPLETE)
     assert w.idle()  # both router leases released

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from chatmesh.chat.claimed import call_id
-from chatmesh.chat.events import Completed, Delta, Started, ToolCalled
+from chatmesh.chat.events import Completed, TurnDelta, TurnStarted, ToolCalled
 from chatmesh.chat.options import TurnOptions
 from chatmesh.mesh import errors
 from chatmesh.model.tools import HERMES, ChoiceMode, ToolChoice, ToolDefinition
@@ -33,7 +33,7 @@ async def test_a_tool_round_trip() -> None:
     events = await collect(w.core.send_turn(OWNER, conv, asks.turn, "Weather in Paris?", TOOLS))
     await w.settled()
     kinds = [e.kind for e in events]
-    assert isinstance(kinds[0], Started) and kinds[1] == Delta("Checking.")  # the call's text never shows
+    assert isinstance(kinds[0], TurnStarted) and kinds[1] == TurnDelta("Checking.")  # the call's text never shows
     call = kinds[2]
     assert isinstance(call, ToolCalled) and call.index == 0
     assert (call.call.name, json.loads(call.call.arguments)) == ("get_weather", {"city": "Paris"})
@@ -58,7 +58,7 @@ async def test_a_tool_round_trip() -> None:
     # a replay of the calling turn carries the call, numbered as the live stream numbered it
     again = await collect(w.core.send_turn(OWNER, conv, asks.turn, "Weather in Paris?", TOOLS))
     assert [(e.sequence, type(e.kind)) for e in again] == [
-        (1, Started), (1 + len("Checking."), Delta), (2 + len("Checking."), ToolCalled),
+        (1, TurnStarted), (1 + len("Checking."), TurnDelta), (2 + len("Checking."), ToolCalled),
         (3 + len("Checking."), Completed)]
     assert isinstance(again[2].kind, ToolCalled) and again[2].kind.call == call.call
     attached = await collect(w.core.attach(OWNER, conv, asks.turn, 1 + len("Checking.")))
@@ -69,13 +69,13 @@ async def test_text_that_is_no_call_comes_out_whole_and_choice_none_reads_none()
     w, conv = await fresh()
     w.engine.scripts.append(reply_script("Use <tool_call> like ", "this </tool_call>", " ok"))
     events = await collect(w.core.send_turn(OWNER, conv, w.key(conv).turn, "Explain", TOOLS))
-    text = "".join(e.kind.text for e in events if isinstance(e.kind, Delta))
+    text = "".join(e.kind.text for e in events if isinstance(e.kind, TurnDelta))
     assert text == "Use <tool_call> like this </tool_call> ok"
     w.engine.scripts.append(reply_script(CALL_TEXT))
     none = TurnOptions(tools=(WEATHER,), tool_choice=ToolChoice(ChoiceMode.NONE))
     events = await collect(w.core.send_turn(OWNER, conv, w.key(conv).turn, "Weather?", none))
     assert not any(isinstance(e.kind, ToolCalled) for e in events)
-    assert "".join(e.kind.text for e in events if isinstance(e.kind, Delta)) == CALL_TEXT
+    assert "".join(e.kind.text for e in events if isinstance(e.kind, TurnDelta)) == CALL_TEXT
     await w.settled()
 
 
@@ -85,7 +85,7 @@ async def test_required_prefills_the_call_opening() -> None:
     required = TurnOptions(tools=(WEATHER,), tool_choice=ToolChoice(ChoiceMode.REQUIRED))
     events = await collect(w.core.send_turn(OWNER, conv, w.key(conv).turn, "Weather?", required))
     await w.settled()
-    assert [type(e.kind) for e in events] == [Started, ToolCalled, Completed]
+    assert [type(e.kind) for e in events] == [TurnStarted, ToolCalled, Completed]
     prompt = w.engine.generations[-1].prompt_token_ids
     opening = w.core.prompts.renderer.continuation(HERMES.prefill(ToolChoice(ChoiceMode.REQUIRED)))
     assert opening and prompt[-len(opening):] == opening

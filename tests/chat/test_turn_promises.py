@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from chatmesh.chat import context
-from chatmesh.chat.events import Completed, Delta, Failed, Started, TurnEvent
+from chatmesh.chat.events import Completed, TurnDelta, Failed, TurnStarted, TurnEvent
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.ports import ClaimRequest, EngineDelta, EngineStarted, TurnKey
 from chatmesh.chat.prompt import SUMMARY_MAX_TOKENS, ThresholdRefused, summary_threshold
@@ -111,7 +111,7 @@ async def test_a_disconnect_before_any_text_releases_the_turn_and_the_retry_gene
     gate = asyncio.Event()
     w.engine.scripts.append(Script(reply_script("x", " y").events, gates={1: gate}))  # held before any text
     stream = w.core.send_turn(OWNER, conv, key.turn, "Go")
-    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Started))
+    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, TurnStarted))
     await stream.aclose()  # type: ignore[attr-defined]  # the stream was cut at the response headers
     await w.settled()
     assert text_of(seen) == "" and stored(w, conv) == []  # no empty stopped reply to replay
@@ -129,7 +129,7 @@ async def test_the_edge_releases_a_turn_whose_client_saw_none_of_the_text_publis
     gate = asyncio.Event()
     w.engine.scripts.append(Script(reply_script("x", " y").events, gates={2: gate}))
     stream = w.core.send_turn(OWNER, conv, key.turn, "Go")
-    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, Delta))
+    seen = await collect(stream, stop=lambda got: isinstance(got[-1].kind, TurnDelta))
     assert text_of(seen) == "x"  # published, but the edge never wrote it to its client
     assert await w.core.release(OWNER, conv, key.turn)
     await stream.aclose()  # type: ignore[attr-defined]

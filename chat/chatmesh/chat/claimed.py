@@ -58,7 +58,7 @@ from typing import assert_never
 
 from chatmesh.chat.admission import Admission, judged
 from chatmesh.chat.context import Rendered
-from chatmesh.chat.events import Blocked, Completed, Delta, Failed, LiveTurn, Started, Stopped, TurnEventKind
+from chatmesh.chat.events import Blocked, Completed, TurnDelta, Failed, LiveTurn, TurnStarted, Stopped, TurnEventKind
 from chatmesh.chat.options import DEFAULT_TURN, ChatOptions, TurnOptions
 from chatmesh.chat.ports import (
     EngineFinished, EngineUnreachable, FinishReason, Generation, Pick, Ports, ResumeRefused, TurnKey,
@@ -161,7 +161,7 @@ class ClaimedTurn:
                 await heartbeat
             self.forget()
         if self.live.started is None:  # ended before its prompt was built (blocked input, a failure)
-            await self.live.publish(Started(replayed=False))
+            await self.live.publish(TurnStarted(replayed=False))
         await self.live.publish(final)
 
     async def _generate(self) -> TurnEventKind:
@@ -195,7 +195,7 @@ class ClaimedTurn:
             self.calls = self._calls(prefill)
             if self.job.allowance and len(rendered.token_ids) > self.job.allowance:
                 raise errors.PromptOverAllowance(len(rendered.token_ids), self.job.allowance)
-            await self.live.publish(Started(replayed=False, prompt_tokens=len(rendered.token_ids)))
+            await self.live.publish(TurnStarted(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()
             if self.job.resume:  # claimed again: continue what an earlier attempt showed
                 cap = options.max_reply_tokens(self.opt.limits.reply_tokens)
@@ -204,7 +204,7 @@ class ClaimedTurn:
                 resume = self.job.resume if at_cap else resumable(self.job.resume)
                 resumed = whole if at_cap else self.prompts.renderer.continuation(resume) if resume else ()
                 if resume:
-                    await self.live.publish(Delta(resume))
+                    await self.live.publish(TurnDelta(resume))
             if self.job.taken_over:
                 await self._cancel_elsewhere()
             self.machine.advance(TurnState.QUEUED)

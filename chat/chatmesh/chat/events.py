@@ -23,7 +23,7 @@ from chatmesh.store.values import Message, MessageStatus, ToolCall
 
 
 @dataclass(frozen=True)
-class Started:
+class TurnStarted:
     replayed: bool
     # tokens of the rendered prompt (what the owner is charged for it whatever happens next); None when the stream
     # replays or attaches, or the turn ended before its prompt was built
@@ -31,7 +31,7 @@ class Started:
 
 
 @dataclass(frozen=True)
-class Delta:
+class TurnDelta:
     text: str
 
 
@@ -68,7 +68,7 @@ class Blocked:
     reason: str = ""  # why, never the checked text
 
 
-TurnEventKind = Started | Delta | ToolCalled | Completed | Stopped | Failed | Blocked
+TurnEventKind = TurnStarted | TurnDelta | ToolCalled | Completed | Stopped | Failed | Blocked
 FINAL = (Completed, Stopped, Failed, Blocked)
 
 
@@ -79,16 +79,16 @@ class TurnEvent:
 
 
 def resume_from(text: str, final: TurnEventKind | None, after: int, replayed: bool,
-                started: Started | None = None, calls: tuple[ToolCall, ...] = ()) -> list[TurnEvent]:
+                started: TurnStarted | None = None, calls: tuple[ToolCall, ...] = ()) -> list[TurnEvent]:
     """The events a client that has seen up to sequence `after` still needs, given the reply so far (its text and
-    its calls). `started`: the turn's own Started (with its prompt's size), sent to the client the turn is
+    its calls). `started`: the turn's own TurnStarted (with its prompt's size), sent to the client the turn is
     generated for."""
     out: list[TurnEvent] = []
     if after < 1:
-        out.append(TurnEvent(1, Started(replayed=True) if replayed else started or Started(replayed=False)))
+        out.append(TurnEvent(1, TurnStarted(replayed=True) if replayed else started or TurnStarted(replayed=False)))
     seen = max(0, after - 1)
     if len(text) > seen:
-        out.append(TurnEvent(1 + len(text), Delta(text[seen:])))
+        out.append(TurnEvent(1 + len(text), TurnDelta(text[seen:])))
     out += [TurnEvent(2 + len(text) + i, ToolCalled(c, i)) for i, c in enumerate(calls) if 2 + len(text) + i > after]
     if final is not None:
         out.append(TurnEvent(2 + len(text) + len(calls), final))
@@ -115,7 +115,7 @@ class LiveTurn:
         self.text = ""
         self.calls: tuple[ToolCall, ...] = ()  # the reply's tool calls so far (after all its text)
         self.final: TurnEventKind | None = None
-        self.started: Started | None = None  # published once the prompt is rendered (or the turn ended first)
+        self.started: TurnStarted | None = None  # published once the prompt is rendered (or the turn ended first)
         self._changed = asyncio.Condition()
         self.stop_requested = asyncio.Event()
         self.lease_lost = False  # set when another process took the turn over
@@ -129,12 +129,12 @@ class LiveTurn:
     async def publish(self, kind: TurnEventKind) -> None:
         async with self._changed:
             match kind:
-                case Delta(text=t):
+                case TurnDelta(text=t):
                     assert not self.calls, "a reply's text comes before its calls"
                     self.text += t
                 case ToolCalled(call=call):
                     self.calls += (call,)
-                case Started():
+                case TurnStarted():
                     self.started = kind
                 case Completed() | Stopped() | Failed() | Blocked():
                     self.final = kind
@@ -153,7 +153,7 @@ class LiveTurn:
             async with self._changed:
                 if self.refused is not None:
                     raise self.refused
-                # the turn's own client waits for its Started (it carries the prompt's size); attachers do not
+                # the turn's own client waits for its TurnStarted (it carries the prompt's size); attachers do not
                 ready = replayed or seen >= 1 or self.started is not None or self.final is not None
                 pending = resume_from(self.text, self.final, seen, replayed, self.started, self.calls) \
                     if ready else []

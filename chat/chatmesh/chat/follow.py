@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callab
 from dataclasses import dataclass
 from typing import assert_never
 
-from chatmesh.chat.events import FINAL, Delta, Failed, Started, ToolCalled, TurnEvent, TurnEventKind, replay
+from chatmesh.chat.events import FINAL, TurnDelta, Failed, TurnStarted, ToolCalled, TurnEvent, TurnEventKind, replay
 from chatmesh.chat.ports import StorePort, TurnKey
 from chatmesh.mesh import errors
 from chatmesh.mesh.turn import TurnRecordState
@@ -67,16 +67,16 @@ async def _continuing(events: AsyncIterable[TurnEvent], delivered: Delivered) ->
     async for event in events:
         kind = event.kind
         match kind:
-            case Started():
+            case TurnStarted():
                 if delivered.sequence < 1:
                     yield event
                 continue
-            case Delta(text=chunk):
+            case TurnDelta(text=chunk):
                 text += chunk
                 if not agrees(delivered.text, text):
                     break
                 if len(text) > len(delivered.text):
-                    yield TurnEvent(1 + len(text), Delta(text[max(len(delivered.text), len(text) - len(chunk)):]))
+                    yield TurnEvent(1 + len(text), TurnDelta(text[max(len(delivered.text), len(text) - len(chunk)):]))
                 continue
             case ToolCalled():
                 if len(text) < len(delivered.text):
@@ -166,9 +166,9 @@ class StoredFollower:
             out.append(TurnEvent(self.seen + 1, kind))
             return out
         if self.seen < 1:
-            out.append(TurnEvent(1, Started(replayed=True)))
+            out.append(TurnEvent(1, TurnStarted(replayed=True)))
         if len(partial) > len(self.text):
-            out.append(TurnEvent(1 + len(partial), Delta(partial[len(self.text):])))
+            out.append(TurnEvent(1 + len(partial), TurnDelta(partial[len(self.text):])))
             self.text = partial
         if out:
             self.seen = out[-1].sequence

@@ -21,7 +21,7 @@ import grpc
 from chatmesh.chat import context, settings
 from chatmesh.chat.clients import Channels, GrpcEngines, GrpcPeers, GrpcRouter, GrpcStore, Moderation
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
-from chatmesh.chat.events import Blocked, Completed, Delta, Failed, Started, Stopped, ToolCalled, TurnEvent
+from chatmesh.chat.events import Blocked, Completed, TurnDelta, Failed, TurnStarted, Stopped, ToolCalled, TurnEvent
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.turns import NewConversation
 from chatmesh.mesh.turn import TurnRecordState
@@ -61,12 +61,12 @@ AUTHZ = {"chatmesh.v1.ChatService": {
 def event_to_proto(event: TurnEvent, turn: TurnId) -> chat_pb2.TurnEvent:
     out = chat_pb2.TurnEvent(sequence=event.sequence)
     match event.kind:
-        case Started(replayed=replayed, prompt_tokens=prompt_tokens):
+        case TurnStarted(replayed=replayed, prompt_tokens=prompt_tokens):
             out.started.turn_id = turn
             out.started.replayed = replayed
             if prompt_tokens is not None:
                 out.started.prompt_tokens = prompt_tokens
-        case Delta(text=text):
+        case TurnDelta(text=text):
             out.delta.text = text
         case ToolCalled(call=call, index=index):
             out.tool_call.call.CopyFrom(tool_call_pb(call))
@@ -178,10 +178,10 @@ async def _first_text_timed(events: AsyncIterator[TurnEvent], observed: ChatMetr
     async for event in events:
         if done is not None:
             match event.kind:
-                case Delta():
+                case TurnDelta():
                     done()
                     done = None
-                case Started(replayed=True):
+                case TurnStarted(replayed=True):
                     done = None
                 case _:
                     pass

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from chatmesh.chat.admission import judged
-from chatmesh.chat.events import Delta, LiveTurn, ToolCalled
+from chatmesh.chat.events import TurnDelta, LiveTurn, ToolCalled
 from chatmesh.chat.ports import (
     EngineDelta, EngineFinished, EnginePort, EngineStarted, Generation, ModerationPort, OutputScreen, Screening,
 )
@@ -104,7 +104,7 @@ class Calls:
                 i = len(live.calls)
                 await live.publish(ToolCalled(ToolCall(self.call_id(i), piece.name, piece.arguments), i))
             elif piece and not live.calls:
-                await live.publish(Delta(piece))
+                await live.publish(TurnDelta(piece))
 
 
 @dataclass
@@ -158,7 +158,7 @@ async def _consume(engines: EnginePort, live: LiveTurn, machine: TurnMachine, ad
         if calls is not None:
             await calls.publish(live, text, final)
         elif text:
-            await live.publish(Delta(text))
+            await live.publish(TurnDelta(text))
         return None
 
     try:
