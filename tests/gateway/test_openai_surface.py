@@ -330,14 +330,14 @@ async def test_a_client_gone_mid_stream_stops_the_turn(client: openai.AsyncOpenA
 
 
 def test_a_point_is_held_for_the_turn_continuing_it() -> None:
-    """Turns._hold (turns.py, "Racing continuations"): while one turn continues a stored point, another turn id
+    """Continuity._hold (turns.py, "Racing continuations"): while one turn continues a stored point, another turn id
     continuing it is refused (it forks), the same turn (a retry) passes, and the hold lapses."""
     from chatmesh.gateway.openai import turns as t
     from chatmesh.gateway.openai.history import Point
     from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 
     now = [0.0]
-    turns = t.Turns(edge=None, index=None, records=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    turns = t.Continuity(edge=None, index=None, records=None, clock=lambda: now[0])  # type: ignore[arg-type]
     ask = t.Ask(owner=OwnerId("o"), chat="", history=(), content="x", options=None,  # type: ignore[arg-type]
                 request_digest="d")
     point = Point(ConversationId("c"), TurnId("p"))

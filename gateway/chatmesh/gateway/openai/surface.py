@@ -24,7 +24,7 @@ from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import HistoryIndex
 from chatmesh.gateway.openai.records import TurnRecords
 from chatmesh.gateway.openai.response_object import Sampling
-from chatmesh.gateway.openai.turns import Turns
+from chatmesh.gateway.openai.turns import Continuity
 from chatmesh.gateway.openai.wire import Message
 from chatmesh.gateway.routes import Edge
 from chatmesh.mesh import ids
@@ -51,7 +51,7 @@ class Surface:
 
     def __post_init__(self) -> None:
         self.records = TurnRecords(self.index.engine)
-        self.turns = Turns(self.edge, self.index, self.records)
+        self.turns = Continuity(self.edge, self.index, self.records)
 
     async def forget(self, owner: ids.OwnerId, conversation: ids.ConversationId) -> None:
         """What the surface keeps of a deleted conversation: its history digests and its turns' records."""

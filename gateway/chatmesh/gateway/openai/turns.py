@@ -99,7 +99,9 @@ class Opened:
         return self.first.WhichOneof("kind") == "started" and self.first.started.replayed
 
 
-class Turns:
+class Continuity:
+    """Which conversation and turn each OpenAI request continues (the module header says how)."""
+
     def __init__(self, edge: Edge, index: HistoryIndex, records: TurnRecords,
                  clock: Callable[[], float] = time.monotonic):
         self.edge = edge
