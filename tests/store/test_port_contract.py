@@ -293,6 +293,19 @@ async def a_claim_carries_the_whole_context(s: Subject) -> None:
     assert isinstance(plain, Claimed) and plain.context is None
 
 
+async def a_claims_context_starts_after_the_summary(s: Subject) -> None:
+    seed = tuple(Seed(Role.USER if i % 2 == 0 else Role.ASSISTANT, f"message {i}", 2) for i in range(4))
+    conv = await conversation(s, seed)
+    summary = await s.store.save_summary(OWNER, conv, "the first exchange", 1, 3)
+    assert summary.covers_through_index == 1
+    got = await claim(s, key(conv), context=10)
+    assert isinstance(got, Claimed) and got.context is not None
+    assert got.context.summary is not None and got.context.summary.text == "the first exchange"
+    assert [(m.index, m.content) for m in got.context.messages] == [(2, "message 2"), (3, "message 3")]
+    whole = await s.store.read_conversation(OWNER, conv)
+    assert [m.index for m in whole.messages] == [0, 1, 2, 3] and whole.summary == got.context.summary
+
+
 async def usage_counts_stored_turns(s: Subject) -> None:
     owner_conv = await conversation(s)
     before = await s.store.usage(OWNER, 30)
@@ -325,7 +338,8 @@ SCENARIOS: list[Callable[[Subject], Awaitable[None]]] = [
     a_lapsed_lease_nobody_took_still_finishes, progress_renews_the_lease_and_is_read_back, a_turn_is_stored_once,
     a_stopped_reply_is_stored_as_stopped, a_failed_turn_keeps_nothing_and_may_be_claimed_again,
     a_regenerate_supersedes_the_last_reply_only, only_a_stored_turn_is_regenerated,
-    unknown_conversations_and_turns_are_not_found, a_claim_carries_the_whole_context, usage_counts_stored_turns,
+    unknown_conversations_and_turns_are_not_found, a_claim_carries_the_whole_context,
+    a_claims_context_starts_after_the_summary, usage_counts_stored_turns,
     a_running_turn_is_not_deleted,
 ]
 
