@@ -193,7 +193,9 @@ def check_stream(raw: str, *, first_sequence: int = 0, done: bool = True) -> lis
 
 
 def check_order(kinds: Iterable[str]) -> None:
-    """The order the specification gives one message output item's events."""
+    """The order the specification gives output items' events: each item added, its content, then done, one item
+    after another; a message's content part opened, its text deltas, its text done, the part closed; a function
+    call's arguments deltas, then their done."""
     kinds = list(kinds)
     assert kinds[:2] == ["response.created", "response.in_progress"], kinds[:2]
     terminal = [k for k in kinds if k in TERMINAL]
@@ -202,10 +204,14 @@ def check_order(kinds: Iterable[str]) -> None:
         assert "error" in kinds and kinds.index("error") < kinds.index("response.failed")
         return
     body = kinds[2:-1]
-    if "response.output_item.added" in body:
-        assert body[0] == "response.output_item.added" and body[-1] == "response.output_item.done"
-        inner = body[1:-1]
-        if inner:
+    while body:
+        assert body[0] == "response.output_item.added", body
+        end = body.index("response.output_item.done")
+        inner, body = body[1:end], body[end + 1:]
+        if inner and inner[0].startswith("response.function_call_arguments"):
+            assert inner[-1] == "response.function_call_arguments.done"
+            assert set(inner[:-1]) <= {"response.function_call_arguments.delta"}
+        elif inner:
             assert inner[0] == "response.content_part.added" and inner[-1] == "response.content_part.done"
             assert inner[-2] == "response.output_text.done"
             assert set(inner[1:-2]) <= {"response.output_text.delta"}

@@ -151,7 +151,11 @@ async def test_deliberate_resend_regenerates(client: openai.AsyncOpenAI, fake: F
 @pytest.mark.parametrize("extra, param", [
     ({"temperature": 5}, "temperature"),
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # function tools only
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # not among the tools
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [{"role": "tool", "content": "21", "tool_call_id": "call_1"}]}, "messages[0].tool_call_id"),
     ({"logprobs": True}, "logprobs"),
     ({"frobnicate": 1}, "frobnicate"),
     ({"max_tokens": "many"}, "max_tokens"),

@@ -34,7 +34,8 @@ from chatmesh.store.core import ConversationStore
 from chatmesh.store.migrate import upgrade
 from chatmesh.store.service import StoreServicer
 from chatmesh.store.values import (
-    Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, Seed, TurnRecordState, Usage,
+    Claim, Claimed, Conflicted, Done, InProgress, MessageStatus, Reply, Role, Seed, ToolCall, ToolResult,
+    TurnRecordState, Usage,
 )
 from chatmesh.v1 import store_pb2_grpc
 from tests.chat.fakes import Clock, FakeStore, _Record
@@ -333,6 +334,29 @@ async def a_running_turn_is_not_deleted(s: Subject) -> None:
         await s.store.delete_turn(k)
 
 
+async def a_tool_round_trip_is_stored_turn_by_turn(s: Subject) -> None:
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    result = ToolResult("call_1", '{"celsius": 21}')
+    conv = await conversation(s, (Seed(Role.USER, "Weather?"), Seed(Role.ASSISTANT, "", tool_calls=(call,)),
+                                  Seed(Role.TOOL, "", tool_results=(result,)), Seed(Role.ASSISTANT, "21.")))
+    asks = key(conv)
+    await s.store.finish_turn(asks, await claimed(s, asks, content="And Rome?"),
+                              Reply(3, "", 5, MessageStatus.COMPLETE, Usage(10, 0, 5), tool_calls=(call,)))
+    answers = key(conv)
+    got = await s.store.begin_turn(ClaimRequest(answers, "fp:tool", "", "chat-1", TTL, None, 0,
+                                                tool_results=(result,)))
+    assert isinstance(got, Claimed)
+    await s.store.finish_turn(answers, got.lease_id, reply("22."))
+    view = await s.store.read_conversation(OWNER, conv)
+    assert [(m.role, m.tool_calls, m.tool_results) for m in view.messages] == [
+        (Role.USER, (), ()), (Role.ASSISTANT, (call,), ()), (Role.TOOL, (), (result,)), (Role.ASSISTANT, (), ()),
+        (Role.USER, (), ()), (Role.ASSISTANT, (call,), ()), (Role.TOOL, (), (result,)), (Role.ASSISTANT, (), ())]
+    done = await claim(s, asks, content="And Rome?")
+    assert isinstance(done, Done) and done.reply.tool_calls == (call,)
+    with pytest.raises(FailedPrecondition):  # a tool message came after that reply's question
+        await claim(s, key(conv), content="", regenerates=asks.turn)
+
+
 SCENARIOS: list[Callable[[Subject], Awaitable[None]]] = [
     one_claim_per_turn_id, a_lease_lapses_at_its_expiry_and_is_taken_over_once,
     a_lapsed_lease_nobody_took_still_finishes, progress_renews_the_lease_and_is_read_back, a_turn_is_stored_once,
@@ -340,7 +364,7 @@ SCENARIOS: list[Callable[[Subject], Awaitable[None]]] = [
     a_regenerate_supersedes_the_last_reply_only, only_a_stored_turn_is_regenerated,
     unknown_conversations_and_turns_are_not_found, a_claim_carries_the_whole_context,
     a_claims_context_starts_after_the_summary, usage_counts_stored_turns,
-    a_running_turn_is_not_deleted,
+    a_running_turn_is_not_deleted, a_tool_round_trip_is_stored_turn_by_turn,
 ]
 
 

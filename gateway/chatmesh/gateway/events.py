@@ -21,6 +21,7 @@ class SseEvent(enum.Enum):
 
     STARTED = "started"
     DELTA = "delta"
+    TOOL_CALL = "tool_call"  # the reply called a tool (after its text; only turns offered tools have them)
     COMPLETED = "completed"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -33,7 +34,7 @@ class SseEvent(enum.Enum):
     @property
     def is_final(self) -> bool:
         match self:
-            case SseEvent.STARTED | SseEvent.DELTA:
+            case SseEvent.STARTED | SseEvent.DELTA | SseEvent.TOOL_CALL:
                 return False
             case SseEvent.COMPLETED | SseEvent.STOPPED | SseEvent.FAILED | SseEvent.BLOCKED:
                 return True
@@ -62,6 +63,9 @@ def data_of(event: chat_pb2.TurnEvent, kind: SseEvent) -> dict[str, Any]:
             return {"turn_id": event.started.turn_id, "replayed": event.started.replayed}
         case SseEvent.DELTA:
             return {"text": event.delta.text}
+        case SseEvent.TOOL_CALL:
+            call = event.tool_call.call
+            return {"index": event.tool_call.index, "id": call.id, "name": call.name, "arguments": call.arguments}
         case SseEvent.COMPLETED:
             return {"usage": usage_json(event.completed.usage), "replica_id": event.completed.replica_id}
         case SseEvent.STOPPED:

@@ -54,7 +54,7 @@ def charge(reserved: int, outcome: Outcome) -> int:
             return 0
         case SseEvent.BLOCKED | SseEvent.FAILED | None:
             return started if started is not None else reserved
-        case SseEvent.STARTED | SseEvent.DELTA:
+        case SseEvent.STARTED | SseEvent.DELTA | SseEvent.TOOL_CALL:
             raise ValueError(f"{outcome.kind} does not end a stream")
 
 

@@ -30,7 +30,8 @@ from chatmesh.v1 import chat_pb2, chat_pb2_grpc, common_pb2
 log = logs.get("chatmesh.gateway")
 T = TypeVar("T")
 
-_ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant"}
+_ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant",
+          common_pb2.ROLE_TOOL: "tool"}
 _STATUSES = {common_pb2.MESSAGE_STATUS_COMPLETE: "complete", common_pb2.MESSAGE_STATUS_STOPPED: "stopped",
              common_pb2.MESSAGE_STATUS_BLOCKED: "blocked"}
 
@@ -155,8 +156,14 @@ def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
 def message_json(m: common_pb2.Message, sanitiser: Sanitiser | None) -> dict[str, Any]:
     role = _ROLES.get(m.role, "unspecified")
     content = sanitiser.whole(m.content) if sanitiser is not None and role == "assistant" else m.content
-    return {"index": m.index, "role": role, "content": content, "status": _STATUSES.get(m.status, "unspecified"),
-            "turn_id": m.turn_id, "token_count": m.token_count, "created_at_ms": m.created_at_ms}
+    out: dict[str, Any] = {"index": m.index, "role": role, "content": content,
+                           "status": _STATUSES.get(m.status, "unspecified"), "turn_id": m.turn_id,
+                           "token_count": m.token_count, "created_at_ms": m.created_at_ms}
+    if m.tool_calls:  # a reply that called tools (through the OpenAI-compatible surface)
+        out["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+    if m.tool_results:
+        out["tool_results"] = [{"tool_call_id": r.tool_call_id, "content": r.content} for r in m.tool_results]
+    return out
 
 
 async def create_conversation(request: Request) -> Response:

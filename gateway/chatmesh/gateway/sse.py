@@ -298,10 +298,11 @@ class TurnRelay(Response):
                         self._started = event.started
                         await self._on_started(event.started.replayed, event.started.prompt_tokens
                                                if event.started.HasField("prompt_tokens") else None)
-                    if kind.is_final:
+                    if kind.is_final or kind is events.SseEvent.TOOL_CALL:  # a call follows all of the text
                         tail = self._sanitiser.flush()
                         if tail:
                             await self._write(send, self._framing.delta(last_sequence, tail))
+                    if kind.is_final:
                         self._outcome = _outcome_of(event, kind)
                         await self._write(send, await self._framing.event(event, kind))
                         self._final_written = True

@@ -23,7 +23,9 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import (
     CHAT_HEADERS, TASK_HEADER, TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
+from chatmesh.gateway.openai.tool_wire import call_of, chunk_call, completion_calls
 from chatmesh.gateway.openai.turns import Ask, Opened
+from chatmesh.model.tools import ToolCall
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -47,10 +49,10 @@ class _Recorder:
         self.surface, self.owner, self.chat, self.messages, self.opened = surface, owner, chat, messages, opened
         self.fresh = fresh
 
-    async def __call__(self, reply: str, kind: events.SseEvent) -> None:
+    async def __call__(self, reply: str, kind: events.SseEvent, calls: tuple[ToolCall, ...] = ()) -> None:
         if self.fresh or kind is events.SseEvent.FAILED:
             return
-        seen = (*self.messages, wire.Message(wire.Role.ASSISTANT, reply))
+        seen = (*self.messages, wire.Message(wire.Role.ASSISTANT, reply, tool_calls=calls))
         point = Point(self.opened.point.conversation, self.opened.point.turn)
         try:
             await self.surface.index.record(self.owner, self.surface.index.digest(self.owner, self.chat, seen), point)
@@ -70,6 +72,7 @@ class ChunkFraming:
         self._cap = cap
         self._record = record
         self._parts: list[str] = []
+        self._calls: list[ToolCall] = []
         self._kind = events.SseEvent.FAILED
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -85,6 +88,11 @@ class ChunkFraming:
         if kind is events.SseEvent.STARTED:
             return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None}])
+        if kind is events.SseEvent.TOOL_CALL:  # one chunk per call: its id, name and whole arguments
+            call = call_of(event.tool_call.call)
+            self._calls.append(call)
+            return self._chunk([{"index": 0, "delta": {"tool_calls": [chunk_call(call, event.tool_call.index)]},
+                                 "logprobs": None, "finish_reason": None}])
         self._kind = kind
         if kind is events.SseEvent.FAILED:
             return self.failed(event.sequence, event.failed.message, event.failed.retryable)
@@ -103,7 +111,7 @@ class ChunkFraming:
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     async def end(self, outcome: events.Outcome) -> bytes:
-        await self._record("".join(self._parts), self._kind)
+        await self._record("".join(self._parts), self._kind, tuple(self._calls))
         return b"data: [DONE]\n\n"
 
 
@@ -114,7 +122,7 @@ def ask_of(request: Request, surface: Surface, owner: OwnerId, req: wire.ChatReq
     return Ask(owner=owner, chat=chat, history=req.history, content=req.content, options=options,
                request_digest=surface.index.digest(owner, f"{chat}\0completion\0{shape}", req.messages),
                key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
-               fresh=header(request, (TASK_HEADER,)) is not None)
+               fresh=header(request, (TASK_HEADER,)) is not None, results=req.results)
 
 
 async def create(request: Request) -> Response:
@@ -137,12 +145,14 @@ async def create(request: Request) -> Response:
     reply = await replies.collect(surface, slot, opened, cap, after)
     if reply.kind is events.SseEvent.FAILED:
         raise ApiError(503, "turn_failed", reply.failure or "the turn failed; retry")
-    await record(reply.text, reply.kind)
+    await record(reply.text, reply.kind, reply.tool_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text, "refusal": None, "annotations": []}
+    if reply.tool_calls:
+        message["tool_calls"] = completion_calls(reply.tool_calls)
+        message["content"] = reply.text or None  # as OpenAI answers a reply that is only calls
     return JSONResponse({
         "id": ids.completion_id(opened.point.turn), "object": "chat.completion", "created": int(time.time()),
         "model": surface.model, "system_fingerprint": "chatmesh",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text, "refusal": None,
-                                             "annotations": []},
-                     "logprobs": None, "finish_reason": reply.finish_reason}],
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": reply.finish_reason}],
         "usage": usage_json(reply.usage), "service_tier": "default"})
 

@@ -14,7 +14,8 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
 from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
-from chatmesh.gateway.openai.turns import owner_token
+from chatmesh.gateway.openai.tool_wire import call_of, function_call_item
+from chatmesh.gateway.openai.turns import owner_token, seeds_of
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -25,6 +26,16 @@ _ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common
 def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
     return {"id": ids.conversation_id(c.conversation_id), "object": "conversation",
             "created_at": c.created_at_ms // 1000, "metadata": {}}
+
+
+def items_of(m: common_pb2.Message, sanitiser: Sanitiser) -> list[dict[str, Any]]:
+    """A stored message as Conversations items: a message, an assistant's calls as function_call items after
+    it (the message left out when it is only calls), a tool message's results as function_call_output items."""
+    if m.role == common_pb2.ROLE_TOOL:
+        return [{"type": "function_call_output", "id": "fco_" + r.tool_call_id.removeprefix("call_"),
+                 "call_id": r.tool_call_id, "output": r.content, "status": "completed"} for r in m.tool_results]
+    calls = [function_call_item(call_of(c), "completed") for c in m.tool_calls]
+    return ([] if calls and not m.content else [item_json(m, sanitiser)]) + calls
 
 
 def item_json(m: common_pb2.Message, sanitiser: Sanitiser) -> dict[str, Any]:
@@ -68,7 +79,7 @@ async def create(request: Request) -> Response:
     if body.get("items"):
         messages = wire.conversation_items(body["items"], surface.edge.max_body_bytes)
         await surface.check_sizes(messages, "items")
-        seed = [common_pb2.SeedMessage(role=m.role.proto, content=m.text) for m in messages if m.text.strip()]
+        seed = seeds_of(messages)
     reply = await surface.edge.unary(surface.edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
         owner_id=owner, messages=seed), timeout=surface.edge.deadline_s,
         metadata=owner_token(surface.edge, owner)))
@@ -104,7 +115,7 @@ async def items(request: Request) -> Response:
         raise invalid("order", "must be asc or desc")
     view = await _read(surface, owner, conv)
     sanitiser = Sanitiser(surface.edge.allowlist)
-    all_items = [item_json(m, sanitiser) for m in view.messages if not m.superseded]
+    all_items = [item for m in view.messages if not m.superseded for item in items_of(m, sanitiser)]
     if order == "desc":
         all_items.reverse()
     after = request.query_params.get("after")

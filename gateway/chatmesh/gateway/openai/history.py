@@ -13,7 +13,8 @@ the request is recognised as the next turn of a stored conversation. How:
   request starts a new conversation seeded with its earlier messages (`turns.py` decides).
 
 The digest is an HMAC-SHA256 keyed by CHATMESH_KEY_PEPPER (the edge's secret for stored digests) over the owner id, the client's chat id (Open
-WebUI's `X-OpenWebUI-Chat-Id`, or none) and each message's role and whitespace-trimmed text, length-prefixed.
+WebUI's `X-OpenWebUI-Chat-Id`, or none) and each message's role and whitespace-trimmed text, length-prefixed, and
+its tool calls (id, name, arguments as canonical JSON) or the call a tool result answers.
 The owner is both inside the digest and the first column of the key, so no lookup can match across owners; the
 key makes a digest of a short message ("hi") impossible to reverse by trying candidates.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -63,7 +65,23 @@ def digest(secret: bytes, owner: OwnerId, chat: str, messages: Sequence[Message]
     for m in messages:
         raw = m.text.strip().encode()
         mac.update(m.role.value[0].encode() + len(raw).to_bytes(4, "big") + raw)
+        for part in _tool_parts(m):  # nothing for a message without tools: such digests are as they were
+            raw = part.encode()
+            mac.update(b"c" + len(raw).to_bytes(4, "big") + raw)
     return mac.hexdigest()
+
+
+def _tool_parts(m: Message) -> list[str]:
+    """A message's calls (id, name, arguments as canonical JSON: a client may re-serialise them) or the call a
+    tool result answers."""
+    parts = [m.tool_call_id] if m.tool_call_id else []
+    for c in m.tool_calls:
+        try:
+            arguments = json.dumps(json.loads(c.arguments), sort_keys=True, separators=(",", ":"))
+        except ValueError:
+            arguments = c.arguments
+        parts += [c.id, c.name, arguments]
+    return parts
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
 from chatmesh.gateway.sanitise import Sanitiser
+from chatmesh.gateway.openai.tool_wire import call_of
 from chatmesh.gateway.sse import Framing, TurnRelay, next_event
+from chatmesh.model.tools import ToolCall
 from chatmesh.mesh import ids, logs
 from chatmesh.v1 import chat_pb2, common_pb2
 
@@ -32,8 +34,9 @@ class Reply:
     text: str  # as the client receives it (sanitised)
     kind: events.SseEvent
     usage: common_pb2.Usage
-    finish_reason: str  # "stop", "length" or "content_filter"; "" when failed
+    finish_reason: str  # "stop", "length", "tool_calls" or "content_filter"; "" when failed
     failure: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 async def start(surface: Surface, ask: Ask) -> tuple[StreamSlot, Opened]:
@@ -55,7 +58,7 @@ def finish_reason(kind: events.SseEvent, usage: common_pb2.Usage, stated: str, c
             return stated or ("length" if cap and usage.output_tokens >= cap else "stop")
         case events.SseEvent.STOPPED:
             return "stop"
-        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA:
+        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA | events.SseEvent.TOOL_CALL:
             return ""
 
 
@@ -74,6 +77,7 @@ async def collect(surface: Surface, slot: StreamSlot, opened: Opened, cap: int, 
     """The whole reply of a turn; the slot is metered as a relayed stream's is (chatmesh.gateway.metering)."""
     sanitiser = Sanitiser(surface.edge.allowlist)
     parts: list[str] = []
+    calls: list[ToolCall] = []
     event = opened.first
     outcome = events.Outcome(None, 0)
     started: chat_pb2.TurnStarted | None = None
@@ -86,6 +90,8 @@ async def collect(surface: Surface, slot: StreamSlot, opened: Opened, cap: int, 
                                    started.prompt_tokens if started.HasField("prompt_tokens") else None)
             if kind is events.SseEvent.DELTA:
                 parts.append(sanitiser.feed(event.delta.text))
+            elif kind is events.SseEvent.TOOL_CALL:
+                calls.append(call_of(event.tool_call.call))
             elif kind.is_final:
                 parts.append(sanitiser.flush())
                 usage = usage_of(event)
@@ -93,7 +99,8 @@ async def collect(surface: Surface, slot: StreamSlot, opened: Opened, cap: int, 
                                          if kind is events.SseEvent.BLOCKED else "")
                 stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
                 failure = event.failed.message if kind is events.SseEvent.FAILED else ""
-                return Reply("".join(parts), kind, usage, finish_reason(kind, usage, stated, cap), failure)
+                return Reply("".join(parts), kind, usage, finish_reason(kind, usage, stated, cap), failure,
+                             tuple(calls))
             nxt = await next_event(opened.call)
             if nxt is None:
                 return Reply("".join(parts), events.SseEvent.FAILED, common_pb2.Usage(), "",

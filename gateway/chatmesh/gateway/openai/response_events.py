@@ -5,6 +5,12 @@
     response.output_item.done, then exactly one of response.completed / response.incomplete / response.failed
     (a failure: an `error` event, then response.failed), then the literal `data: [DONE]`.
 
+The message item is opened with the reply's first text (or at the end, empty, when the reply has neither text
+nor calls). A tool call (after all the text) closes it and is an item of its own at the next output_index:
+response.output_item.added (function_call, in_progress, no arguments yet), response.function_call_arguments.delta
+(the whole arguments: a call is published complete), response.function_call_arguments.done,
+response.output_item.done; so a reply that is only a call has its function_call at output_index 0, as OpenAI's.
+
 Each event carries `sequence_number`, from 0, one more per event; `event:` names its `type`, and no `id:` is sent.
 
 Resuming (background responses, `GET /responses/{id}?stream=true&starting_after=N`). The events are a pure
@@ -28,6 +34,8 @@ from typing import Any, Protocol
 from chatmesh.gateway import events
 from chatmesh.gateway.openai import replies
 from chatmesh.gateway.openai.response_object import Shape
+from chatmesh.gateway.openai.tool_wire import call_of, function_call_item
+from chatmesh.model.tools import ToolCall
 from chatmesh.v1 import chat_pb2, common_pb2
 
 ALIGN_MAX = 8
@@ -95,6 +103,9 @@ class EventFraming:
         self._after = starting_after
         self._sequence = 0
         self._parts: list[str] = []
+        self._message = False  # the message item is open
+        self._next_index = 0  # the output_index of the next item
+        self._calls: list[ToolCall] = []
         self._delta_head = json.dumps({"type": "response.output_text.delta", "item_id": shape.item_id,
                                        "output_index": 0, "content_index": 0, "logprobs": []},
                                       separators=(",", ":"))[:-1].encode()
@@ -108,8 +119,45 @@ class EventFraming:
                           ensure_ascii=False)
         return f"event: {kind}\ndata: {body}\n\n".encode()
 
+    def _open_message(self) -> bytes:
+        if self._message or self._next_index:
+            return b""
+        self._message, self._next_index = True, 1
+        s = self._shape
+        return (self._event("response.output_item.added", output_index=0,
+                            item={**s.item("", "in_progress"), "content": []})
+                + self._event("response.content_part.added", item_id=s.item_id, output_index=0,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                     "logprobs": []}))
+
+    def _close_message(self, status: str) -> bytes:
+        if not self._message:
+            return b""
+        self._message = False
+        s, text = self._shape, "".join(self._parts)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return (self._event("response.output_text.done", item_id=s.item_id, output_index=0, content_index=0,
+                            text=text, logprobs=[])
+                + self._event("response.content_part.done", item_id=s.item_id, output_index=0, content_index=0,
+                              part=part)
+                + self._event("response.output_item.done", output_index=0, item=s.item(text, status)))
+
+    def _call(self, event: chat_pb2.TurnEvent) -> bytes:
+        call = call_of(event.tool_call.call)
+        self._calls.append(call)
+        out = self._deltas(self._chunker.flush()) + self._close_message("completed")
+        index, self._next_index = self._next_index, self._next_index + 1
+        item = function_call_item(call, "in_progress")
+        return (out + self._event("response.output_item.added", output_index=index, item=item)
+                + self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=call.arguments)
+                + self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              name=call.name, arguments=call.arguments)
+                + self._event("response.output_item.done", output_index=index,
+                              item=function_call_item(call, "completed")))
+
     def _deltas(self, pieces: list[str]) -> bytes:
-        out = b""
+        out = self._open_message() if pieces else b""
         for text in pieces:
             self._parts.append(text)
             number = self._sequence
@@ -127,26 +175,19 @@ class EventFraming:
         if kind is events.SseEvent.STARTED:
             running = s.body("in_progress", None, None)
             return (self._event("response.created", response=running)
-                    + self._event("response.in_progress", response=running)
-                    + self._event("response.output_item.added", output_index=0,
-                                  item={**s.item("", "in_progress"), "content": []})
-                    + self._event("response.content_part.added", item_id=s.item_id, output_index=0,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                         "logprobs": []}))
+                    + self._event("response.in_progress", response=running))
+        if kind is events.SseEvent.TOOL_CALL:
+            return self._call(event)
         if kind is events.SseEvent.FAILED:
             return self.failed(event.sequence, event.failed.message, event.failed.retryable)
         out = self._deltas(self._chunker.flush())
         text = "".join(self._parts)
         usage = replies.usage_of(event)
         ended = await self._ending(event, kind, usage)
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        final = s.body(ended.status, text, usage, reason=ended.reason, completed_at=ended.completed_at)
+        final = s.body(ended.status, text, usage, reason=ended.reason, completed_at=ended.completed_at,
+                       calls=self._calls)
         item_status = "completed" if ended.status == "completed" else "incomplete"
-        return (out + self._event("response.output_text.done", item_id=s.item_id, output_index=0, content_index=0,
-                                  text=text, logprobs=[])
-                + self._event("response.content_part.done", item_id=s.item_id, output_index=0, content_index=0,
-                              part=part)
-                + self._event("response.output_item.done", output_index=0, item=s.item(text, item_status))
+        return (out + self._open_message() + self._close_message(item_status)
                 + self._event("response.completed" if ended.status == "completed" else "response.incomplete",
                               response=final))
 
@@ -155,7 +196,7 @@ class EventFraming:
         return (self._event("error", error={"type": "server_error", "code": "server_error",
                                             "message": error["message"], "param": None})
                 + self._event("response.failed", response=self._shape.body("failed", "".join(self._parts), None,
-                                                                           error=error)))
+                                                                           error=error, calls=self._calls)))
 
     async def end(self, outcome: events.Outcome) -> bytes:
         return DONE

@@ -14,12 +14,15 @@ content_filter (moderation blocked it); cancelled (stopped: the partial reply is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from chatmesh.gateway import events
 from chatmesh.gateway.openai import ids
 from chatmesh.gateway.openai.history import Point
+from chatmesh.gateway.openai.tool_wire import NO_TOOLS, Tools, function_call_item
+from chatmesh.model.tools import ToolCall
 from chatmesh.v1 import common_pb2
 
 TERMINAL = ("completed", "incomplete", "cancelled", "failed")
@@ -40,7 +43,7 @@ def status_of(kind: events.SseEvent, finish: str) -> tuple[str, str | None]:
             return "cancelled", None
         case events.SseEvent.BLOCKED:
             return "incomplete", "content_filter"
-        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA:
+        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA | events.SseEvent.TOOL_CALL:
             return "failed", None
 
 
@@ -55,15 +58,15 @@ class Sampling:
 def request_fields(*, model: str, created_at: int, instructions: str | None, previous_response_id: str | None,
                    max_output_tokens: int | None, temperature: float, top_p: float, store: bool, background: bool,
                    truncation: str, metadata: dict[str, str], user: str | None, safety_identifier: str | None,
-                   prompt_cache_key: str | None) -> dict[str, Any]:
-    """The request side of a Response object (see the module docstring). Tools: `tools`, `tool_choice`,
-    `parallel_tool_calls` and `max_tool_calls` are the tool wire's to fill."""
+                   prompt_cache_key: str | None, tools: Tools = NO_TOOLS) -> dict[str, Any]:
+    """The request side of a Response object (see the module docstring); `tools`, `tool_choice` and
+    `parallel_tool_calls` as the request sent them (tool_wire.Tools)."""
     return {
         "object": "response", "created_at": created_at, "model": model, "instructions": instructions,
         "previous_response_id": previous_response_id, "max_output_tokens": max_output_tokens,
         "max_tool_calls": None, "temperature": temperature, "top_p": top_p, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "top_logprobs": 0, "reasoning": None, "store": store, "background": background,
-        "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
+        **tools.response_fields(), "text": {"format": {"type": "text"}},
         "truncation": truncation, "metadata": metadata, "user": user, "service_tier": "default",
         "safety_identifier": safety_identifier, "prompt_cache_key": prompt_cache_key}
 
@@ -87,11 +90,18 @@ class Shape:
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
+    def output(self, text: str | None, calls: Sequence[ToolCall], item_status: str) -> list[dict[str, Any]]:
+        """The output items: the message (when there is text, or nothing else), then a function_call per call
+        (complete: a call is published whole)."""
+        message = [] if text is None or (not text and calls) else [self.item(text, item_status)]
+        return message + [function_call_item(c, "completed") for c in calls]
+
     def body(self, status: str, text: str | None, usage: common_pb2.Usage | None, *, reason: str | None = None,
-             error: dict[str, str] | None = None, completed_at: int | None = None) -> dict[str, Any]:
+             error: dict[str, str] | None = None, completed_at: int | None = None,
+             calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         item_status = "in_progress" if status in ("in_progress", "queued") else \
             "completed" if status == "completed" else "incomplete"
         return {**self.fixed, "status": status, "completed_at": completed_at if status == "completed" else None,
                 "error": error, "incomplete_details": {"reason": reason} if reason else None,
-                "output": [] if text is None else [self.item(text, item_status)],
+                "output": self.output(text, calls, item_status),
                 "usage": usage_json(usage) if usage is not None else None}

@@ -36,6 +36,7 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.records import Ended, Recorded
 from chatmesh.gateway.openai.response_events import Ending, EventFraming, Immediate, Outcome
 from chatmesh.gateway.openai.response_object import Shape, request_fields, status_of
+from chatmesh.gateway.openai.tool_wire import NO_TOOLS, call_of
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
@@ -64,7 +65,8 @@ def _fields(surface: Surface, req: wire.ResponseRequest | None, created_at: int)
         truncation=req.truncation if req is not None else "disabled",
         metadata=req.metadata if req is not None else {}, user=req.user if req is not None else None,
         safety_identifier=req.safety_identifier if req is not None else None,
-        prompt_cache_key=req.prompt_cache_key if req is not None else None)
+        prompt_cache_key=req.prompt_cache_key if req is not None else None,
+        tools=req.tools if req is not None else NO_TOOLS)
 
 
 class _Recording:
@@ -105,6 +107,8 @@ def _split_input(req: wire.ResponseRequest, continuing: bool) -> tuple[tuple[wir
     if continuing:
         extra = [m.text for m in history if m.role is wire.Role.SYSTEM]
         for i, m in enumerate(history):
+            if m.role is wire.Role.ASSISTANT and m.tool_calls and not m.text:
+                continue  # the calls its tool results answer, sent back with them: already in the conversation
             if m.role is not wire.Role.SYSTEM:
                 raise invalid(f"input[{i}]", "a response that continues a conversation takes one new user message "
                                              "(earlier messages are already in the conversation)")
@@ -131,7 +135,7 @@ async def create(request: Request) -> Response:
     conversation = ids.parse_conversation(req.conversation, "conversation") if req.conversation else None
     history, instructions = _split_input(req, continuing=after is not None or conversation is not None)
     options = wire.Options(req.options.temperature, req.options.top_p, None, (), req.options.max_tokens,
-                           instructions).proto()
+                           instructions, req.tools).proto()
     if req.compact_threshold is not None:
         options.compact_threshold_tokens = req.compact_threshold
     shape_key = json.dumps([req.previous_response_id, req.conversation, req.raw_input, instructions,
@@ -140,7 +144,7 @@ async def create(request: Request) -> Response:
     ask = Ask(owner=owner, chat="", history=history, content=req.content, options=options,
               request_digest=surface.index.digest(owner, "response\0" + shape_key, ()),
               key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
-              after=Point(*after) if after else None, conversation=conversation,
+              after=Point(*after) if after else None, conversation=conversation, results=req.results,
               fresh=not req.store and after is None and conversation is None,
               seed_from=Point(*after) if after and not req.store else None)
     if not req.store and (after is not None or conversation is not None):
@@ -169,7 +173,8 @@ async def create(request: Request) -> Response:
     status, reason = status_of(reply.kind, reply.finish_reason)
     outcome = Outcome(status, reason, int(time.time()))
     await recording.end(outcome)
-    return JSONResponse(shape.body(status, reply.text, reply.usage, reason=reason, completed_at=outcome.completed_at))
+    return JSONResponse(shape.body(status, reply.text, reply.usage, reason=reason, completed_at=outcome.completed_at,
+                                   calls=reply.tool_calls))
 
 
 async def _shape_of(surface: Surface, owner: OwnerId, opened: Opened, req: wire.ResponseRequest) -> Shape:
@@ -224,7 +229,8 @@ async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any
         cap = recorded.cap if recorded is not None and recorded.cap else surface.reply_cap
         status, reason = status_of(kind, replies.finish_reason(kind, turn.usage, turn.finish_reason, cap))
         ended = Ended(status, reason, turn.stored_at_ms // 1000 or None)
-    return shape.body(ended.status, text, turn.usage, reason=ended.reason, completed_at=ended.completed_at)
+    return shape.body(ended.status, text, turn.usage, reason=ended.reason, completed_at=ended.completed_at,
+                      calls=[call_of(c) for c in turn.tool_calls])
 
 
 async def retrieve(request: Request) -> Response:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from chatmesh.gateway.errors import ApiError
@@ -78,6 +78,7 @@ class Ask:
     request_digest: str  # of the whole request: messages, options and where it continues
     key: str | None = None  # Idempotency-Key or Open WebUI's message id
     retry: bool = False  # the SDK's own retry of this request
+    results: tuple[tuple[str, str], ...] = ()  # tool results (call id, output) this request answers instead
     after: Point | None = None  # previous_response_id: continue right after this turn
     conversation: ConversationId | None = None  # conversation: append to it as stored
     seed_from: Point | None = None  # a fork seeds the stored history up to this point (Responses)
@@ -221,6 +222,8 @@ class Continuity:
                     create: chat_pb2.NewConversation | None = None) -> Opened:
         req = chat_pb2.SendTurnRequest(owner_id=ask.owner, conversation_id=conversation, turn_id=turn,
                                        content=ask.content, options=ask.options, expect_last_turn_id=expect,
+                                       tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c)
+                                                     for i, c in ask.results],
                                        prompt_token_allowance=ask.allowance)
         if create is not None:
             req.create.CopyFrom(create)
@@ -247,9 +250,9 @@ class Continuity:
             ends = [i for i, m in enumerate(live) if m.turn_id == ask.seed_from.turn]
             if not ends:
                 raise OpenAIError(404, "not_found", "previous response not found", "previous_response_id")
-            seed.extend(common_pb2.SeedMessage(role=m.role, content=m.content) for m in live[:ends[-1] + 1])
-        seed.extend(common_pb2.SeedMessage(role=m.role.proto, content=m.text) for m in ask.history if m.text.strip())
-        return seed
+            seed.extend(common_pb2.SeedMessage(role=m.role, content=m.content, tool_calls=m.tool_calls,
+                                               tool_results=m.tool_results) for m in live[:ends[-1] + 1])
+        return seed + seeds_of(ask.history)
 
     @staticmethod
     def _may_replay(ask: Ask) -> bool:
@@ -259,3 +262,19 @@ class Continuity:
     def _new_conversation(ask: Ask, base: str) -> ConversationId:
         return ConversationId(derived_id("conversation", ask.owner, ask.chat, ask.request_digest, base))
 
+
+def seeds_of(messages: Sequence[Message]) -> list[common_pb2.SeedMessage]:
+    """A client's messages as seed messages: each run of tool results one tool message (as chat stores a tool
+    turn), an assistant's calls with it, empty messages left out."""
+    seed: list[common_pb2.SeedMessage] = []
+    for m in messages:
+        if m.role is Role.TOOL:
+            result = common_pb2.ToolResult(tool_call_id=m.tool_call_id, content=m.text)
+            if seed and seed[-1].role == common_pb2.ROLE_TOOL:
+                seed[-1].tool_results.append(result)
+            else:
+                seed.append(common_pb2.SeedMessage(role=common_pb2.ROLE_TOOL, tool_results=[result]))
+        elif m.text.strip() or m.tool_calls:
+            seed.append(common_pb2.SeedMessage(role=m.role.proto, content=m.text, tool_calls=[
+                common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]))
+    return seed

@@ -12,10 +12,14 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
+from chatmesh.gateway.openai.tool_wire import (
+    NO_TOOLS, Tools, chat_tools, item_call, item_output, message_calls, reject_legacy_functions, response_tools,
+)
+from chatmesh.model.tools import ToolCall
 from chatmesh.v1 import chat_pb2, common_pb2
 
 MAX_STOP = 4
@@ -29,14 +33,16 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # a tool's result (Chat Completions' tool message, a Responses function_call_output item)
 
     @property
     def proto(self) -> common_pb2.Role:
         return {Role.SYSTEM: common_pb2.ROLE_SYSTEM, Role.USER: common_pb2.ROLE_USER,
-                Role.ASSISTANT: common_pb2.ROLE_ASSISTANT}[self]
+                Role.ASSISTANT: common_pb2.ROLE_ASSISTANT, Role.TOOL: common_pb2.ROLE_TOOL}[self]
 
 
-_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT}
+_ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT,
+          "tool": Role.TOOL}
 
 
 PHASES = ("commentary", "final_answer")
@@ -47,6 +53,19 @@ class Message:
     role: Role
     text: str
     phase: str | None = None  # an assistant message's Responses `phase` (commentary or final_answer), as sent
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str = ""  # a TOOL message: the call whose result `text` is
+
+
+def split_input(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], str, tuple[tuple[str, str], ...]]:
+    """A request's messages as (history, the new user message, the new tool results): the input is the last
+    message (a user's), or the run of tool results that ends the messages (answering the calls before them)."""
+    start = len(messages) - 1
+    while start > 0 and messages[start - 1].role is Role.TOOL:
+        start -= 1
+    if messages[-1].role is Role.TOOL:
+        return messages[:start], "", tuple((m.tool_call_id, m.text) for m in messages[start:])
+    return messages[:-1], messages[-1].text, ()
 
 
 @dataclass(frozen=True)
@@ -59,10 +78,12 @@ class Options:
     stop: tuple[str, ...] = ()
     max_tokens: int | None = None
     instructions: str = ""
+    tools: Tools = NO_TOOLS
 
     def proto(self) -> chat_pb2.TurnOptions:
         out = chat_pb2.TurnOptions(stop=list(self.stop), max_tokens=self.max_tokens or 0,
                                    instructions=self.instructions)
+        self.tools.proto(out)
         if self.temperature is not None:
             out.temperature = self.temperature
         if self.top_p is not None:
@@ -85,11 +106,16 @@ class ChatRequest:
 
     @property
     def history(self) -> tuple[Message, ...]:
-        return self.messages[:-1]
+        return split_input(self.messages)[0]
 
     @property
     def content(self) -> str:
-        return self.messages[-1].text
+        return split_input(self.messages)[1]
+
+    @property
+    def results(self) -> tuple[tuple[str, str], ...]:
+        """The tool results this request answers with (call id, output), instead of a user message."""
+        return split_input(self.messages)[2]
 
 
 @dataclass(frozen=True)
@@ -114,13 +140,19 @@ class ResponseRequest:
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
+    tools: Tools = NO_TOOLS
+
     @property
     def history(self) -> tuple[Message, ...]:
-        return self.items[:-1]
+        return split_input(self.items)[0]
 
     @property
     def content(self) -> str:
-        return self.items[-1].text
+        return split_input(self.items)[1]
+
+    @property
+    def results(self) -> tuple[tuple[str, str], ...]:
+        return split_input(self.items)[2]
 
 
 # ---- field checks ---------------------------------------------------------------------------------------------
@@ -187,11 +219,8 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v is None or v == 0,
     "presence_penalty": lambda v: v is None or v == 0,
     "logit_bias": _is_empty,
-    "tools": _is_empty,
-    "tool_choice": lambda v: v is None or v == "none",
     "functions": _is_empty,
     "function_call": lambda v: v is None or v == "none",
-    "parallel_tool_calls": lambda v: v is None or v is False,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
@@ -208,11 +237,8 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
 }
 _WHY = {
     "n": "one choice per request (n=1)",
-    "tools": "no tool calling",
-    "tool_choice": "no tool calling",
-    "functions": "no tool calling",
-    "function_call": "no tool calling",
-    "parallel_tool_calls": "no tool calling",
+    "functions": "the deprecated functions API; send tools and tool_choice",
+    "function_call": "the deprecated functions API; send tools and tool_choice",
     "store": "every chat-completions conversation is stored (30 days, deletable through /conversations); the "
              "Responses API takes store=false",
     "response_format": "text replies only",
@@ -254,11 +280,37 @@ def _text_of(content: Any, param: str, part_types: tuple[str, ...]) -> str:
 
 ITEM_KEYS = frozenset({"role", "content", "type", "id", "status", "phase"})
 ITEM_PARTS = ("input_text", "output_text", "text")
+CHAT_KEYS = frozenset({"role", "content", "type", "tool_calls", "tool_call_id", "name", "refusal", "annotations",
+                       "audio"})
+# What an assistant message the API answered carries back when a client appends it as it came: kept only empty
+_ECHOED = {"refusal": lambda v: v in (None, ""), "annotations": lambda v: isinstance(v, list) and not v,
+           "audio": lambda v: v is None}
+_CALL_ITEM_KEYS = frozenset({"type", "id", "call_id", "name", "arguments", "status"})
+_OUTPUT_ITEM_KEYS = frozenset({"type", "id", "call_id", "output", "status"})
+
+
+def _item(item: dict[str, Any], where: str, items: bool) -> Message | None:
+    """A Responses function_call / function_call_output item as a message (None: not such an item)."""
+    kind = item.get("type", "message")
+    if not items or kind == "message":
+        return None
+    if kind not in ("function_call", "function_call_output"):
+        raise unsupported(f"{where}.type", f"{str(kind)[:40]!r} items (messages, function_call and "
+                                           "function_call_output only)")
+    keys = _CALL_ITEM_KEYS if kind == "function_call" else _OUTPUT_ITEM_KEYS
+    for key in item:
+        if key not in keys:
+            raise invalid(f"{where}.{key}", "unknown field", "unknown_parameter")
+    if kind == "function_call":
+        return Message(Role.ASSISTANT, "", tool_calls=(item_call(item, where),))
+    call_id, output = item_output(item, where)
+    return Message(Role.TOOL, output, tool_call_id=call_id)
 
 
 def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...], item_keys: frozenset[str],
-              last_user: bool = True, start: int = 0) -> tuple[Message, ...]:
-    """`raw`'s messages; `start`: the index of raw[0] in the request's list (for the names in errors)."""
+              last_user: bool = True, start: int = 0, items: bool = False) -> tuple[Message, ...]:
+    """`raw`'s messages; `start`: the index of raw[0] in the request's list (for the names in errors); `items`:
+    Responses input, where function_call / function_call_output items are tool calls and results."""
     if not isinstance(raw, list):
         raise _type_error(param, "an array of messages")
     if not raw:
@@ -270,32 +322,75 @@ def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...],
         where = f"{param}[{i}]"
         if not isinstance(item, dict):
             raise _type_error(where, "a message object")
+        tool_item = _item(item, where, items)
+        if tool_item is not None:
+            if len(tool_item.text) > max_chars:
+                raise invalid(f"{where}.output", f"longer than {max_chars} characters", "string_above_max_length")
+            # consecutive function_call items (and the message before them) are one assistant reply
+            if tool_item.tool_calls and out and out[-1].role is Role.ASSISTANT:
+                out[-1] = replace(out[-1], tool_calls=out[-1].tool_calls + tool_item.tool_calls)
+            else:
+                out.append(tool_item)
+            continue
         for key in item:
             if key not in item_keys:
-                if key in ("tool_calls", "function_call", "tool_call_id", "audio", "refusal"):
-                    raise unsupported(f"{where}.{key}", "no tool calling")
+                if key in ("function_call", "audio", "refusal"):
+                    raise unsupported(f"{where}.{key}", "text and tool calls only")
                 raise invalid(f"{where}.{key}", "unknown field", "unknown_parameter")
+            if key in _ECHOED and not _ECHOED[key](item[key]):
+                raise unsupported(f"{where}.{key}", "text and tool calls only")
         if item.get("type", "message") != "message":
             raise unsupported(f"{where}.type", f"{item.get('type')!r} items (messages only)")
         role = item.get("role")
+        roles = "system, developer, user, assistant" + (" or tool" if "tool_call_id" in item_keys else "")
         if not isinstance(role, str):
-            raise invalid(f"{where}.role", "is required (system, developer, user or assistant)")
-        if role not in _ROLES:
-            raise invalid(f"{where}.role", f"unknown role {role[:20]!r} (system, developer, user or assistant)")
+            raise invalid(f"{where}.role", f"is required ({roles})")
+        if role not in _ROLES or (role == "tool" and "tool_call_id" not in item_keys):
+            raise invalid(f"{where}.role", f"unknown role {role[:20]!r} ({roles})")
+        calls: tuple[ToolCall, ...] = ()
+        if "tool_calls" in item and item["tool_calls"] is not None:
+            if role != "assistant":
+                raise invalid(f"{where}.tool_calls", "only an assistant message makes tool calls")
+            calls = message_calls(item["tool_calls"], where)
+        call_id = ""
+        if role == "tool":
+            call_id = item.get("tool_call_id") or ""
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{where}.tool_call_id", "a tool message names the call it answers",
+                              "missing_required_parameter")
+        elif "tool_call_id" in item:
+            raise invalid(f"{where}.tool_call_id", "only a tool message answers a call")
         content = item.get("content")
         text = "" if content is None and role == "assistant" else _text_of(content, f"{where}.content", part_types)
         phase = item.get("phase")
         if phase is not None and (role != "assistant" or phase not in PHASES):
             raise invalid(f"{where}.phase", "only an assistant message has a phase: commentary or final_answer")
-        if not text.strip() and role != "assistant":  # a reply may be empty (blocked, stopped at once)
+        if not text.strip() and role not in ("assistant", "tool"):  # a reply may be empty (blocked, a call)
             raise invalid(f"{where}.content", "must not be empty")
         if len(text) > max_chars:
             raise invalid(f"{where}.content", f"longer than {max_chars} characters", "string_above_max_length")
-        out.append(Message(_ROLES[role], text, phase))
-    if last_user and out[-1].role is not Role.USER:
+        out.append(Message(_ROLES[role], text, phase, calls, call_id))
+    _check_calls(out, param, leading_results=items)
+    if last_user and out[-1].role not in (Role.USER, Role.TOOL):
         raise invalid(f"{param}[{start + len(out) - 1}].role",
-                      "the last message must be the user's (the one to answer)")
+                      "the last message must be the user's (the one to answer), or tool results answering the "
+                      "last reply's calls")
     return tuple(out)
+
+
+def _check_calls(messages: list[Message], param: str, leading_results: bool) -> None:
+    """Each run of tool results follows an assistant message with calls and answers only those. With
+    `leading_results` (Responses input, continuing a stored response), results that open the input answer calls
+    the stored conversation holds (not checked here: the edge does not read the conversation for it)."""
+    open_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role is Role.TOOL:
+            if leading_results and all(p.role is Role.TOOL for p in messages[:i]):
+                continue
+            if m.tool_call_id not in open_calls:
+                raise invalid(f"{param}[{i}].tool_call_id", "answers no call of the assistant message before it")
+            continue
+        open_calls = {c.id for c in m.tool_calls}
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -331,14 +426,15 @@ def model_of(body: Mapping[str, Any]) -> str:
 
 
 _CHAT_KEYS = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-                        "temperature", "top_p", "seed", "stop", "user"})
+                        "temperature", "top_p", "seed", "stop", "user", "tools", "tool_choice", "parallel_tool_calls"})
 
 
 def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int) -> ChatRequest:
+    reject_legacy_functions(body)
     _refuse_unsupported(body, _CHAT_KEYS, _NO_OP, _WHY)
     model = model_of(body)
-    messages = _messages(body.get("messages"), "messages", max_chars, ("text",),
-                         frozenset({"role", "content", "type"}))
+    messages = _messages(body.get("messages"), "messages", max_chars, ("text",), CHAT_KEYS)
+    tools = chat_tools(body)
     stream = _bool(body, "stream", False)
     include_usage = False
     stream_options = body.get("stream_options")
@@ -355,22 +451,22 @@ def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int
             raise unsupported("stream_options.include_obfuscation")
     options = Options(temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0),
                       seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1), stop=_stop(body),
-                      max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), context_tokens))
+                      max_tokens=_max_tokens(body, ("max_completion_tokens", "max_tokens"), context_tokens),
+                      tools=tools)
     if options.top_p == 0.0:
         raise invalid("top_p", "must be above 0")
     if options.seed is not None and options.seed < 0:
-        options = Options(options.temperature, options.top_p, options.seed % (1 << 64), options.stop,
-                          options.max_tokens)
+        options = replace(options, seed=options.seed % (1 << 64))
     return ChatRequest(model, messages, stream, include_usage, options, _string(body, "user", max_chars=256))
 
 
 _RESPONSE_KEYS = frozenset({"model", "input", "instructions", "previous_response_id", "conversation", "store",
                             "stream", "max_output_tokens", "temperature", "top_p", "user", "text", "truncation",
                             "stream_options", "background", "metadata", "safety_identifier", "prompt_cache_key",
-                            "context_management"})
+                            "context_management", "tools", "tool_choice", "parallel_tool_calls"})
 _RESPONSE_NO_OP: dict[str, Callable[[Any], bool]] = {
-    **{k: v for k, v in _NO_OP.items() if k in ("tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
-                                                 "service_tier", "presence_penalty", "frequency_penalty")},
+    **{k: v for k, v in _NO_OP.items() if k in ("top_logprobs", "service_tier", "presence_penalty",
+                                                 "frequency_penalty")},
     "include": _is_empty,
     "reasoning": lambda v: v is None or v == {} or v == {"effort": None, "summary": None},
     "prompt": lambda v: v is None,
@@ -448,7 +544,7 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
         compacted = None
     else:
         compacted, first = _compaction(raw)
-        items = _messages(raw[first:], "input", max_chars, ITEM_PARTS, ITEM_KEYS, start=first)
+        items = _messages(raw[first:], "input", max_chars, ITEM_PARTS, ITEM_KEYS, start=first, items=True)
     previous = _string(body, "previous_response_id", max_chars=128)
     if compacted is not None and previous is not None:
         raise invalid("previous_response_id", "cannot be used together with a compaction item in input (the "
@@ -485,12 +581,12 @@ def response_request(body: Mapping[str, Any], *, max_chars: int, context_tokens:
                            _string(body, "user", max_chars=256), raw, compacted=compacted,
                            compact_threshold=_compact_threshold(body), background=background, truncation=truncation,
                            metadata=_metadata(body), safety_identifier=_string(body, "safety_identifier", max_chars=64),
-                           prompt_cache_key=_string(body, "prompt_cache_key", max_chars=64))
+                           prompt_cache_key=_string(body, "prompt_cache_key", max_chars=64), tools=response_tools(body))
 
 
 def conversation_items(raw: Any, max_chars: int) -> tuple[Message, ...]:
     """POST /conversations `items`: messages to start a conversation with (any role last)."""
-    return _messages(raw, "items", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False)
+    return _messages(raw, "items", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False, items=True)
 
 
 @dataclass(frozen=True)
@@ -530,7 +626,7 @@ def compact_request(body: Mapping[str, Any], *, max_chars: int) -> CompactReques
             raise unsupported(f"input[{first}]", "nothing may follow a compaction item here: continue the "
                                                  "conversation with POST /responses first, then compact it")
         return CompactRequest(model, None, compacted, ())
-    items = _messages(raw, "input", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False)
+    items = _messages(raw, "input", max_chars, ITEM_PARTS, ITEM_KEYS, last_user=False, items=True)
     if items[-1].role is not Role.ASSISTANT:
         raise invalid(f"input[{len(items) - 1}]", "a history to compact ends with the assistant's reply (chatmesh "
                                                   "summarises whole turns)")
