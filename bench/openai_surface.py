@@ -16,7 +16,11 @@ Two phases, each alternating the paths ABBA round by round so a noisy machine af
   for 50 conversations on 2 cores, measures the queue: TTFT then depends on how long each path's clients spend
   between first token and next request, not on the path; the turns/s and CPU columns show when that happens.)
 - serial: one conversation, `--serial-turns` turns back to back: no concurrency at all.
-It also reports the services' CPU per turn of each path (from /proc).
+It also reports the services' CPU per turn of each path (from /proc). A third path is the OpenAI one with three
+tool definitions in every request (as Open WebUI sends its built-in tools): the tools are parsed at the edge,
+carried in the turn's options, rendered into the prompt in the model's format, and the reply goes through the
+model's call reader (the scripted sim answers text, so no call is made: what is measured is the tools' cost on
+a turn that uses none, the common case).
 
     .venv/bin/python -m bench.openai_surface --conversations 50 --turns 4 --think-ms 2000 --rounds 4 \
         [--append BENCHMARKS.md]
@@ -109,7 +113,18 @@ async def through_native(url: str, key: str, conversations: int, turns: int, thi
     return samples
 
 
-async def through_openai(url: str, key: str, conversations: int, turns: int, think_s: float) -> Samples:
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": f"{name.replace('_', ' ').capitalize()} for the user.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}},
+                   "required": ["query"]}}} for name in ("web_search", "fetch_url", "get_current_time")]
+
+
+async def through_openai_tools(url: str, key: str, conversations: int, turns: int, think_s: float) -> Samples:
+    return await through_openai(url, key, conversations, turns, think_s, TOOLS)
+
+
+async def through_openai(url: str, key: str, conversations: int, turns: int, think_s: float,
+                         tools: list[dict[str, Any]] | None = None) -> Samples:
     samples: Samples = []
     async with _client(url, key, conversations) as client:
         async def conversation(i: int) -> None:
@@ -120,7 +135,9 @@ async def through_openai(url: str, key: str, conversations: int, turns: int, thi
                 if think_s > 0:
                     await asyncio.sleep(rng.expovariate(1 / think_s))
                 messages.append({"role": "user", "content": f"Conversation {i} {tag}, turn {t}: tell me more."})
-                body = {"model": MODEL, "messages": messages, "stream": True}
+                body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True}
+                if tools:
+                    body["tools"] = tools
                 parts: list[str] = []
                 start = time.perf_counter()
                 async with client.stream("POST", "/openai/v1/chat/completions", json=body) as resp:
@@ -137,9 +154,10 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-PATHS: dict[str, PathFn] = {"native": through_native, "openai": through_openai}
+PATHS: dict[str, PathFn] = {"native": through_native, "openai": through_openai, "tools": through_openai_tools}
 NAMES = {"native": "chatmesh SSE (/v1/conversations/{id}/turns)",
-         "openai": "OpenAI surface (/openai/v1/chat/completions, stream)"}
+         "openai": "OpenAI surface (/openai/v1/chat/completions, stream)",
+         "tools": "OpenAI surface with 3 tools in the request"}
 
 
 class Phase:
@@ -168,10 +186,11 @@ class Phase:
                        f"{p50[path][1] * 1e3:.2f} | {p50[path][2] * 1e3:.2f} | "
                        f"{pct(every, 0.99) * 1e3:.2f} | {len(s) / self.wall_s[path]:.1f} | "
                        f"{self.cpu_s[path] / len(s) * 1e3:.2f} |")
-        added = [(o - n) * 1e3 for o, n in zip(p50["openai"], p50["native"])]
-        cpu = [self.cpu_s[p] / len(self.samples[p]) for p in PATHS]
-        out.append(f"| **{title}: added by the OpenAI surface** | | **{added[0]:+.2f}** | {added[1]:+.2f} | "
-                   f"**{added[2]:+.2f}** | | | {(cpu[1] - cpu[0]) * 1e3:+.2f} |")
+        cpu = {p: self.cpu_s[p] / len(self.samples[p]) for p in PATHS}
+        for path, label in (("openai", "the OpenAI surface"), ("tools", "the OpenAI surface with tools")):
+            added = [(o - n) * 1e3 for o, n in zip(p50[path], p50["native"])]
+            out.append(f"| **{title}: added by {label}** | | **{added[0]:+.2f}** | {added[1]:+.2f} | "
+                       f"**{added[2]:+.2f}** | | | {(cpu[path] - cpu['native']) * 1e3:+.2f} |")
         return out
 
 
