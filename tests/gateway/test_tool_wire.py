@@ -180,3 +180,12 @@ def test_the_responses_events_of_a_call() -> None:
     assert [i["type"] for i in plain[-1]["response"]["output"]] == ["message"]
     empty = check_stream(_stream("", []))  # no text, no call: still the one (empty) message item
     assert [e["type"] for e in empty][2:4] == ["response.output_item.added", "response.content_part.added"]
+
+
+def test_a_continuing_response_answers_with_results_alone() -> None:
+    req = wire.response_request({"model": "m", "previous_response_id": "resp_x", "input": [
+        {"type": "function_call_output", "call_id": "call_1", "output": "21"}]}, max_chars=100, context_tokens=8192)
+    assert req.history == () and req.content == "" and req.results == (("call_1", "21"),)
+    with pytest.raises(OpenAIError) as err:  # Chat Completions carries the whole history: the call must be in it
+        chat(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "21"}])
+    assert err.value.param == "messages[0].tool_call_id"
