@@ -12,7 +12,9 @@ Where the prompt tokens came from is read from the engines themselves: every eng
 cache, pulled = prefix_transfer.pulled_tokens, miss = prefilled) polled through the run; an engine's counters
 start again with its process, so the last figures each process reported (read once more just before its
 SIGTERM; a draining engine admits nothing after it) are summed over the processes.
-`cold` is what a restart that keeps nothing would have prefilled at least: every pulled token too.
+`cold` is what a restart that keeps nothing would have prefilled at least: every pulled token too. The same
+figures over the drain windows alone (from each SIGTERM until that engine has exited: the turns its
+conversations sent meanwhile, moved to the others) are where a restart's cost shows.
 
     flock /work/coord/heavy.lock .venv/bin/python -m bench.rolling_restart [--conversations 12] [--pulls on]
 """
@@ -59,6 +61,12 @@ class Tokens:
 
     def share(self, part: int) -> float:
         return part / self.total if self.total else 0.0
+
+    def __add__(self, other: Tokens) -> Tokens:
+        return Tokens(self.cached + other.cached, self.pulled + other.pulled, self.prefilled + other.prefilled)
+
+    def __sub__(self, other: Tokens) -> Tokens:
+        return Tokens(self.cached - other.cached, self.pulled - other.pulled, self.prefilled - other.prefilled)
 
 
 @dataclass
@@ -123,6 +131,7 @@ class Result:
     audit: Audit
     tokens: Tokens
     before: Tokens  # what the engines had served when the first SIGTERM went out
+    drains: Tokens  # what they served from each SIGTERM until that engine exited, summed
     restarts: list[dict[str, Any]]
     seconds: float
 
@@ -141,6 +150,9 @@ class Result:
                 "cached": round(t.share(t.cached), 4), "pulled": round(t.share(t.pulled), 4),
                 "prefilled": round(self.prefilled_share, 4), "cold_at_least": round(self.cold_share, 4),
                 "prefilled_before_restarts": round(self.before.share(self.before.prefilled), 4),
+                "drains": {"prompt_tokens": self.drains.total, "cached": round(self.drains.share(self.drains.cached), 4),
+                           "pulled": round(self.drains.share(self.drains.pulled), 4),
+                           "prefilled": round(self.drains.share(self.drains.prefilled), 4)},
                 "restarts": self.restarts}
 
 
@@ -162,11 +174,18 @@ async def run(root: Path, conversations: int = 12, turns_per_conversation: int =
         poller = asyncio.create_task(poll(trust, mesh, counters, stop))
         await asyncio.sleep(warmup_s)
         before = counters.tokens()
+        drains = Tokens()
         for name in ENGINES:
             at = time.monotonic()
-            await read_stats(trust, mesh, name, counters)  # its last figures (a draining engine admits nothing)
+            for other in ENGINES:  # its last figures (a draining engine admits nothing), and the others' now
+                await read_stats(trust, mesh, other, counters)
+            start = counters.tokens()
             exit_code = await asyncio.to_thread(mesh.kill, name, signal.SIGTERM, 60.0)
             counters.bank(name)
+            for other in ENGINES:
+                if other != name:
+                    await read_stats(trust, mesh, other, counters)
+            drains = drains + (counters.tokens() - start)
             gone = time.monotonic()
             await asyncio.to_thread(mesh.restart, name)
             serving = await router_serves(trust, mesh, replica_of(name))
@@ -180,7 +199,7 @@ async def run(root: Path, conversations: int = 12, turns_per_conversation: int =
             await read_stats(trust, mesh, name, counters)
         seconds = time.monotonic() - began
         checked = await audit(mesh.url, load.turns, mesh)
-        return Result(checked, counters.tokens(), before, restarts, seconds)
+        return Result(checked, counters.tokens(), before, drains, restarts, seconds)
     finally:
         stop.set()
         await asyncio.to_thread(mesh.stop)

@@ -178,10 +178,10 @@ def router_serving(router: str, replica: str) -> bool:
         return False
 
 
-def rolling_restart(procs: Processes, names: list[str], router: str, marks: list[tuple[str, float]]) -> None:
-    """Every engine in turn: SIGTERM, wait for its exit, start it again, wait until the router serves it."""
-    for name in names:
-        rid = name.split("-", 1)[1]
+def rolling_restart(procs: Processes, names: dict[str, str], router: str, marks: list[tuple[str, float]]) -> None:
+    """Every engine in turn (replica id -> process name): SIGTERM, wait for its exit, start it again, wait until
+    the router serves it."""
+    for rid, name in names.items():
         marks.append((f"term {rid}", time.monotonic()))
         procs.terminate_and_restart(name)
         deadline = time.monotonic() + 120
@@ -344,7 +344,7 @@ def run_policy(s: Scaled, policy: str, eps: float, log_dir: Path, restart: bool 
             "CHATMESH_ROUTER_STATS_INTERVAL_MS": str(round(1000 * cfg.report_interval_s))})
         wait_serving(router)
         before = asyncio.run(engine_counters(addresses))
-        during = (lambda: rolling_restart(procs, [f"{tag}-{rid}" for rid in addresses], router, marks)) \
+        during = (lambda: rolling_restart(procs, {rid: f"{tag}-{rid}" for rid in addresses}, router, marks)) \
             if restart else None
         turns = asyncio.run(drive(s, router, addresses, during, at_s=0.4 * cfg.arrival_window_s))
         after = asyncio.run(engine_counters(addresses))
