@@ -189,3 +189,15 @@ def test_a_continuing_response_answers_with_results_alone() -> None:
     with pytest.raises(OpenAIError) as err:  # Chat Completions carries the whole history: the call must be in it
         chat(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "21"}])
     assert err.value.param == "messages[0].tool_call_id"
+
+
+def test_one_key_names_each_turn_of_a_tool_round_trip() -> None:
+    from chatmesh.gateway.openai.turns import Ask, Continuity
+
+    turns = Continuity.__new__(Continuity)
+    asked = Ask(owner=OwnerId("o"), chat="", history=(), content="Weather?", options=chat_pb2.TurnOptions(),
+                request_digest="a", key="message-1")
+    answered = Ask(owner=OwnerId("o"), chat="", history=(), content="", options=chat_pb2.TurnOptions(),
+                   request_digest="b", key="message-1", results=(("call_1", "21"),))
+    assert turns.turn_id(asked) != turns.turn_id(answered)  # Open WebUI sends the message id with both
+    assert turns.turn_id(answered) == turns.turn_id(Ask(**{**answered.__dict__, "request_digest": "c"}))

@@ -129,7 +129,11 @@ class Continuity:
         if ask.fresh:
             return TurnId(str(uuid.uuid4()))
         if ask.key is not None:
-            return TurnId(derived_id("key", ask.owner, ask.key))
+            # A tool round trip answers one message in several requests under one key (Open WebUI's native
+            # function calling sends the message id again with the results): each is a turn of its own, named
+            # by the key and the calls it answers, so a follow-up is neither a replay nor a reused key.
+            calls = "\0".join(call_id for call_id, _ in ask.results)
+            return TurnId(derived_id("key", ask.owner, ask.key, *(("tools", calls) if calls else ())))
         return TurnId(derived_id("request", ask.owner, ask.request_digest))
 
     async def open(self, ask: Ask) -> Opened:
