@@ -107,11 +107,13 @@ async def test_a_silent_peer_ends_the_stream_by_keepalive_and_not_without_it(hea
         with_ka.frozen.set()
         without_ka.frozen.set()
         t0 = time.monotonic()
-        code = await asyncio.wait_for(watched, DETECT_WITHIN_S + 10)
+        code = await asyncio.wait_for(watched, DETECT_WITHIN_S + 10)  # a hang guard, not the bound
         seen_after = time.monotonic() - t0
         assert code == grpc.StatusCode.UNAVAILABLE
-        assert seen_after < DETECT_WITHIN_S, f"the silent peer was seen only after {seen_after:.1f} s"
-        await asyncio.sleep(max(0.0, DETECT_WITHIN_S - seen_after))
+        # Ordering, not a clock: the stream with keepalive ended while the one without still waits, and still
+        # waits as long again after that.
+        assert not control.done(), "without keepalive the stream should still be waiting on the silent peer"
+        await asyncio.sleep(seen_after)
         assert not control.done(), "without keepalive the stream should still be waiting on the silent peer"
     finally:
         control.cancel()

@@ -209,10 +209,14 @@ async def test_an_engine_that_returns_is_routed_to_within_a_second_or_two_of_ser
     await halt(mesh.engines["engine-0"])
     await until("engine-0 down", lambda r: states(r)["engine-0"] != SERVING, mesh)
     await asyncio.sleep(5.5)
-    mesh.engines["engine-0"] = await start_engine("engine-0", mesh.addresses["engine-0"])
-    serving_at = time.monotonic()  # start_engine returns once the engine serves
-    await until("engine-0 back", lambda r: states(r)["engine-0"] == SERVING, mesh, timeout_s=10)
-    assert time.monotonic() - serving_at < 2.0
+    mesh.engines["engine-0"] = await start_engine("engine-0", mesh.addresses["engine-0"])  # once it serves
+    # Within 40 polls 0.05 s apart (2 s on an idle machine, longer on a loaded one: a count, not a clock).
+    for _ in range(40):
+        if states(await mesh.router.ListReplicas(route_pb2.ListReplicasRequest()))["engine-0"] == SERVING:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("engine-0 serves but the router did not route to it within 40 polls")
 
 
 async def test_a_moved_turn_names_its_home_as_source_and_the_engine_pulls_from_it() -> None:
