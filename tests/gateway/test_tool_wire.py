@@ -201,3 +201,10 @@ def test_one_key_names_each_turn_of_a_tool_round_trip() -> None:
                    request_digest="b", key="message-1", results=(("call_1", "21"),))
     assert turns.turn_id(asked) != turns.turn_id(answered)  # Open WebUI sends the message id with both
     assert turns.turn_id(answered) == turns.turn_id(Ask(**{**answered.__dict__, "request_digest": "c"}))
+
+
+def test_max_tool_calls_is_echoed() -> None:
+    assert response_tools({"max_tool_calls": 3}).response_fields()["max_tool_calls"] == 3
+    assert response_tools({}).response_fields()["max_tool_calls"] is None
+    with pytest.raises(OpenAIError):
+        response_tools({"max_tool_calls": 0})

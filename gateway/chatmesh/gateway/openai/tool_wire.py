@@ -48,6 +48,7 @@ class Tools:
     parallel: bool | None = None  # None: unset (true)
     echo: tuple[Any, ...] = ()  # the Responses tool objects as sent
     echo_choice: Any = "auto"
+    max_calls: int | None = None  # Responses' max_tool_calls: echoed (it limits built-in tools; chatmesh has none)
 
     def proto(self, options: chat_pb2.TurnOptions) -> None:
         """Sets these on a turn's options."""
@@ -64,7 +65,7 @@ class Tools:
     def response_fields(self) -> dict[str, Any]:
         """The Response object's tool fields (OpenAI's defaults when none were sent)."""
         return {"tools": list(self.echo), "tool_choice": self.echo_choice,
-                "parallel_tool_calls": True if self.parallel is None else self.parallel}
+                "parallel_tool_calls": True if self.parallel is None else self.parallel, "max_tool_calls": self.max_calls}
 
 
 NO_TOOLS = Tools()
@@ -153,7 +154,10 @@ def response_tools(body: Mapping[str, Any]) -> Tools:
     definitions, echo = _definitions(body.get("tools"), responses=True)
     raw_choice = body.get("tool_choice")
     choice = _choice(raw_choice, [t.name for t in definitions], responses=True)
-    return Tools(definitions, choice, _parallel(body), echo, "auto" if raw_choice is None else raw_choice)
+    max_calls = body.get("max_tool_calls")
+    if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+        raise invalid("max_tool_calls", "expected an integer of at least 1", "invalid_type")
+    return Tools(definitions, choice, _parallel(body), echo, "auto" if raw_choice is None else raw_choice, max_calls)
 
 
 # ---- calls and results in messages ---------------------------------------------------------------------------

@@ -463,14 +463,13 @@ def chat_request(body: Mapping[str, Any], *, max_chars: int, context_tokens: int
 _RESPONSE_KEYS = frozenset({"model", "input", "instructions", "previous_response_id", "conversation", "store",
                             "stream", "max_output_tokens", "temperature", "top_p", "user", "text", "truncation",
                             "stream_options", "background", "metadata", "safety_identifier", "prompt_cache_key",
-                            "context_management", "tools", "tool_choice", "parallel_tool_calls"})
+                            "context_management", "tools", "tool_choice", "parallel_tool_calls", "max_tool_calls"})
 _RESPONSE_NO_OP: dict[str, Callable[[Any], bool]] = {
     **{k: v for k, v in _NO_OP.items() if k in ("top_logprobs", "service_tier", "presence_penalty",
                                                  "frequency_penalty")},
     "include": _is_empty,
     "reasoning": lambda v: v is None or v == {} or v == {"effort": None, "summary": None},
     "prompt": lambda v: v is None,
-    "max_tool_calls": lambda v: v is None,
 }
 MAX_METADATA = 16
 
