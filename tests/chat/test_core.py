@@ -179,7 +179,8 @@ async def retry_reaching_the_generating_process_attaches_to_the_live_stream() ->
         await asyncio.sleep(0)
     second = asyncio.create_task(collect(w.core.send_turn(OWNER, conv, key.turn, "Count")))
     attached = asyncio.create_task(collect(w.core.attach(OWNER, conv, key.turn, 1 + len("one"))))
-    await asyncio.sleep(0.01)
+    while w.core.turns.live[key].attached < 2:  # both follow the live stream before it goes on
+        await asyncio.sleep(0)
     gate.set()
     a, b, c = await first, await second, await attached
     await w.settled()

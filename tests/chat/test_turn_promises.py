@@ -152,7 +152,7 @@ async def test_a_released_turn_another_stream_follows_goes_on_for_it() -> None:
         await asyncio.sleep(0)
     assert await w.core.release(OWNER, conv, key.turn)
     first.cancel()  # the first client's stream goes away
-    await asyncio.sleep(0.01)
+    await asyncio.wait([first])  # and is gone before the engine goes on
     gate.set()
     events = await retry
     await w.settled()
