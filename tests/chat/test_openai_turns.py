@@ -71,28 +71,29 @@ async def test_a_send_creates_its_conversation_with_the_clients_history() -> Non
     assert text_of(again) == "Hello there." and len(stored(w, conv)) == 5 and len(w.engine.generations) == 1
 
 
-async def test_a_seeded_historys_user_messages_pass_the_input_check_like_the_new_message() -> None:
+async def test_a_seeded_historys_user_messages_pass_the_input_check_as_create_conversations_do() -> None:
+    """One seed policy for both entry points (CreateConversation's messages, a send's NewConversation): a blocked
+    user message refuses the request, naming it, and nothing is stored; had the seed been stored and only the turn
+    blocked, the blocked message would reach the engine, unchecked, in the next turn's prompt."""
     w = world()
     conv = ConversationId(str(uuid.uuid4()))
     seed = (Seed(Role.SYSTEM, "BLOCKME is fine in a system prompt"), Seed(Role.USER, "earlier: please BLOCKME"),
             Seed(Role.ASSISTANT, "Earlier reply"))
-    events = await collect(w.core.send_turn(OWNER, conv, new_turn(), "Innocent question",
-                                            create=NewConversation("", seed)))
+    with pytest.raises(errors.InvalidArgument, match=r"messages\[1\] was blocked by moderation \(abuse\)"):
+        await collect(w.core.send_turn(OWNER, conv, new_turn(), "Innocent question",
+                                       create=NewConversation("", seed)))
     await w.settled()
-    final = events[-1].kind
-    assert isinstance(final, Blocked) and final.stage == "input" and final.category == "abuse"
+    assert (OWNER, conv) not in w.store.conversations and not w.store.records  # nothing stored
     assert len(w.engine.generations) == 0 and w.idle()
-    assert stored(w, conv)[-2:] == [(Role.USER, "Innocent question", MessageStatus.COMPLETE),
-                                    (Role.ASSISTANT, "", MessageStatus.BLOCKED)]
-    assert w.moderation.inputs_checked == 2  # the seeded user message and the new one; not the system prompt
+    assert w.moderation.inputs_checked == 1  # the seeded user message (not the system prompt); no turn began
     # a clean history: every user message checked, the turn answered
     clean = ConversationId(str(uuid.uuid4()))
     ok = await collect(w.core.send_turn(OWNER, clean, new_turn(), "Next", create=NewConversation("", (
         Seed(Role.USER, "one"), Seed(Role.ASSISTANT, "r1"), Seed(Role.USER, "two"), Seed(Role.ASSISTANT, "r2")))))
-    assert isinstance(ok[-1].kind, Completed) and w.moderation.inputs_checked == 5
+    assert isinstance(ok[-1].kind, Completed) and w.moderation.inputs_checked == 4
     # an ordinary send checks its one message, as before
     await collect(w.core.send_turn(OWNER, clean, new_turn(), "Third"))
-    assert w.moderation.inputs_checked == 6
+    assert w.moderation.inputs_checked == 5
 
 
 async def test_expect_last_turn_id_refuses_a_history_that_moved_on() -> None:

@@ -179,14 +179,19 @@ async def test_bad_input_is_a_400_and_stores_nothing(openai_mesh: Mesh) -> None:
 
 async def test_a_seeded_history_passes_input_moderation(openai_mesh: Mesh) -> None:
     """A history chatmesh does not hold seeds a new conversation; its user messages are input-checked like the
-    new message (they reach the model in the prompt): a blocked one blocks the turn before any engine runs."""
+    new message (they reach the model in every later prompt): a blocked one refuses the request, naming it, as a
+    Conversations API create does, before anything is stored or any engine runs."""
     client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
     before = await generations(openai_mesh)
-    done = await client.chat.completions.create(model=MODEL, messages=[
-        {"role": "user", "content": "Please charge my card 4111 1111 1111 1111, expiry 12/29."},
-        {"role": "assistant", "content": "Done."},
-        {"role": "user", "content": "What is a good name for a cat?"}])
-    assert done.choices[0].finish_reason == "content_filter" and not done.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\] was blocked by moderation") as refused:
+        await client.chat.completions.create(model=MODEL, messages=[
+            {"role": "user", "content": "Please charge my card 4111 1111 1111 1111, expiry 12/29."},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "What is a good name for a cat?"}])
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    async with httpx.AsyncClient(base_url=openai_mesh.gateway_url, timeout=30,
+                                 headers={"authorization": f"Bearer {client.api_key}"}) as native:
+        assert (await native.get("/v1/conversations")).json()["conversations"] == []  # nothing stored
     assert await generations(openai_mesh) == before, "a blocked seeded message reached an engine"
     clean = await client.chat.completions.create(model=MODEL, messages=[
         {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."},

@@ -22,26 +22,31 @@ from typing import TypeVar
 from chatmesh.chat.ports import ModerationPort, Pick, RouterPort, Screening
 from chatmesh.mesh import errors
 from chatmesh.mesh.ids import ConversationId
+from chatmesh.store.values import Role, Seed
 
 T = TypeVar("T")
 
 
-async def _screen_all(moderation: ModerationPort, conv: ConversationId, texts: Sequence[str]) -> Screening:
-    """The input check of a send that seeds its new conversation with a client's history (the OpenAI surface):
-    every user message of that history reaches the model in this turn's prompt just as the new message does, so
-    each is checked like one, together; the first blocked one decides, else the new message's screening."""
-    results = await asyncio.gather(*(moderation.check_input(text, conv) for text in texts))
-    return next((r for r in results if r.blocked), results[-1])
+async def screen_seed(moderation: ModerationPort, conv: ConversationId, seed: Sequence[Seed]) -> None:
+    """A client's earlier history, before it is stored as a new conversation's (CreateConversation's messages, a
+    send's NewConversation): its user messages reach the model in every later prompt, so each passes the input
+    check as it would as a turn, together; one blocked refuses the whole request (InvalidArgument naming it) and
+    nothing is stored. The one policy for both entry points: a seed stored and only its turn blocked would be
+    replayed, unchecked, into the next turn's prompt."""
+    users = [(i, m.content) for i, m in enumerate(seed) if m.role is Role.USER]
+    screenings = await asyncio.gather(*(moderation.check_input(text, conv) for _, text in users))
+    for (i, _), screening in zip(users, screenings):
+        if judged(screening).blocked:
+            raise errors.InvalidArgument(f"messages[{i}] was blocked by moderation ({screening.category or 'policy'})")
 
 
 class Admission:
     def __init__(self, router: RouterPort, moderation: ModerationPort, conv: ConversationId,
-                 content: str | None, seeded: Sequence[str] = ()) -> None:
+                 content: str | None) -> None:
         self.router = router
         self.screening: asyncio.Future[Screening] | None = None
         if content is not None:
-            self.screening = asyncio.ensure_future(
-                _screen_all(moderation, conv, (*seeded, content)) if seeded else moderation.check_input(content, conv))
+            self.screening = asyncio.ensure_future(moderation.check_input(content, conv))
         self.pick: asyncio.Future[Pick] = asyncio.ensure_future(router.pick(conv))
 
     async def ready(self, beside: Awaitable[T] | None) -> tuple[Pick, Screening | None, T | None]:

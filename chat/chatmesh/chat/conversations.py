@@ -3,14 +3,14 @@ deletion reaching every copy (I4): the stored rows, then the conversation's KV b
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Callable
 
+from chatmesh.chat.admission import screen_seed
 from chatmesh.chat.ports import EnginePort, ModerationPort, RouterPort, StorePort, TurnKey
 from chatmesh.mesh import errors, logs
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.store.values import Conversation, DailyUsage, History, Role, Seed
+from chatmesh.store.values import Conversation, DailyUsage, History, Seed
 
 log = logs.get("chatmesh.chat")
 
@@ -31,19 +31,14 @@ class Conversations:
 
     async def create(self, owner: OwnerId, title: str, seed: tuple[Seed, ...] = ()) -> Conversation:
         """A new conversation; with `seed`, holding those messages (a client's earlier history) already. The
-        seed's user messages pass the input check first, as each would as a turn (they reach the model in every
-        later prompt): one blocked refuses the creation (InvalidArgument naming it), nothing stored."""
+        seed's user messages pass the input check first (`admission.screen_seed`): one blocked refuses the creation
+        (InvalidArgument naming it), nothing stored."""
         if len(title) > MAX_TITLE_CHARS:
             raise errors.InvalidArgument(f"title must be at most {MAX_TITLE_CHARS} characters")
         if not seed:
             return await self.store.insert_conversation(owner, title, self.default_prompt_version)
         conversation = ConversationId(str(uuid.uuid4()))
-        users = [(i, m.content) for i, m in enumerate(seed) if m.role is Role.USER]
-        screenings = await asyncio.gather(*(self.moderation.check_input(text, conversation) for _, text in users))
-        for (i, _), screening in zip(users, screenings):
-            if screening.blocked:
-                raise errors.InvalidArgument(f"messages[{i}] was blocked by moderation "
-                                             f"({screening.category or 'policy'})")
+        await screen_seed(self.moderation, conversation, seed)
         counted = tuple(Seed(m.role, m.content, self.count_tokens(m.content)) for m in seed)
         conv, _ = await self.store.create_conversation(owner, conversation, title, self.default_prompt_version,
                                                        counted)

@@ -24,8 +24,9 @@ of the owner is used as it is, so a retry lands where the first attempt did), an
 end with a given turn (`expect_last_turn_id`): a new claim whose context ends elsewhere is released at once and
 REJECTED (FAILED_PRECONDITION), nothing stored, so a client whose history no longer matches is never answered
 from another one. A known turn id replays or attaches before either guard is looked at. The seeded history's user
-messages are input-checked with the new message (they reach the model in its prompt just as it does): one of
-them blocked blocks the turn, as blocked new input would (the seed stays stored, the reply is BLOCKED).
+messages pass the input check before the conversation is created, as CreateConversation's do (`admission.
+screen_seed`): one of them blocked refuses the send, nothing stored (a seed stored with only its turn blocked
+would be replayed, unchecked, into the next turn's prompt).
 
 Either way: one generation, one bill. The caller going away stops a turn it owns (I5: the partial reply the
 user saw is stored as stopped), except when its client was shown nothing: nothing published yet, or its edge
@@ -45,7 +46,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import assert_never
 
-from chatmesh.chat.admission import Admission
+from chatmesh.chat.admission import Admission, screen_seed
 from chatmesh.chat.claimed import ClaimedTurn, Job, input_text
 from chatmesh.chat.events import LiveTurn, TurnEvent, replay
 from chatmesh.chat.follow import NOTHING, Delivered, StoredFollower, agrees, continuing
@@ -163,7 +164,6 @@ class Turns:
         tool results answering the conversation's last reply's calls. `allowance`: the most prompt tokens the turn
         may use (0: no limit); a larger rendered prompt is refused (PromptOverAllowance) before any engine work."""
         machine = TurnMachine(self.observe)
-        seeded: tuple[str, ...] = ()
         with ending_on_error(machine):
             if results:
                 validate_results(content, results, self.opt.message_size)
@@ -172,13 +172,13 @@ class Turns:
             if options.tools or any(m.tool_calls or m.tool_results for m in (create.seed if create else ())):
                 self.prompts.renderer.tool_syntax()  # a model without a tool format refuses before anything is stored
             if create is not None:
+                await screen_seed(self.ports.moderation, key.conversation, create.seed)  # before anything is stored
                 seed = tuple(replace(m, token_count=self.prompts.count_tokens(input_text(m.content, m.tool_results)))
                              for m in create.seed)
                 await self.store.create_conversation(key.owner, key.conversation, create.title,
                                                      self.opt.default_prompt_version, seed)
-                seeded = tuple(m.content for m in create.seed if m.role is Role.USER)  # input-checked too
         fp = fingerprint("tool", results_json(results)) if results else fingerprint("send", content)
-        async for event in self._attempt(machine, key, content, None, fp, options, expect_last, seeded=seeded,
+        async for event in self._attempt(machine, key, content, None, fp, options, expect_last,
                                          results=results, allowance=allowance):
             yield event
 
@@ -275,12 +275,12 @@ class Turns:
 
     async def _attempt(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                        fp: str, options: TurnOptions = DEFAULT_TURN, expect_last: TurnId | None = None,
-                       delivered: Delivered = NOTHING, seeded: tuple[str, ...] = (),
+                       delivered: Delivered = NOTHING,
                        results: tuple[ToolResult, ...] = (), allowance: int = 0) -> AsyncIterator[TurnEvent]:
         """One attempt; with `delivered` (a retry whose client already has part of the reply, `follow.py`), its
         stream continues that part, and a claim won here generates the rest of it."""
         events = self._from_start(machine, key, content, regenerates, fp, options, expect_last, delivered.text,
-                                  seeded, results, allowance)
+                                  results, allowance)
         stream = continuing(events, delivered) if delivered.sequence > 0 else events
         try:
             async for event in stream:
@@ -290,7 +290,7 @@ class Turns:
 
     async def _from_start(self, machine: TurnMachine, key: TurnKey, content: str, regenerates: TurnId | None,
                           fp: str, options: TurnOptions, expect_last: TurnId | None, resume: str,
-                          seeded: tuple[str, ...] = (), results: tuple[ToolResult, ...] = (), allowance: int = 0
+                          results: tuple[ToolResult, ...] = (), allowance: int = 0
                           ) -> AsyncGenerator[TurnEvent, None]:
         if (live := self.live.get(key)) is not None:  # a retry reached the process that is generating
             machine.advance(TurnState.ATTACHED)
@@ -301,7 +301,7 @@ class Turns:
         # claimed again generates with the ones its record kept instead.
         options = options.with_seed(self.opt.temperature)
         admission = Admission(self.ports.router, self.ports.moderation, key.conversation,
-                              input_text(content, results) if regenerates is None else None, seeded)
+                              input_text(content, results) if regenerates is None else None)
         try:
             with ending_on_error(machine):
                 claim = await self.store.begin_turn(ClaimRequest(
