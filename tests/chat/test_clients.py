@@ -49,8 +49,11 @@ async def test_a_pick_waits_for_a_router_that_is_starting() -> None:
     async with open_channel(Trust.insecure(), address, "router") as channel:
         router = GrpcRouter(channel, wait_s=60)
         pick = asyncio.create_task(router.pick(CONV))
-        await asyncio.sleep(0.3)  # its first connection attempt was refused: it waits
-        assert not pick.done()
+        state = channel.get_state(try_to_connect=True)
+        while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # its first connection attempt is refused
+            await asyncio.wait_for(channel.wait_for_state_change(state), 10)
+            state = channel.get_state()
+        assert not pick.done()  # and the pick waits on
         async with router_at(address):
             got = await pick
             assert got.replica_id in ("engine-0", "engine-1") and got.lease
