@@ -117,7 +117,9 @@ async def test_errors_have_the_specification_shape_and_say_not_to_retry(gateway:
                             ({"input": "x", "frobnicate": 1}, "frobnicate"),
                             ({"input": "x", "background": True, "store": False}, "background"),
                             ({"input": [{"role": "user", "content": "x", "phase": "commentary"}]},
-                             "input[0].phase")):
+                             "input[0].phase"),
+                            ({"input": {"x": "an object is neither a string nor a list"}}, "input"),
+                            ({"input": 7}, "input")):
             r = await post(c, body)
             assert r.status_code == 400 and r.headers["x-should-retry"] == "false", r.text
             check_error(r.json())
@@ -247,7 +249,8 @@ async def test_compaction_returns_the_stored_summary_and_continues_from_it(gatew
                             ({"input": [{"role": "user", "content": "Hi"}]}, "input[0]"),
                             ({"input": [{"type": "compaction", "encrypted_content": "forged"},
                                         {"role": "user", "content": "Hi"}]}, "input[1]"),
-                            ({"input": [{"type": "compaction", "encrypted_content": "forged"}]}, "input")):
+                            ({"input": [{"type": "compaction", "encrypted_content": "forged"}]}, "input"),
+                            ({"input": {"x": "an object"}}, "input")):
             r = await c.post("/openai/v1/responses/compact", json={"model": MODEL, **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = await post(c, {"input": [{"type": "compaction", "encrypted_content": "forged"},

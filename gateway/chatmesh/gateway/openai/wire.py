@@ -496,7 +496,7 @@ def _compaction(raw: Any) -> tuple[str | None, int]:
     """An input's compaction item (`POST /responses/compact`'s output, sent back): its encrypted_content, and the
     index of the first item after it. The items before it are what it summarised: they are not sent again."""
     if not isinstance(raw, list):
-        return None, 0
+        raise _type_error("input", "a string or an array of input items")
     at = [i for i, item in enumerate(raw) if isinstance(item, dict) and item.get("type") == "compaction"]
     if not at:
         return None, 0
