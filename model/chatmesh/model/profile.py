@@ -184,20 +184,26 @@ def load_path(path: str) -> ModelProfile:
     p = Path(path)
     if p.is_dir():
         return from_folder(p)
-    from gguf import GGUFReader  # imported here: importing gguf costs ~0.15 s
+    from chatmesh.model import gguf_fields
 
-    return from_gguf_reader(GGUFReader(path), p)
+    return from_gguf_fields(gguf_fields.read(p), p)
 
 
 def from_gguf_reader(reader: Any, path: Path) -> ModelProfile:
     """A profile from an open `gguf.GGUFReader` (the local engine shares the reader of its weights)."""
+    from chatmesh.model import gguf_fields
+
+    return from_gguf_fields(gguf_fields.of_reader(reader), path)
+
+
+def from_gguf_fields(fields: Mapping[str, object], path: Path) -> ModelProfile:
+    """A profile from a GGUF's key-value fields (chatmesh.model.gguf_fields)."""
     from chatmesh.model.tokenizer import Tokenizer
 
     def field(name: str) -> object:
-        f = reader.fields.get(name)
-        return None if f is None else f.contents()
+        return fields.get(name)
 
-    tok = Tokenizer.from_reader(reader)
+    tok = Tokenizer.from_fields(fields, str(path))
     arch = field("general.architecture")
     context = field(f"{arch}.context_length")
     if not isinstance(context, int):

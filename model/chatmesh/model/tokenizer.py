@@ -106,20 +106,26 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from gguf import GGUFReader  # imported here: importing gguf costs ~0.15 s, parsing the file ~3 s
+        from chatmesh.model import gguf_fields
 
-        return cls.from_reader(GGUFReader(str(path)))
+        return cls.from_fields(gguf_fields.read(path), str(path))
 
     @classmethod
     def from_reader(cls, reader: Any) -> Tokenizer:
         """From an open `gguf.GGUFReader` (the engine's weight loader shares its reader)."""
+        from chatmesh.model import gguf_fields
+
         path = reader.data.filename if hasattr(reader.data, "filename") else "GGUF"
+        return cls.from_fields(gguf_fields.of_reader(reader), str(path))
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, object], path: str) -> Tokenizer:
+        """From a GGUF's key-value fields (chatmesh.model.gguf_fields) read from `path`."""
 
         def field(name: str) -> object:
-            f = reader.fields.get(name)
-            if f is None:
+            if name not in fields:
                 raise ValueError(f"{path}: GGUF has no {name}")
-            return f.contents()
+            return fields[name]
 
         model = field("tokenizer.ggml.model")
         if model != "gpt2":
