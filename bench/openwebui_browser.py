@@ -1,0 +1,156 @@
+"""Open WebUI against chatmesh in a real browser (issue 28's Done-when, run as a bench script: Open WebUI pulls torch,
+too heavy for the test command). A real Open WebUI (PyPI `open-webui`, in its own virtualenv, started offline)
+set up as the README says, with its defaults (built-in tools on), driven in headless Chromium (Debian's, through
+Playwright): a chat of two turns streams a reply, turn 2 is served from the prefix cache, and with the README's
+connection headers no background task (title, tags, follow-ups) leaves a conversation behind.
+
+    python3.11 -m venv .owui-venv
+    .owui-venv/bin/pip install --find-links /opt/wheels torch==2.13.0     # pinned first: taken from the local file
+    .owui-venv/bin/pip install open-webui==0.12.4
+    flock /work/coord/heavy.lock .venv/bin/python -m bench.openwebui_browser [--owui .owui-venv]
+
+What it checks, and how: the engine's own counters (GenerateService.GetStats: hit tokens) say turn 2 reused turn
+1's prefix; the store's SQLite file says how many conversations each owner has (one: the chat; Open WebUI's
+background tasks carry `X-OpenWebUI-Task` and answer in throwaway conversations the edge deletes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from chatmesh.mesh import settings
+from chatmesh.mesh.up import Mesh
+from chatmesh.v1 import generate_pb2, generate_pb2_grpc
+from tests.conftest import free_port
+from tests.e2e.conftest import channel, mesh_env
+from tests.gateway.openai_client import make_key
+
+CHROMIUM = "/usr/bin/chromium"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+HEADERS = {"X-OpenWebUI-Message-Id": "{{MESSAGE_ID}}", "X-OpenWebUI-Task": "{{TASK}}"}
+
+
+async def engine_hits(mesh: Mesh) -> int:
+    async with channel(mesh, "engine") as ch:
+        stats = (await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(generate_pb2.GetStatsRequest())).stats
+        return int(stats.hit_tokens)
+
+
+def conversations_per_owner(data_dir: Path) -> dict[str, int]:
+    db = next(data_dir.rglob("*.db"))
+    with sqlite3.connect(db) as conn:
+        return dict(conn.execute("SELECT owner_id, count(*) FROM conversations GROUP BY owner_id").fetchall())
+
+
+def start_open_webui(owui: Path, folder: Path, port: int, base_url: str, key: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DATA_DIR": str(folder), "PORT": str(port), "OFFLINE_MODE": "true", "HF_HUB_OFFLINE": "1",
+           "WEBUI_SECRET_KEY": "bench", "ENABLE_OLLAMA_API": "false", "OPENAI_API_BASE_URL": base_url,
+           "OPENAI_API_KEY": key, "ENABLE_FORWARD_USER_INFO_HEADERS": "true", "DEFAULT_MODELS": MODEL,
+           "ENABLE_SIGNUP": "true", "BYPASS_MODEL_ACCESS_CONTROL": "true", "RAG_EMBEDDING_MODEL_AUTO_UPDATE": "false"}
+    log = (folder / "open-webui.log").open("wb")
+    return subprocess.Popen([str(owui / "bin" / "open-webui"), "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+async def admin(url: str) -> str:
+    """The first account (Open WebUI makes it the admin) and the README's connection headers set through its API."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for _ in range(600):
+            try:
+                if (await http.get("/health")).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(1)
+        token: str = (await http.post("/api/v1/auths/signup", json={
+            "name": "Ada", "email": "ada@example.com", "password": "bench-password"})).json()["token"]
+        auth = {"Authorization": f"Bearer {token}"}
+        config = (await http.get("/openai/config", headers=auth)).json()
+        config["OPENAI_API_CONFIGS"] = {"0": {**config.get("OPENAI_API_CONFIGS", {}).get("0", {}), "enable": True,
+                                              "headers": HEADERS}}
+        (await http.post("/openai/config/update", headers=auth, json=config)).raise_for_status()
+        return token
+
+
+def browser_chat(url: str, token: str, messages: list[str], after_each: Callable[[], int]) -> list[tuple[str, int]]:
+    """One chat in the browser: each message sent, its reply streamed to its end; `after_each`'s answer with it."""
+    from playwright.sync_api import sync_playwright
+
+    replies = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.goto(url)
+        page.evaluate(f"localStorage.setItem('token', {json.dumps(token)})")
+        page.goto(url)
+        for i, text in enumerate(messages):
+            box = page.locator("#chat-input")
+            box.click()
+            box.fill(text)
+            page.keyboard.press("Enter")
+            reply = page.locator("#response-content-container").nth(i)
+            reply.wait_for(timeout=120_000)
+            deadline = time.monotonic() + 120
+            last = ""
+            while time.monotonic() < deadline:  # streamed: wait until the text stops growing
+                time.sleep(1.0)
+                now = reply.inner_text()
+                if now and now == last:
+                    break
+                last = now
+            replies.append((last, after_each()))
+        browser.close()
+    return replies
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--owui", default=".owui-venv", help="the virtualenv Open WebUI is installed in")
+    args = parser.parse_args()
+    owui = Path(args.owui).resolve()
+    if not (owui / "bin" / "open-webui").exists():
+        print(f"no Open WebUI in {owui}; see this script's docstring", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        env = mesh_env(Path(tmp) / "data", CHATMESH_AUTH="required", CHATMESH_MAX_REPLY_TOKENS="48")
+        mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
+        mesh.start()
+        webui: subprocess.Popen[bytes] | None = None
+        try:
+            data_dir = Path(mesh.cfg[settings.DATA_DIR])
+            key = asyncio.run(make_key(data_dir, "webui", frontend=True))
+            port = free_port()
+            webui = start_open_webui(owui, Path(tmp), port, mesh.gateway_url + "/openai/v1", key)
+            url = f"http://127.0.0.1:{port}"
+            token = asyncio.run(admin(url))
+            before = asyncio.run(engine_hits(mesh))
+            (first, between), (second, after) = browser_chat(
+                url, token, ["What is the capital of France?", "And of Japan?"], lambda: asyncio.run(engine_hits(mesh)))
+            time.sleep(5)  # background tasks (title, tags, follow-ups) finish and their conversations are deleted
+            owners = conversations_per_owner(data_dir)
+            print(json.dumps({"turn1_reply_chars": len(first), "turn2_reply_chars": len(second),
+                              "turn1_hit_tokens": between - before, "turn2_hit_tokens": after - between,
+                              "conversations_per_owner": owners}, indent=2))
+            ok = bool(first and second and after - between > 0 and all(n == 1 for n in owners.values()))
+            return 0 if ok else 1
+        finally:
+            if webui is not None:
+                webui.terminate()
+                webui.wait(30)
+            mesh.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
