@@ -313,10 +313,7 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[object] | None = None) -> None:  # type: ignore[override]
         for server in self.servers:
             server.close()
-        self._drain.begin()
-        if self._relays.open:
-            log.info("draining_streams", open=len(self._relays.open), grace_s=self._grace_s)
-        await self._relays.drain(self._grace_s)
+        await self._drain.run(self._relays, self._grace_s)
         await super().shutdown(sockets)  # type: ignore[arg-type]
 
     @contextlib.contextmanager
@@ -404,8 +401,7 @@ async def serve_hypercorn(cfg: Config, app: Starlette, port: int | None = None,
 
     async def shutdown_trigger() -> None:
         await stop.wait()
-        drain.begin()
-        await relays.drain(grace)
+        await drain.run(relays, grace)
 
     await serve(app, hc, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
 

@@ -12,21 +12,28 @@ request is answered at once, without reaching a route:
 in the surface's own error shape (chatmesh's, or OpenAI's under /openai/v1, which the SDK retries by itself), so the
 client retries on a new connection, which reaches another gateway, and nothing is stored for the refused turn.
 `/healthz` answers the same 503, so a load balancer takes the gateway out. Open streams are responses already in
-progress: they finish within the grace (`sse.Relays.drain`), which also bounds the process's exit.
+progress: they finish within the grace (`sse.Relays.drain`). Then the gateway lingers a moment more
+(`LINGER_S`, within the grace) still answering 503, so a client that sends on its kept-alive connection just as
+the last stream ends is answered, not reset; then the server closes its connections. The grace bounds the
+process's exit (plus the server's own close).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError, response_for
 from chatmesh.gateway.openai.routes import is_openai_path
+from chatmesh.gateway.sse import Relays
 from chatmesh.mesh import logs
 
 log = logs.get("chatmesh.gateway")
 
 RETRY_AFTER_S = 1.0
+LINGER_S = 1.0  # refusing after the last open stream ended, before connections close (within the grace)
 MESSAGE = "this gateway is shutting down; retry the request"
 
 
@@ -41,6 +48,17 @@ class Drain:
         if not self.draining:
             self.draining = True
             log.info("gateway_draining")
+
+    async def run(self, relays: Relays, grace_s: float) -> None:
+        """The whole drain, as both servers' shutdown runs it: refuse from now on, give the open streams the
+        grace, linger (what is left of it, at most LINGER_S)."""
+        self.begin()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        if relays.open:
+            log.info("draining_streams", open=len(relays.open), grace_s=grace_s)
+        await relays.drain(grace_s)
+        await asyncio.sleep(max(0.0, min(LINGER_S, deadline - loop.time())))
 
 
 class DrainGuard:
