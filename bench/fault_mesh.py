@@ -16,10 +16,15 @@ backoff. A stream's final `turn.completed`, `turn.stopped` or `turn.blocked` ack
 that stream delivered. With `disconnect` set, the next streams are dropped by the client after their first delta
 (the user went away; the retry then gets the stopped reply).
 
+With `temperature` (and a seed per turn) the load samples, so a reply continued after a fault matches what
+its client was shown only if the continuation draws what the first attempt drew (issue 33).
+
 `audit` reads every conversation back (through the gateway) and counts what must be 0: acknowledged turns lost
 (no stored reply), turn ids with two stored replies, acknowledged text that differs from the stored reply, turns
-stored as blocked (the load's text is benign, so a block can only be an outage taken as a verdict), and traceback
-or unretrieved-exception lines in any service's log.
+with an attempt whose text is not a prefix of the stored reply (spliced: a client was shown text the stored reply
+contradicts, e.g. a takeover that regenerated instead of continuing), turns stored stopped that no client
+stopped (cut by a fault, not by its user), turns stored as blocked (the load's text is benign, so a block can
+only be an outage taken as a verdict), and traceback or unretrieved-exception lines in any service's log.
 """
 
 from __future__ import annotations
@@ -259,6 +264,7 @@ class Turn:
     attempts: list[Attempt] = field(default_factory=list)
     acked: str = ""  # the final event that acknowledged it
     text: str = ""  # the text the acknowledging stream delivered
+    seed: int = 0  # its sampling seed, when the load samples
 
     @property
     def acked_at(self) -> float | None:
@@ -272,10 +278,11 @@ class Load:
     """Clients that each send their conversation's turns in order and retry a turn id until it is acknowledged."""
 
     def __init__(self, url: str, conversations: int, think_s: float = 0.05, attempt_timeout_s: float = 30.0,
-                 turns_per_conversation: int = 4):
+                 turns_per_conversation: int = 4, temperature: float | None = None):
         self.url = url
         self.conversations = conversations
         self.turns_per_conversation = turns_per_conversation  # then the client starts a new conversation
+        self.temperature = temperature  # None: the mesh's default (greedy); else sampled, with a seed per turn
         self.think_s = think_s
         self.timeout = httpx.Timeout(attempt_timeout_s, connect=2.0)
         self.turns: list[Turn] = []
@@ -323,7 +330,7 @@ class Load:
                 k += 1
                 turn = Turn(conv, str(uuid.uuid4()),
                             f"Conversation {n} turn {k}: tell me about the {rng.choice(WORDS)} and the "
-                            f"{rng.choice(WORDS)}.")
+                            f"{rng.choice(WORDS)}.", seed=rng.randrange(2 ** 31))
                 self.turns.append(turn)
                 backoff = 0.1
                 while True:
@@ -345,8 +352,10 @@ class Load:
             drop = True
         outcome, detail = "broken", ""
         try:
-            async with client.stream("POST", f"/v1/conversations/{turn.conversation}/turns",
-                                     json={"turn_id": turn.turn_id, "content": turn.content}) as resp:
+            body: dict[str, Any] = {"turn_id": turn.turn_id, "content": turn.content}
+            if self.temperature is not None:
+                body["options"] = {"temperature": self.temperature, "seed": turn.seed}
+            async with client.stream("POST", f"/v1/conversations/{turn.conversation}/turns", json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     return Attempt(started, time.monotonic(), f"http_{resp.status_code}", "")
@@ -385,6 +394,8 @@ class Audit:
     lost: int = 0  # acknowledged, but no reply stored
     two_replies: int = 0  # turn ids with more than one stored reply
     text_differs: int = 0  # acknowledged text != stored text
+    spliced: int = 0  # an attempt was shown text that is not a prefix of the stored reply
+    stopped_by_fault: int = 0  # stored stopped, yet no client of the turn stopped it or went away
     blocked: int = 0  # stored as blocked (the load is benign: an outage taken as a verdict)
     unacked_stored: int = 0  # never acknowledged (drained) but stored: fine, counted for the record
     log_problems: list[str] = field(default_factory=list)
@@ -392,12 +403,14 @@ class Audit:
 
     @property
     def clean(self) -> bool:
-        return not (self.lost or self.two_replies or self.text_differs or self.blocked or self.log_problems)
+        return not (self.lost or self.two_replies or self.text_differs or self.spliced or self.stopped_by_fault
+                    or self.blocked or self.log_problems)
 
     def row(self) -> dict[str, Any]:
         return {"attempted": self.attempted, "acknowledged": self.acknowledged, "retried": self.retried,
                 "attempts": self.attempts, "rate_limited": self.rate_limited,
                 "lost": self.lost, "two_replies": self.two_replies, "text_differs": self.text_differs,
+                "spliced": self.spliced, "stopped_by_fault": self.stopped_by_fault,
                 "blocked": self.blocked, "log_problems": len(self.log_problems)}
 
 
@@ -419,6 +432,17 @@ async def audit(url: str, turns: list[Turn], mesh: FaultMesh | None = None) -> A
         stored = replies.get((t.conversation, t.turn_id), [])
         if len(stored) > 1:
             out.two_replies += 1
+        if stored:
+            reply = stored[0]
+            shown = next((a.text for a in t.attempts if not reply["content"].startswith(a.text)), None)
+            if shown is not None:
+                out.spliced += 1
+                if len(out.examples) < 10:
+                    out.examples.append(f"spliced {t.turn_id}: shown {shown!r} stored {reply['content']!r}")
+            if reply["status"] == "stopped" and not any(a.outcome == "disconnect" for a in t.attempts):
+                out.stopped_by_fault += 1
+                if len(out.examples) < 10:
+                    out.examples.append(f"stopped by a fault {t.turn_id}: {[a.outcome for a in t.attempts]}")
         if not t.acked:
             out.unacked_stored += bool(stored)
             continue

@@ -8,6 +8,10 @@ the gateway's limits, stopped and started (turns are refused 503 while it is dow
 fault: inject, wait `--down-s`, restart, then `--settle-s` of load and until every turn the fault affected is
 acknowledged (at most 20 s) before the next, so no turn's figure spans two faults.
 
+The load samples (`--temperature`, default 0.7, a seed per turn): a turn taken over or retried after a fault must
+continue what its client was shown, with the turn's own options, not regenerate it (issue 33; the audit's
+`spliced` counts a client shown text the stored reply contradicts).
+
 Figures per run: turns attempted / acknowledged / retried and the audit's zeros (bench/fault_mesh.py); per fault
 the turns it affected, the time from the fault (or, for a restarted service with no peer, from its being healthy
 again) to the first acknowledged turn and from the fault to the last affected turn acknowledged; for a killed
@@ -174,7 +178,8 @@ class RunResult:
 
 async def run(database: str, kinds: Sequence[str], root: Path, conversations: int, warmup_s: float,
               down_s: float, settle_s: float, min_load_s: float = 0.0, postgres_url: str = "",
-              postgres_schema: str = "", turns_per_conversation: int = 4) -> RunResult:
+              postgres_schema: str = "", turns_per_conversation: int = 4, temperature: float | None = 0.7
+              ) -> RunResult:
     """One mesh on `database` ('sqlite' or 'postgres'), the load, `kinds` in order, the audit."""
     redis = Redis(root / "redis")
     redis.start()
@@ -198,7 +203,7 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
             # a port picked free was taken before its service bound it: once more, on other ports
             mesh = FaultMesh(root / "mesh-again", database_url=url, schema=schema, redis_url=redis.url)
             await asyncio.to_thread(mesh.start)
-        load = Load(mesh.url, conversations, turns_per_conversation=turns_per_conversation)
+        load = Load(mesh.url, conversations, turns_per_conversation=turns_per_conversation, temperature=temperature)
         await load.start()
         began = time.monotonic()
         await asyncio.sleep(warmup_s)
@@ -282,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kinds", default="all", help="comma-separated fault kinds (default: every one)")
     parser.add_argument("--down-s", type=float, default=2.0)
     parser.add_argument("--settle-s", type=float, default=4.0)
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="the load's sampling temperature (a seed per turn); negative: the mesh's greedy default")
     parser.add_argument("--heartbeat", action="store_true", help="measure the heartbeat write only")
     parser.add_argument("--json", default="", help="write the results here too")
     args = parser.parse_args(argv)
@@ -303,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = []
             for db in args.databases.split(","):
                 result = asyncio.run(run(db, kinds, Path(tmp) / db, args.conversations, warmup_s=3.0,
-                                         down_s=args.down_s, settle_s=args.settle_s, min_load_s=args.seconds))
+                                         down_s=args.down_s, settle_s=args.settle_s, min_load_s=args.seconds,
+                                         temperature=args.temperature if args.temperature >= 0 else None))
                 runs.append({"database": db, "seconds": result.seconds, **result.audit.row(),
                              "rerouted": result.rerouted, "log_problem_lines": result.audit.log_problems[:10],
                              "examples": result.audit.examples[:10], "faults": result.faults})

@@ -2,8 +2,10 @@
 engines, two chat processes, the store on SQLite and on PostgreSQL, Redis holding the gateway's limits), a load of
 clients retrying the same turn id through the gateway's SSE route, a few fault kinds one at a time per database,
 then the audit (bench/fault_mesh.py): 0 acknowledged turns lost, 0 turn ids with two replies, 0 acknowledged
-texts that differ from the stored reply, 0 turns stored as blocked (the load is benign, so only an outage could
-block it), and no traceback or unretrieved-exception line in any service's log. Every turn is eventually
+texts that differ from the stored reply, 0 clients shown text the stored reply contradicts (the load samples, so
+a takeover must continue, not regenerate), 0 turns stored stopped by a fault, 0 turns stored as blocked (the
+load is benign, so only an outage could block it), and no traceback or unretrieved-exception line in any
+service's log. Every turn is eventually
 acknowledged. A turn interrupted by a chat crash completes through the other chat process within 3 s; a
 restarted engine gets a generation within 2 s of reporting healthy. The long run with every fault kind is
 bench/faults.py (BENCHMARKS.md)."""
@@ -38,6 +40,9 @@ async def _run(database: str, kinds: tuple[str, ...], root: Path, url: str = "",
     assert a.acknowledged >= 20, summary  # the load made progress through the faults
     assert a.acknowledged == a.attempted, summary  # every turn was answered in the end (retries of one id)
     assert (a.lost, a.two_replies, a.text_differs, a.blocked) == (0, 0, 0, 0), summary
+    # The load samples (temperature 0.7, a seed per turn): every client's text is a prefix of the stored reply,
+    # and no turn is stored stopped that no client stopped (issue 33).
+    assert (a.spliced, a.stopped_by_fault) == (0, 0), summary
     assert a.log_problems == [], summary
     by_kind = {f["kind"]: f for f in result.faults}
     if "kill:chat" in by_kind:
