@@ -78,7 +78,7 @@ def test_stream_errors_keeps_items_before_the_error() -> None:
     class Ctx:
         aborted: tuple[grpc.StatusCode, str] | None = None
 
-        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
             self.aborted = (code, details)
             raise grpc.aio.AbortError()
 

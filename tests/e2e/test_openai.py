@@ -166,8 +166,11 @@ async def test_frontend_end_users_are_owners_of_their_own(openai_mesh: Mesh) -> 
 
 async def test_bad_input_is_a_400_and_stores_nothing(openai_mesh: Mesh) -> None:
     client = await client_of(openai_mesh, f"u-{uuid.uuid4().hex[:8]}")
-    extras: list[dict[str, object]] = [{"tools": [{"type": "function", "function": {"name": "f"}}]}, {"temperature": "hot"},
-              {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": []}]
+    # tools are served since issue 28: a tool without a name, or a tool_choice naming no tool, is what is refused
+    extras: list[dict[str, object]] = [{"tools": [{"type": "function", "function": {"parameters": {}}}]},
+              {"tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": {"type": "function", "function": {"name": "g"}}},
+              {"temperature": "hot"}, {"messages": [{"role": "robot", "content": "hi"}]}, {"messages": []}]
     for extra in extras:
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
