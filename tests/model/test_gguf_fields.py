@@ -39,11 +39,18 @@ def write(path: Path, endianess: GGUFEndian = GGUFEndian.LITTLE) -> Path:
     return path
 
 
-def test_the_fetched_models_fields_are_gguf_readers(model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def fetched(model_dir: Path) -> tuple[Path, GGUFReader]:
+    """The fetched model file and GGUFReader's reading of it (~2 s: read once for the module)."""
     path = assets.gguf_path(model_dir)
+    return path, GGUFReader(str(path))
+
+
+def test_the_fetched_models_fields_are_gguf_readers(fetched: tuple[Path, GGUFReader]) -> None:
+    path, reader = fetched
     fields = gguf_fields.read(path)
     assert len(fields["tokenizer.ggml.tokens"]) == 49_152  # type: ignore[arg-type]
-    assert fields == gguf_reader_fields(path)
+    assert fields == dict(gguf_fields.of_reader(reader))
 
 
 def test_every_value_type_reads_as_gguf_reader_reads_it(tmp_path: Path) -> None:
@@ -65,10 +72,10 @@ def test_a_file_it_does_not_parse_is_read_by_gguf_reader(tmp_path: Path) -> None
         gguf_fields.read(truncated)
 
 
-def test_a_profile_from_the_fields_is_the_profile_from_the_reader(model_dir: Path) -> None:
-    path = assets.gguf_path(model_dir)
+def test_a_profile_from_the_fields_is_the_profile_from_the_reader(fetched: tuple[Path, GGUFReader]) -> None:
+    path, reader = fetched
     fast = profile.from_gguf_fields(gguf_fields.read(path), path)
-    slow = profile.from_gguf_reader(GGUFReader(str(path)), path)
+    slow = profile.from_gguf_reader(reader, path)
     assert fast.identity == slow.identity
     assert fast.stop_token_ids == slow.stop_token_ids and fast.context_tokens == slow.context_tokens
     text = "Hello, world! 🙂 <|im_start|>"
