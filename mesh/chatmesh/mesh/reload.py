@@ -42,19 +42,20 @@ class Watched(Generic[T]):
     """The value parsed from `paths` (parse gets their bytes, in order), re-parsed when they change."""
 
     def __init__(self, paths: Sequence[Path], parse: Callable[[Sequence[bytes]], T],
-                 check_every_s: float = CHECK_EVERY_S) -> None:
+                 check_every_s: float = CHECK_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.paths = tuple(paths)
+        self._clock = clock
         self._parse = parse
         self._every = check_every_s
         self._lock = threading.Lock()  # the TLS fetcher runs on gRPC's threads
         self._signature = _signature(self.paths)
         self._value = parse([p.read_bytes() for p in self.paths])  # a broken first load is an error at start
         self.generation = 0
-        self._next_check = time.monotonic() + self._every
+        self._next_check = clock() + self._every
         self._last_error = ""
 
     def current(self, force: bool = False) -> T:
-        now = time.monotonic()
+        now = self._clock()
         if not force and now < self._next_check:
             return self._value
         with self._lock:
