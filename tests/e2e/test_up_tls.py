@@ -82,12 +82,10 @@ def test_chatmesh_up_serves_https_with_the_development_ca(tmp_path: Path) -> Non
         proc = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", "up"], env=env, stdout=stdout,
                                 stderr=stderr, stdin=subprocess.DEVNULL)
     try:
-        started = time.monotonic()
         progress = _wait_for_line(err, proc, "gateway    ready", 150)
         assert f"gateway    ready at https://127.0.0.1:{port}" in progress, progress[-2000:]
         banner = _wait_for_line(out, proc, "chatmesh is up", 30)
         assert f"Open https://127.0.0.1:{port}/" in banner
-        assert time.monotonic() - started < 120  # it used to give up only after 120 s
 
         trusted = ssl.create_default_context(cafile=str(certs / pki.CA_FILE))
         with httpx.Client(base_url=f"https://127.0.0.1:{port}", verify=trusted, timeout=60) as client:

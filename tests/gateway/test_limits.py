@@ -18,7 +18,7 @@ import pytest
 from chatmesh.gateway.accounts import Accounts
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.gateway.errors import ApiError
-from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits
+from chatmesh.gateway.limits import Budget, LimitBackend, MemoryLimits, Reservation
 from chatmesh.gateway.redis_limits import RedisLimits
 from chatmesh.mesh import ids
 from chatmesh.mesh.config import Config
@@ -188,14 +188,26 @@ async def test_a_disconnect_after_the_first_delta_is_charged_its_prompt(start_ga
 
 
 async def test_without_a_reported_prompt_size_a_disconnect_keeps_its_whole_reservation(
-        start_gateway: StartGateway, fake: FakeChat) -> None:
+        start_gateway: StartGateway, fake: FakeChat, monkeypatch: pytest.MonkeyPatch) -> None:
+    settled: list[int] = []  # what each settlement of a reservation charged, once it is done
+    settle = MemoryLimits.settle
+
+    async def recorded(limits: MemoryLimits, reservation: Reservation, used: int) -> None:
+        await settle(limits, reservation, used)
+        settled.append(used)
+
+    monkeypatch.setattr(MemoryLimits, "settle", recorded)
     gw = await start_gateway(CHATMESH_LIMIT_PROMPT_TOKENS_PER_HOUR="3000")
     fake.prompt_tokens, fake.delay_s, fake.chunks = 500, 0.2, ["x"] * 20
     fake.report_prompt_tokens = False
     async with gw.client() as client:
         conv = (await client.post("/v1/conversations")).json()["id"]
         await send(client, conv, disconnect_after_delta=True)
-        await asyncio.sleep(0.3)
+        for _ in range(500):  # the gateway settles the disconnected turn after its client has gone
+            if settled:
+                break
+            await asyncio.sleep(0.01)
+        assert settled == [3000]  # no size from turn.started: the disconnect is charged the whole reservation
         fake.delay_s = 0.0
         refused_turn = await send(client, conv)
     assert fake.allowances == [3000]

@@ -7,15 +7,18 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.config import Config
+from chatmesh.mesh.trust import Trust
 from chatmesh.mesh.errors import InvalidArgument
 from chatmesh.moderation.classifier import profanity_model
-from chatmesh.moderation.client import DecidedBy, ModerationClient
+from chatmesh.moderation.client import DecidedBy, FailurePolicy, ModerationClient, failures_counter
 from chatmesh.moderation.moderator import Moderator, OutputCheck, Verdict
-from chatmesh.moderation.policy import Action, load
+from chatmesh.moderation.policy import Action, FailureMode, load
 from tests.conftest import free_port
 from tests.moderation.conftest import running
 
@@ -74,10 +77,16 @@ async def test_an_input_check_waits_for_a_service_that_is_starting() -> None:
     policy (an outage longer than the wait still gets it: the test above)."""
     registry = CollectorRegistry()
     address = f"127.0.0.1:{free_port()}"
-    moderation = client(address, registry, CHATMESH_MODERATION_CLIENT_CONNECT_WAIT_MS="60000")
+    policy = FailurePolicy(FailureMode.CLOSED, FailureMode.OPEN, 10.0, failures_counter(registry),
+                           connect_wait_s=60.0)
+    channel = open_channel(Trust.insecure(), address, "moderation")  # the test's, to see its connection state
+    moderation = ModerationClient(channel, policy, own_channel=True)
     check = asyncio.create_task(moderation.check_input("What is a good name for a cat?", CONV))
-    await asyncio.sleep(0.3)  # its first connection attempt was refused: it waits
-    assert not check.done()
+    state = channel.get_state(try_to_connect=True)
+    while state is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # its first connection attempt is refused
+        await asyncio.wait_for(channel.wait_for_state_change(state), 10)
+        state = channel.get_state()
+    assert not check.done()  # and the check waits on
     async with running(address=address):
         outcome = await check
     assert outcome.action is Action.ALLOW and outcome.decided_by is DecidedBy.POLICY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import uuid
@@ -27,9 +28,10 @@ from tests.store.conftest import Backend
 
 
 
-@pytest.fixture
-async def stub(backend: Backend, tmp_path: Path, mesh_certs: Path) -> AsyncIterator[Stub]:
-    """The store over mutual TLS, called as chat with a valid owner token for each request's owner."""
+@contextlib.asynccontextmanager
+async def serving(backend: Backend, tmp_path: Path, mesh_certs: Path) -> AsyncIterator[Stub]:
+    """The store over mutual TLS, called as chat with a valid owner token for each request's owner; stopped (every
+    call it was serving ended) on exit."""
     env = {"CHATMESH_DATA_DIR": str(tmp_path / "data"), "CHATMESH_MAX_MESSAGE_BYTES": "1000",
            "CHATMESH_STORE_PURGE_INTERVAL_S": "0"}
     if backend.schema is not None:
@@ -41,10 +43,18 @@ async def stub(backend: Backend, tmp_path: Path, mesh_certs: Path) -> AsyncItera
     task = asyncio.create_task(serve(build(Config(env=env), trust), address, 0.5, ready=ready, stop=stop,
                                      trust=trust))
     await asyncio.wait_for(ready.wait(), 20)
-    async with channel_as(mesh_certs, identity.CHAT, address, "store", owner_tokens=True) as channel:
-        yield store_pb2_grpc.StoreServiceStub(channel)
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    try:
+        async with channel_as(mesh_certs, identity.CHAT, address, "store", owner_tokens=True) as channel:
+            yield store_pb2_grpc.StoreServiceStub(channel)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture
+async def stub(backend: Backend, tmp_path: Path, mesh_certs: Path) -> AsyncIterator[Stub]:
+    async with serving(backend, tmp_path, mesh_certs) as served:
+        yield served
 
 
 async def new_conversation(stub: Stub, owner: str = "alice") -> str:
@@ -228,33 +238,40 @@ async def test_begin_turn_returns_context(stub: Stub) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "context_max_messages" in details
 
 
-async def test_calls_cancelled_mid_statement_leave_no_unretrieved_exception(stub: Stub) -> None:
+async def test_calls_cancelled_mid_statement_leave_no_unretrieved_exception(backend: Backend, tmp_path: Path,
+                                                                          mesh_certs: Path) -> None:
     """A caller that goes away mid-call (chat stopping a turn's heartbeat, a deadline) cancels the handler; the
     statement it was running must not leave the database driver's future unretrieved (PostgreSQL: asyncpg's
-    "unexpected connection_lost()" once SQLAlchemy drops the interrupted connection), a line in the store's log."""
+    "unexpected connection_lost()" once SQLAlchemy drops the interrupted connection), a line in the store's log,
+    up to and including the store's stop (which waits for every handler to end)."""
     loop = asyncio.get_running_loop()
     seen: list[str] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: seen.append(str(ctx.get("message"))))
     try:
-        conv = await new_conversation(stub)
-        turn = str(uuid.uuid4())
-        claimed = await stub.BeginTurn(store_pb2.BeginTurnRequest(
-            owner_id="alice", conversation_id=conv, turn_id=turn, fingerprint="f", content="hi",
-            lease_holder="chat-1", lease_ttl_ms=10_000))
-        for i in range(80):
-            call = stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
-                owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
-                partial_text="x" * i, event_sequence=i, lease_ttl_ms=10_000))
-            await asyncio.sleep((i % 8) * 0.0005)
-            call.cancel()
-        progress = await stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
-            owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
-            partial_text="done", event_sequence=100, lease_ttl_ms=10_000))
-        assert progress.held  # the store still serves the turn after the cancelled calls
-        await asyncio.sleep(0.5)
+        async with serving(backend, tmp_path, mesh_certs) as stub:
+            await cancel_calls_mid_statement(stub)
         gc.collect()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0)  # a callback the collection scheduled runs
     finally:
         loop.set_exception_handler(previous)
     assert seen == []
+
+
+async def cancel_calls_mid_statement(stub: Stub) -> None:
+    """80 calls cancelled at varying points of their statement, then one that must still be served."""
+    conv = await new_conversation(stub)
+    turn = str(uuid.uuid4())
+    claimed = await stub.BeginTurn(store_pb2.BeginTurnRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, fingerprint="f", content="hi",
+        lease_holder="chat-1", lease_ttl_ms=10_000))
+    for i in range(80):
+        call = stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+            owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
+            partial_text="x" * i, event_sequence=i, lease_ttl_ms=10_000))
+        await asyncio.sleep((i % 8) * 0.0005)
+        call.cancel()
+    progress = await stub.UpdateTurnProgress(store_pb2.UpdateTurnProgressRequest(
+        owner_id="alice", conversation_id=conv, turn_id=turn, lease_id=claimed.claimed.lease_id,
+        partial_text="done", event_sequence=100, lease_ttl_ms=10_000))
+    assert progress.held  # the store still serves the turn after the cancelled calls
