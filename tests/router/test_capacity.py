@@ -190,6 +190,26 @@ def test_host_tier_at_the_reference() -> None:
     assert "18 GiB per node would make the idle history fit" in out and "needs 3.7 GB/s per GPU" in out
 
 
+@pytest.mark.parametrize("prompt", [3_000, 4_000, 32_000])
+def test_the_host_memory_it_names_makes_the_idle_history_fit(prompt: int, capsys: pytest.CaptureFixture[str]) -> None:
+    """Taken at its word: the GiB per node the plan names, given back as --host-memory-gib, keep every idle
+    conversation warm, and a GiB less is not printed as 100% (4k needs 42.2 GiB, 32k 128.5: rounding to nearest
+    named too little)."""
+    def host_lines(gib: int | None) -> str:
+        extra = [] if gib is None else ["--host-memory-gib", str(gib)]
+        assert main(["capacity", "--prompt-tokens", str(prompt), *extra]) == 0
+        return "\n".join(line for line in capsys.readouterr().out.splitlines() if "GiB per node" in line)
+
+    named = int(host_lines(None).split("\n")[1].split()[0])
+    assert "100% with the host tier" in host_lines(named)
+    short = host_lines(named - 1)
+    assert "100% with the host tier" not in short and "99." in short
+    h = capacity.plan(workload=dataclasses.replace(capacity.Workload(), prompt_tokens=prompt)).host
+    assert named - 1 < h.host_bytes_needed_node / 2**30 <= named
+    assert capacity.share_text(0.9989) == "99.8%" and capacity.share_text(0.001) == "0.1%"
+    assert capacity.share_text(1.0) == "100%" and capacity.share_text(0.72) == "72%"
+
+
 def test_disaggregated_plan() -> None:
     for p in (capacity.plan(), _at(32_000), capacity.plan(workload=dataclasses.replace(
             capacity.Workload(), cached_share=0.5))):

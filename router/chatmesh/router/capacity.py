@@ -418,6 +418,14 @@ def ms_text(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
+def share_text(share: float) -> str:
+    """A share as a whole percent, except that one short of all (or above none) never reads as 100% (or 0%)."""
+    text = f"{share:.0%}"
+    if 0 < share < 1 and text in ("100%", "0%"):
+        return f"{math.floor(share * 1000) / 10:.1f}%" if share > 0.5 else f"{math.ceil(share * 1000) / 10:.1f}%"
+    return text
+
+
 _MORE = " " * 28  # a continued line, under the figures
 
 
@@ -448,9 +456,9 @@ def _host_lines(p: CapacityPlan) -> list[str]:
     hw, h = p.hardware, p.host
     lines = [
         f"  host tier                 {hw.host_memory_bytes / GIB:,.0f} GiB per node = "
-        f"{h.host_tokens_per_node / 1e6:.2f} M tokens; idle conversations warm: {h.warm_share_hbm:.0%} in HBM "
-        f"alone, {h.warm_share:.0%} with the host tier",
-        f"{_MORE}{h.host_bytes_needed_node / GIB:,.0f} GiB per node would make the idle history fit; with this "
+        f"{h.host_tokens_per_node / 1e6:.2f} M tokens; idle conversations warm: {share_text(h.warm_share_hbm)} in "
+        f"HBM alone, {share_text(h.warm_share)} with the host tier",
+        f"{_MORE}{math.ceil(h.host_bytes_needed_node / GIB):,} GiB per node would make the idle history fit; with this "
         f"tier {h.host_reload_share:.0%} of returning turns reload from host, {rate_text(h.host_traffic_bytes_s_gpu)} "
         f"per GPU",
     ]
