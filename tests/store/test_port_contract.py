@@ -202,6 +202,8 @@ async def a_turn_is_stored_once(s: Subject) -> None:
     first = await s.store.finish_turn(k, lease, reply())
     second = await s.store.finish_turn(k, lease, reply("other"))
     assert not first.already_finished and second.already_finished and second.reply == first.reply
+    assert not await s.store.fail_turn(k, lease, "late")  # a stored turn's lease holds nothing any more
+    assert not (await s.store.update_turn_progress(k, lease, "late", 9, TTL)).held
     done = await claim(s, k)
     assert isinstance(done, Done) and done.reply == first.reply and done.usage == Usage(10, 4, 2)
     history = await s.store.read_conversation(OWNER, conv)
