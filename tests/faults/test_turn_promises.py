@@ -376,10 +376,21 @@ async def test_a_stream_cut_at_its_response_headers_is_released_and_its_retry_st
     key = await make_key(data_dir(fm), f"cut-{tag}")
     body = {"messages": [{"role": "user", "content": "Name three things about the orbit."}], "max_tokens": 40}
     port = int(fm.url.rsplit(":", 1)[1])
-    async with HeaderCut(port) as proxy_port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}",
-                                                                 timeout=30) as cut:
-        with pytest.raises(httpx.HTTPError):
-            await stream_completion(cut, key, "cut", body)
+    # The engines are held still (SIGSTOP) while the stream is cut: chat sends the turn's start (the response
+    # headers) before any engine work, so no token can exist before the cut. Without this the cut races the
+    # first token, and a token the gateway wrote to the socket before it saw the close counts as shown (the
+    # gateway cannot know the proxy dropped it): on a loaded runner that turned the turn into a stopped one.
+    engines = [fm.pid(name) for name in fm.names("engine")]
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        async with HeaderCut(port) as proxy_port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}",
+                                                                     timeout=30) as cut:
+            with pytest.raises(httpx.HTTPError):
+                await stream_completion(cut, key, "cut", body)
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
     owner = await owner_of(fm, f"cut-{tag}")
     turn = derived_id("key", owner, "cut")  # the turn an Idempotency-Key names (gateway/openai/turns.py)
     async with httpx.AsyncClient(base_url=fm.url, timeout=30) as client:
