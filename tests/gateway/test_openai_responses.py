@@ -59,6 +59,40 @@ async def test_the_object_has_every_required_field_and_retrieve_returns_it(gatew
     assert got == body
 
 
+async def test_an_assistant_messages_phase_is_kept_and_listed_back(gateway: Gateway, key: str,
+                                                                    start_gateway: StartGateway) -> None:
+    """Open Responses' `phase` on an assistant input message is stored with the message (records.py) and sent
+    back when the conversation's items are listed, from any gateway; a fork of the response keeps it too."""
+    async with http(gateway, key) as c:
+        made = await post(c, {"input": [
+            {"type": "message", "role": "user", "content": "Plan it."},
+            {"type": "message", "role": "assistant", "content": "Looking into it.", "phase": "commentary"},
+            {"type": "message", "role": "assistant", "content": "Step one, then two.", "phase": "final_answer"},
+            {"type": "message", "role": "assistant", "content": "No phase here."},
+            {"type": "message", "role": "user", "content": "Go on."}]})
+        assert made.status_code == 200, made.text
+        conv = made.json()["conversation"]["id"]
+        seeded = await c.post("/openai/v1/conversations", json={"items": [
+            {"type": "message", "role": "user", "content": "Hi"},
+            {"type": "message", "role": "assistant", "content": "Thinking.", "phase": "commentary"}]})
+        assert seeded.status_code == 200, seeded.text
+        first = await post(c, {"input": "A", "previous_response_id": made.json()["id"]})
+        forked = await post(c, {"input": "B", "previous_response_id": made.json()["id"]})  # made is not last now
+        fork = forked.json()["conversation"]["id"]
+        assert first.json()["conversation"]["id"] == conv != fork
+    other = await start_gateway()
+    async with http(other, key) as c:
+        listed = (await c.get(f"/openai/v1/conversations/{conv}/items", params={"order": "asc"})).json()["data"]
+        created = (await c.get(f"/openai/v1/conversations/{seeded.json()['id']}/items",
+                               params={"order": "asc"})).json()["data"]
+        in_fork = (await c.get(f"/openai/v1/conversations/{fork}/items", params={"order": "asc"})).json()["data"]
+    phases = [("user", None), ("assistant", "commentary"), ("assistant", "final_answer"), ("assistant", None),
+              ("user", None), ("assistant", None)]
+    assert [(i["role"], i.get("phase")) for i in listed] == phases + [("user", None), ("assistant", None)]
+    assert [(i["role"], i.get("phase")) for i in in_fork] == phases + [("user", None), ("assistant", None)]
+    assert [i.get("phase") for i in created] == [None, "commentary"]
+
+
 async def test_the_stream_follows_the_specification(gateway: Gateway, key: str) -> None:
     async with http(gateway, key) as c:
         async with c.stream("POST", "/openai/v1/responses",

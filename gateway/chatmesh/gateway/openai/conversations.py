@@ -15,7 +15,8 @@ from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
 from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
 from chatmesh.gateway.openai.tool_wire import call_of, function_call_item
-from chatmesh.gateway.openai.turns import owner_token, seeds_of
+from chatmesh.gateway.openai.turns import Seeded, keep_phases, owner_token, seeds_of
+from chatmesh.gateway.openai.wire import Phase
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.mesh.ids import ConversationId, OwnerId
 from chatmesh.v1 import chat_pb2, common_pb2
@@ -28,25 +29,29 @@ def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
             "created_at": c.created_at_ms // 1000, "metadata": {}}
 
 
-def items_of(m: common_pb2.Message, sanitiser: Sanitiser) -> list[dict[str, Any]]:
-    """A stored message as Conversations items: a message, an assistant's calls as function_call items after
-    it (the message left out when it is only calls), a tool message's results as function_call_output items."""
+def items_of(m: common_pb2.Message, sanitiser: Sanitiser, phase: Phase | None = None) -> list[dict[str, Any]]:
+    """A stored message as Conversations items: a message (with the `phase` it was seeded with, if any), an
+    assistant's calls as function_call items after it (the message left out when it is only calls), a tool
+    message's results as function_call_output items."""
     if m.role == common_pb2.ROLE_TOOL:
         return [{"type": "function_call_output", "id": "fco_" + r.tool_call_id.removeprefix("call_"),
                  "call_id": r.tool_call_id, "output": r.content, "status": "completed"} for r in m.tool_results]
     calls = [function_call_item(call_of(c), "completed") for c in m.tool_calls]
-    return ([] if calls and not m.content else [item_json(m, sanitiser)]) + calls
+    return ([] if calls and not m.content else [item_json(m, sanitiser, phase)]) + calls
 
 
-def item_json(m: common_pb2.Message, sanitiser: Sanitiser) -> dict[str, Any]:
+def item_json(m: common_pb2.Message, sanitiser: Sanitiser, phase: Phase | None = None) -> dict[str, Any]:
     role = _ROLES.get(m.role, "user")
     if role == "assistant":
         content = [{"type": "output_text", "text": sanitiser.whole(m.content), "annotations": [], "logprobs": []}]
     else:
         content = [{"type": "input_text", "text": m.content}]
     status = "completed" if m.status == common_pb2.MESSAGE_STATUS_COMPLETE else "incomplete"
-    return {"type": "message", "id": ids.message_id(m.turn_id, role) if m.turn_id else f"msg_{m.index}",
-            "status": status, "role": role, "content": content}
+    message_id = ids.message_id(m.turn_id, role) if m.turn_id else f"msg_{m.index}"
+    item: dict[str, Any] = {"type": "message", "id": message_id, "status": status, "role": role, "content": content}
+    if phase is not None and role == "assistant":
+        item["phase"] = phase.value
+    return item
 
 
 async def _existing(request: Request) -> tuple[Surface, OwnerId, ConversationId]:
@@ -75,14 +80,15 @@ async def create(request: Request) -> Response:
             continue
         if key != "items":
             raise unsupported(key) if key == "metadata" else invalid(key, "unknown parameter", "unknown_parameter")
-    seed: list[common_pb2.SeedMessage] = []
+    seed = Seeded()
     if body.get("items"):
         messages = wire.conversation_items(body["items"], surface.edge.max_body_bytes)
         await surface.check_sizes(messages, "items")
         seed = seeds_of(messages)
     reply = await surface.edge.unary(surface.edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
-        owner_id=owner, messages=seed), timeout=surface.edge.deadline_s,
+        owner_id=owner, messages=seed.messages), timeout=surface.edge.deadline_s,
         metadata=owner_token(surface.edge, owner)))
+    await keep_phases(surface.records, owner, ConversationId(reply.conversation.conversation_id), seed)
     return JSONResponse(conversation_json(reply.conversation))
 
 
@@ -115,7 +121,9 @@ async def items(request: Request) -> Response:
         raise invalid("order", "must be asc or desc")
     view = await _read(surface, owner, conv)
     sanitiser = Sanitiser(surface.edge.allowlist)
-    all_items = [item for m in view.messages if not m.superseded for item in items_of(m, sanitiser)]
+    phases = await surface.records.phases(owner, conv)
+    all_items = [item for m in view.messages if not m.superseded
+                 for item in items_of(m, sanitiser, phases.get(m.index))]
     if order == "desc":
         all_items.reverse()
     after = request.query_params.get("after")

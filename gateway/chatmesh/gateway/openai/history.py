@@ -138,7 +138,7 @@ class HistoryIndex:
                     pass
             if time.monotonic() - self._purged_at > PURGE_INTERVAL_S:
                 self._purged_at = time.monotonic()
-                for table in (history, records.turns):  # the surface's other table shares the retention
+                for table in (history, records.turns, records.phases):  # the surface's others share the retention
                     await conn.execute(table.delete().where(table.c.recorded_at_ms < now_ms - self._retention_ms))
         self._remember(owner, key, point)
 

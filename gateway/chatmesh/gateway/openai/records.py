@@ -17,6 +17,10 @@ Two jobs:
   `create` did: `incomplete` for a reply cut by max_output_tokens, not `completed`. Chat's stored turn has the
   reply, usage and whether it was stopped or blocked; the finish reason and the cap live here.
 
+A third, smaller one: an assistant message's Responses `phase` (commentary or final_answer), which chat's
+messages have no field for, kept in `openai_phases` by (owner, conversation, message index) when a client's
+history seeds a conversation with it, and echoed on the message when the conversation's items are listed.
+
 Rows of a deleted conversation or response are deleted with it; rows older than the retention are purged with the
 history index's (`HistoryIndex.record`).
 """
@@ -34,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from chatmesh.gateway.accounts import metadata
 from chatmesh.gateway.openai.errors import OpenAIError
+from chatmesh.gateway.openai.wire import Phase
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 
 turns = sa.Table(
@@ -49,6 +54,15 @@ turns = sa.Table(
     sa.Column("completed_at", sa.BigInteger, nullable=True),  # Unix seconds
     sa.Column("recorded_at_ms", sa.BigInteger, nullable=False, index=True),
     sa.Index("ix_openai_turns_owner_conversation", "owner_id", "conversation_id"),
+)
+
+phases = sa.Table(
+    "openai_phases", metadata,
+    sa.Column("owner_id", sa.String(128), primary_key=True),
+    sa.Column("conversation_id", sa.String(36), primary_key=True),
+    sa.Column("message_index", sa.Integer, primary_key=True),
+    sa.Column("phase", sa.String(16), nullable=False),
+    sa.Column("recorded_at_ms", sa.BigInteger, nullable=False, index=True),
 )
 
 CACHED = 20_000
@@ -142,10 +156,29 @@ class TurnRecords:
         async with self._engine.begin() as conn:
             await conn.execute(turns.delete().where(turns.c.owner_id == owner, turns.c.turn_id == turn))
 
+    async def keep_phases(self, owner: OwnerId, conversation: ConversationId, kept: dict[int, Phase]) -> None:
+        """The phases of a conversation's seeded messages, by message index (a retry's rows stay as they were)."""
+        now_ms = int(time.time() * 1000)
+        async with self._engine.begin() as conn:
+            known = set((await conn.execute(sa.select(phases.c.message_index).where(
+                phases.c.owner_id == owner, phases.c.conversation_id == conversation))).scalars().all())
+            rows = [{"owner_id": owner, "conversation_id": conversation, "message_index": i, "phase": p.value,
+                     "recorded_at_ms": now_ms} for i, p in kept.items() if i not in known]
+            if rows:
+                await conn.execute(phases.insert(), rows)
+
+    async def phases(self, owner: OwnerId, conversation: ConversationId) -> dict[int, Phase]:
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(sa.select(phases.c.message_index, phases.c.phase).where(
+                phases.c.owner_id == owner, phases.c.conversation_id == conversation))).all()
+        return {row.message_index: Phase(row.phase) for row in rows}
+
     async def forget(self, owner: OwnerId, conversation: ConversationId) -> None:
         """Every row of a deleted conversation. (A claim made before its turn opened has no conversation yet and
         lapses with the retention.)"""
         async with self._engine.begin() as conn:
+            await conn.execute(phases.delete().where(phases.c.owner_id == owner,
+                                                     phases.c.conversation_id == conversation))
             gone = (await conn.execute(sa.select(turns.c.turn_id).where(
                 turns.c.owner_id == owner, turns.c.conversation_id == conversation))).scalars().all()
             await conn.execute(turns.delete().where(turns.c.owner_id == owner,

@@ -42,14 +42,16 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.records import TurnRecords
-from chatmesh.gateway.openai.wire import Message, Role
+from chatmesh.gateway.openai.wire import Message, Phase, Role
 from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.owner_tokens import Metadata
 from chatmesh.gateway.routes import Edge
 from chatmesh.gateway.sse import TurnCall, first_event
+from chatmesh.mesh import logs
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.v1 import chat_pb2, common_pb2
 
+log = logs.get("chatmesh.gateway.openai")
 _NAMESPACE = uuid.UUID("6f1d6c1e-2b7a-4c53-9a55-0c0a7e0b5f19")
 MAX_FORKS = 3
 HOLD_S = 300.0  # how long a point stays held for the turn continuing it (module docstring)
@@ -60,6 +62,17 @@ def owner_token(edge: Edge, owner: OwnerId, conversation: ConversationId | None 
     """The owner token a ChatService call for `owner` carries (minted by the edge; see owner_tokens.py). The owner
     is the key's user or, for a trusted front-end, the end user it named (surface.py)."""
     return edge.tokens.metadata(Principal(owner, Via.API_KEY), conversation)
+
+
+async def keep_phases(records: TurnRecords, owner: OwnerId, conversation: ConversationId, seed: Seeded) -> None:
+    """The phases of a conversation's seeded messages (records.py); a failure to keep them is logged: the
+    conversation is stored, its items are then listed without them."""
+    if not seed.phases:
+        return
+    try:
+        await records.keep_phases(owner, conversation, dict(seed.phases))
+    except Exception as exc:  # noqa: BLE001 - logged with its type; the turn goes on
+        log.warning("phases_record_failed", error=type(exc).__name__)
 
 
 def derived_id(*parts: str) -> str:
@@ -187,11 +200,13 @@ class Continuity:
 
     async def _start(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, forks: int) -> Opened:
         seed = await self._seed(ask)
-        create = chat_pb2.NewConversation(messages=seed)
+        create = chat_pb2.NewConversation(messages=seed.messages)
         opened = await self._send(ask, turn, conversation, create=create)
         if opened.replayed and not self._may_replay(ask):
             opened.call.cancel()
-            return await self._resend(ask, turn, Point(conversation, TurnId("")), forks=forks, seeded=len(seed))
+            return await self._resend(ask, turn, Point(conversation, TurnId("")), forks=forks,
+                                      seeded=len(seed.messages))
+        await keep_phases(self.records, ask.owner, conversation, seed)
         return opened
 
     async def _resend(self, ask: Ask, turn: TurnId, point: Point, *, forks: int, seeded: int | None = None
@@ -244,8 +259,8 @@ class Continuity:
             call.cancel()
             raise
 
-    async def _seed(self, ask: Ask) -> list[common_pb2.SeedMessage]:
-        seed: list[common_pb2.SeedMessage] = []
+    async def _seed(self, ask: Ask) -> Seeded:
+        seed = Seeded()
         if ask.seed_from is not None:  # a fork of a stored conversation: its history up to that reply
             view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
                 owner_id=ask.owner, conversation_id=ask.seed_from.conversation), timeout=self.edge.deadline_s,
@@ -254,8 +269,11 @@ class Continuity:
             ends = [i for i, m in enumerate(live) if m.turn_id == ask.seed_from.turn]
             if not ends:
                 raise OpenAIError(404, "not_found", "previous response not found", "previous_response_id")
-            seed.extend(common_pb2.SeedMessage(role=m.role, content=m.content, tool_calls=m.tool_calls,
-                                               tool_results=m.tool_results) for m in live[:ends[-1] + 1])
+            kept = await self.records.phases(ask.owner, ask.seed_from.conversation)
+            forked = live[:ends[-1] + 1]
+            seed = Seeded(tuple(common_pb2.SeedMessage(role=m.role, content=m.content, tool_calls=m.tool_calls,
+                                                       tool_results=m.tool_results) for m in forked),
+                          tuple((i, kept[m.index]) for i, m in enumerate(forked) if m.index in kept))
         return seed + seeds_of(ask.history)
 
     @staticmethod
@@ -267,10 +285,25 @@ class Continuity:
         return ConversationId(derived_id("conversation", ask.owner, ask.chat, ask.request_digest, base))
 
 
-def seeds_of(messages: Sequence[Message]) -> list[common_pb2.SeedMessage]:
+@dataclass(frozen=True, slots=True)
+class Seeded:
+    """The messages a new conversation is seeded with, and the phases of those that had one, by index (the store
+    numbers seeded messages from 0 in order; records.py keeps the phases)."""
+
+    messages: tuple[common_pb2.SeedMessage, ...] = ()
+    phases: tuple[tuple[int, Phase], ...] = ()
+
+    def __add__(self, other: Seeded) -> Seeded:
+        shift = len(self.messages)
+        return Seeded(self.messages + other.messages,
+                      self.phases + tuple((i + shift, p) for i, p in other.phases))
+
+
+def seeds_of(messages: Sequence[Message]) -> Seeded:
     """A client's messages as seed messages: each run of tool results one tool message (as chat stores a tool
     turn), an assistant's calls with it, empty messages left out."""
     seed: list[common_pb2.SeedMessage] = []
+    phases: list[tuple[int, Phase]] = []
     for m in messages:
         if m.role is Role.TOOL:
             result = common_pb2.ToolResult(tool_call_id=m.tool_call_id, content=m.text)
@@ -279,6 +312,8 @@ def seeds_of(messages: Sequence[Message]) -> list[common_pb2.SeedMessage]:
             else:
                 seed.append(common_pb2.SeedMessage(role=common_pb2.ROLE_TOOL, tool_results=[result]))
         elif m.text.strip() or m.tool_calls:
+            if m.phase is not None:
+                phases.append((len(seed), m.phase))
             seed.append(common_pb2.SeedMessage(role=m.role.proto, content=m.text, tool_calls=[
                 common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]))
-    return seed
+    return Seeded(tuple(seed), tuple(phases))

@@ -45,14 +45,22 @@ _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "a
           "tool": Role.TOOL}
 
 
-PHASES = ("commentary", "final_answer")
+class Phase(enum.Enum):
+    """An assistant message's Responses `phase`: a step's commentary, or the final answer. Kept with the message
+    it came with (records.py) and sent back when the conversation's items are listed."""
+
+    COMMENTARY = "commentary"
+    FINAL_ANSWER = "final_answer"
+
+
+PHASES = tuple(p.value for p in Phase)
 
 
 @dataclass(frozen=True)
 class Message:
     role: Role
     text: str
-    phase: str | None = None  # an assistant message's Responses `phase` (commentary or final_answer), as sent
+    phase: Phase | None = None  # an assistant message's Responses `phase`, as sent
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant message's calls
     tool_call_id: str = ""  # a TOOL message: the call whose result `text` is
 
@@ -369,7 +377,7 @@ def _messages(raw: Any, param: str, max_chars: int, part_types: tuple[str, ...],
             raise invalid(f"{where}.content", "must not be empty")
         if len(text) > max_chars:
             raise invalid(f"{where}.content", f"longer than {max_chars} characters", "string_above_max_length")
-        out.append(Message(_ROLES[role], text, phase, calls, call_id))
+        out.append(Message(_ROLES[role], text, Phase(phase) if phase is not None else None, calls, call_id))
     _check_calls(out, param, leading_results=items)
     if last_user and out[-1].role not in (Role.USER, Role.TOOL):
         raise invalid(f"{param}[{start + len(out) - 1}].role",
