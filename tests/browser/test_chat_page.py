@@ -4,16 +4,19 @@ regenerate it (and stop that), delete the conversation. The sim engine is slowed
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from chatmesh.mesh.up import Mesh
 from tests.conftest import need
 
 CHROMIUM = "/usr/bin/chromium"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default profile's model id
 
 
 def _browser_mesh(tmp: Path, **extra: str) -> Iterator[Mesh]:
@@ -94,7 +97,13 @@ def test_type_stream_stop_reload_delete(slow_mesh: Mesh) -> None:
 
 @pytest.fixture(scope="module")
 def quick_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    yield from _browser_mesh(tmp_path_factory.mktemp("browser-quick"), CHATMESH_MAX_REPLY_TOKENS="24")
+    yield from _browser_mesh(tmp_path_factory.mktemp("browser-quick"), CHATMESH_MAX_REPLY_TOKENS="24",
+                             CHATMESH_SIM_REPLIES=json.dumps(TOOL_RULES))
+
+
+# Scripted sim replies for the tool round trip (the other quick tests' messages match no rule)
+TOOL_RULES = [{"when": "weather in Paris", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+              {"when": "celsius", "reply": "It is 21 degrees in Paris."}]
 
 
 @pytest.mark.timeout(180)
@@ -128,3 +137,54 @@ def test_each_reply_shows_its_ttft_prompt_and_cached_tokens_and_replica(quick_me
             expect(second).to_contain_text("engine-0")
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_tool_round_trip_shows_the_call_and_the_result(quick_mesh: Mesh) -> None:
+    """A conversation with a tool round trip (made through the OpenAI-compatible surface) shows, on reload, the
+    call as its tool's name and arguments and the result as the tool's text: before, both were empty entries."""
+    from playwright.sync_api import expect, sync_playwright
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages: list[dict[str, object]] = [{"role": "user", "content": "What's the weather in Paris?"}]
+    with httpx.Client(base_url=quick_mesh.gateway_url, timeout=60) as http:
+        called = http.post("/openai/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                "tools": tools})
+        assert called.status_code == 200, called.text
+        reply = called.json()["choices"][0]["message"]
+        (call,) = reply["tool_calls"]
+        messages += [reply, {"role": "tool", "tool_call_id": call["id"], "content": '{"celsius": 21}'}]
+        answered = http.post("/openai/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                  "tools": tools})
+        assert answered.status_code == 200, answered.text
+        conversations = http.get("/v1/conversations").json()["conversations"]
+    (conversation,) = [c["id"] for c in conversations
+                       if any(m.get("tool_calls") for m in http_messages(quick_mesh, c["id"]))]
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(f"{quick_mesh.gateway_url}/#{conversation}")
+            expect(page.locator(".message")).to_have_count(4)
+            expect(page.locator(".message.user")).to_have_text("What's the weather in Paris?")
+            call_block = page.locator(".message.assistant .tool-call")
+            expect(call_block).to_have_count(1)
+            expect(call_block.locator(".tool-heading")).to_have_text("Called get_weather")
+            assert json.loads(call_block.locator("pre").inner_text()) == {"city": "Paris"}
+            result = page.locator(".message.tool .tool-result")
+            expect(result.locator(".tool-heading")).to_have_text("Result of get_weather")
+            expect(result.locator("pre")).to_have_text('{"celsius": 21}')
+            expect(page.locator(".message.assistant").last).to_have_text("It is 21 degrees in Paris.")
+        finally:
+            browser.close()
+
+
+def http_messages(mesh: Mesh, conversation: str) -> list[dict[str, object]]:
+    messages: list[dict[str, object]] = httpx.get(f"{mesh.gateway_url}/v1/conversations/{conversation}",
+                                                  timeout=30).json()["messages"]
+    return messages

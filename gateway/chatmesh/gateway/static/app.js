@@ -89,6 +89,48 @@ function addMessage(role, content, status, turnId) {
   return div;
 }
 
+// A reply that called tools (through the OpenAI-compatible surface) and the tool results sent back: each call as
+// its tool's name and its arguments (pretty-printed JSON when they parse), each result as the tool it answers and
+// its text. Text only (textContent), never HTML, like the replies.
+function pretty(text) {
+  try { return JSON.stringify(JSON.parse(text), null, 2); } catch { return text; }
+}
+
+function toolBlock(kind, heading, body) {
+  const block = document.createElement("div");
+  block.className = `tool-block tool-${kind}`;
+  const title = document.createElement("div");
+  title.className = "tool-heading";
+  title.textContent = heading;
+  const pre = document.createElement("pre");
+  pre.textContent = body;
+  block.append(title, pre);
+  return block;
+}
+
+function addToolMessage(m, toolNames) {
+  const div = document.createElement("div");
+  div.className = `message ${m.role}`;
+  div.dataset.status = m.status || "complete";
+  if (m.turn_id) div.dataset.turnId = m.turn_id;
+  div.dataset.text = m.content || "";
+  if (m.content) {
+    const text = document.createElement("div");
+    Markdown.render(text, m.content);
+    div.append(text);
+  }
+  for (const c of m.tool_calls || []) {
+    toolNames.set(c.id, c.name);
+    div.append(toolBlock("call", `Called ${c.name}`, pretty(c.arguments)));
+  }
+  for (const r of m.tool_results || []) {
+    const name = toolNames.get(r.tool_call_id);
+    div.append(toolBlock("result", name ? `Result of ${name}` : `Tool result (${r.tool_call_id})`, r.content));
+  }
+  $("messages").append(div);
+  return div;
+}
+
 function lastAssistant() {
   const all = $("messages").querySelectorAll(".message.assistant");
   return all.length ? all[all.length - 1] : null;
@@ -99,8 +141,11 @@ async function openConversation(id) {
   state.current = id;
   location.hash = id;
   $("messages").replaceChildren();
+  const toolNames = new Map();  // tool call id -> the tool's name, for the results that answer it
   for (const m of conv.messages) {
-    if (m.role === "user" || m.role === "assistant") addMessage(m.role, m.content, m.status, m.turn_id);
+    if ((m.tool_calls && m.tool_calls.length) || (m.tool_results && m.tool_results.length)) {
+      addToolMessage(m, toolNames);
+    } else if (m.role === "user" || m.role === "assistant") addMessage(m.role, m.content, m.status, m.turn_id);
   }
   for (const li of $("conversations").children) li.classList.toggle("current", li.dataset.id === id);
   setStreaming(false);
