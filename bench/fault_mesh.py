@@ -398,6 +398,7 @@ class Audit:
     stopped_by_fault: int = 0  # stored stopped, yet no client of the turn stopped it or went away
     blocked: int = 0  # stored as blocked (the load is benign: an outage taken as a verdict)
     unacked_stored: int = 0  # never acknowledged (drained) but stored: fine, counted for the record
+    stopped_ids: list[str] = field(default_factory=list)  # the turn ids stopped_by_fault counts
     log_problems: list[str] = field(default_factory=list)
     examples: list[str] = field(default_factory=list)
 
@@ -441,6 +442,7 @@ async def audit(url: str, turns: list[Turn], mesh: FaultMesh | None = None) -> A
                     out.examples.append(f"spliced {t.turn_id}: shown {shown!r} stored {reply['content']!r}")
             if reply["status"] == "stopped" and not any(a.outcome == "disconnect" for a in t.attempts):
                 out.stopped_by_fault += 1
+                out.stopped_ids.append(t.turn_id)
                 if len(out.examples) < 10:
                     out.examples.append(f"stopped by a fault {t.turn_id}: {[a.outcome for a in t.attempts]}")
         if not t.acked:

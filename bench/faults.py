@@ -13,7 +13,8 @@ continue what its client was shown, with the turn's own options, not regenerate 
 `spliced` counts a client shown text the stored reply contradicts).
 
 Figures per run: turns attempted / acknowledged / retried and the audit's zeros (bench/fault_mesh.py); per fault
-the turns it affected, the time from the fault (or, for a restarted service with no peer, from its being healthy
+the turns it affected, those of them stored stopped though no client stopped them (`stopped_by_fault`), the
+signalled process's exit time, the time from the fault (or, for a restarted service with no peer, from its being healthy
 again) to the first acknowledged turn and from the fault to the last affected turn acknowledged; for a killed
 chat process, each interrupted turn's time to completion through the other; for a restarted engine, the time
 from healthy to its first generation. `heartbeat` measures the store write a generating turn makes per progress
@@ -44,19 +45,24 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 
 from bench.fault_mesh import FINALS, SERVICES, Audit, FaultMesh, Load, PrivatePostgres, Redis, audit, recovery
+from chatmesh.mesh import identity as ident
 from chatmesh.mesh.channels import open_channel
 from chatmesh.mesh.up import MeshError
 from chatmesh.mesh.trust import Trust
-from chatmesh.v1 import generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc
+from chatmesh.v1 import (chat_pb2, chat_pb2_grpc, generate_pb2, generate_pb2_grpc, route_pb2, route_pb2_grpc, store_pb2,
+                         store_pb2_grpc)
 from tests.e2e.conftest import bind_failed
+from tests.e2e.conftest import channel as e2e_channel
 
 # The process of each service kind a fault hits: engine-0 (the one with a metrics port and GetStats reached at
 # the standard address), the first chat process, the single store, router, moderation and gateway.
 TARGET = {"engine": "engine", "chat": "chat", "store": "store", "router": "router", "moderation": "moderation",
           "gateway": "gateway"}
 CHAT_DOWN_S = 3.5
+LOCAL = "local"  # the development identity chatmesh's own routes act for (CHATMESH_AUTH=local)
 FAULTS: tuple[str, ...] = (*(f"kill:{s}" for s in SERVICES), *(f"term:{s}" for s in SERVICES),
                            "client_disconnect", "postgres_restart", "redis_stop")
 
@@ -115,6 +121,7 @@ async def inject(kind: str, mesh: FaultMesh, load: Load, down_s: float, redis: R
             name = TARGET[service]
             sig = signal.SIGKILL if how == "kill" else signal.SIGTERM
             extra["exit_code"] = await asyncio.to_thread(mesh.kill, name, sig)
+            extra["exit_s"] = round(time.monotonic() - at, 3)  # a SIGTERM's drain: bounded by the grace
             # A chat process stays down long enough that its turns can only complete through the other one.
             await asyncio.sleep(max(down_s, CHAT_DOWN_S) if service == "chat" else down_s)
             await asyncio.to_thread(mesh.restart, name)
@@ -226,6 +233,12 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
                 row["crash_completions_s"] = done
             faults.append(row)
         result = await audit(mesh.url, load.turns, mesh)
+        stopped = set(result.stopped_ids)
+        for i, (fault, row) in enumerate(zip(injected, faults, strict=True)):
+            until = injected[i + 1].at if i + 1 < len(injected) else time.monotonic()
+            # a turn stored stopped that no client stopped, charged to the fault that broke one of its attempts
+            row["stopped_by_fault"] = sum(1 for t in load.turns if t.turn_id in stopped and any(
+                fault.at <= a.ended < until and a.outcome not in FINALS for a in t.attempts))
         if not drained:
             result.examples.append("some clients did not finish their last turn within the drain timeout")
         return RunResult(database, round(seconds, 1), result, faults, mesh.log_lines("engine_rerouted", "chat"))
@@ -234,6 +247,111 @@ async def run(database: str, kinds: Sequence[str], root: Path, conversations: in
         redis.stop()
         if pg is not None:
             pg.drop()
+
+
+# ---- a paused lease holder's engine sequence (issue 33, Deliver 6) ------------------------------------------------
+
+
+async def _running(mesh: FaultMesh) -> int:
+    total = 0
+    for name in mesh.names("engine"):
+        async with e2e_channel(mesh.mesh, "engine", address=mesh.procs[name].address) as ch:
+            total += (await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(
+                generate_pb2.GetStatsRequest(), timeout=2)).stats.running_sequences
+    return total
+
+
+async def _record(mesh: FaultMesh, conv: str, turn: str) -> store_pb2.ReadTurnResponse:
+    async with e2e_channel(mesh.mesh, "store", ident.CHAT, owner_tokens=True) as ch:
+        return await store_pb2_grpc.StoreServiceStub(ch).ReadTurn(store_pb2.ReadTurnRequest(
+            owner_id=LOCAL, conversation_id=conv, turn_id=turn), timeout=2)
+
+
+def _cancelled_at(mesh: FaultMesh, turn: str) -> float | None:
+    """The wall time (s) an engine logged cancelling `turn`'s generations (CancelTurn: its lease moved)."""
+    for path in (mesh.root / "logs").glob("engine*.log"):
+        for line in path.read_text(errors="replace").splitlines():
+            if "turn_cancelled" in line and turn in line:
+                stamp = json.loads(line)["timestamp"]
+                return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+async def paused_holder(root: Path, retry: bool, tokens: int = 3000) -> dict[str, Any]:
+    """A turn's lease holder SIGSTOPped mid-reply: how long its engine sequence goes on. With `retry` (the
+    client's retry reaches the other chat process at once, which follows the stored progress, takes the turn over
+    when the lease lapses and cancels the turn on every replica before it generates): seconds from the pause to
+    the lease's lapse and to the engine's cancel, and the engines' running sequences once the successor's own
+    tokens arrive (1: never two at once). Without: seconds from the pause until the engines run no sequence
+    (nothing tells them; the engine's keepalive drops the silent holder's connection, which cancels it). Replies
+    of `tokens` tokens at 10 ms (30 s), so no sequence ends at its cap within the measurement."""
+    mesh = FaultMesh(root, engines=2, chats=2, step_ms=10, reply_tokens=tokens,
+                     env={"CHATMESH_SIM_REPLY_TOKENS": "0"})
+    await asyncio.to_thread(mesh.start)
+    out: dict[str, Any] = {"retry": retry}
+    try:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as client:
+            conv = str((await client.post("/v1/conversations", json={})).json()["id"])
+            turn, content = str(uuid.uuid4()), "Describe the willow by the river."
+            shown: list[str] = []
+            body = {"turn_id": turn, "content": content,
+                    "options": {"temperature": 0.7, "seed": 5, "max_tokens": tokens}}
+
+            async def first() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    async with client.stream("POST", f"/v1/conversations/{conv}/turns", json=body) as r:
+                        async for line in r.aiter_lines():
+                            shown.append(line)
+
+            stream = asyncio.create_task(first())
+            deadline = time.monotonic() + 30
+            while sum(line.startswith("event: turn.delta") for line in shown) < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            holder = mesh.chat_holding((await _record(mesh, conv, turn)).lease_holder)
+            pid = mesh.pid(holder)
+            os.kill(pid, signal.SIGSTOP)
+            paused_wall, paused = time.time(), time.monotonic()
+            try:
+                if retry:
+                    successor = next(n for n in mesh.names("chat") if n != holder)
+                    async with e2e_channel(mesh.mesh, "chat", ident.GATEWAY, owner_tokens=True,
+                                           address=mesh.procs[successor].address) as ch:
+                        call = chat_pb2_grpc.ChatServiceStub(ch).SendTurn(chat_pb2.SendTurnRequest(
+                            owner_id=LOCAL, conversation_id=conv, turn_id=turn, content=content,
+                            options=chat_pb2.TurnOptions(temperature=0.7, seed=5, max_tokens=tokens)), timeout=60)
+                        text, progress, alone = "", None, None
+                        async for resp in call:
+                            if resp.event.WhichOneof("kind") != "delta":
+                                continue
+                            text += resp.event.delta.text
+                            if progress is None:  # the paused holder's last progress, replayed by the follow
+                                record = await _record(mesh, conv, turn)
+                                progress = record.partial_text
+                                out["lease_lapsed_after_pause_s"] = round(
+                                    record.lease_expires_at_ms / 1000 - paused_wall, 3)
+                            elif len(text) > len(progress) and alone is None:  # the successor's own tokens
+                                alone = await _running(mesh)
+                                out["successor_generating_after_pause_s"] = round(time.monotonic() - paused, 3)
+                                out["running_sequences_then"] = alone
+                                break
+                        call.cancel()
+                    at = _cancelled_at(mesh, turn)
+                    out["engine_cancelled_after_pause_s"] = round(at - paused_wall, 3) if at is not None else None
+                else:
+                    gone = None
+                    while time.monotonic() - paused < 30:
+                        if await _running(mesh) == 0:
+                            gone = round(time.monotonic() - paused, 3)
+                            break
+                        await asyncio.sleep(0.05)
+                    out["sequence_gone_after_pause_s"] = gone  # None: still running 30 s after the pause
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+    finally:
+        await asyncio.to_thread(mesh.stop)
+    return out
 
 
 # ---- heartbeat write cost ---------------------------------------------------------------------------------------
@@ -290,13 +408,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="the load's sampling temperature (a seed per turn); negative: the mesh's greedy default")
     parser.add_argument("--heartbeat", action="store_true", help="measure the heartbeat write only")
+    parser.add_argument("--paused", action="store_true",
+                        help="measure only how long a paused lease holder's engine sequence runs (issue 33)")
     parser.add_argument("--json", default="", help="write the results here too")
     args = parser.parse_args(argv)
     kinds = FAULTS if args.kinds == "all" else tuple(args.kinds.split(","))
     out: dict[str, Any] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                            "machine": f"{platform.node()} {os.cpu_count()} CPUs", "load_before": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
-        if args.heartbeat:
+        if args.paused:
+            out["paused"] = [asyncio.run(paused_holder(Path(tmp) / f"paused-{retry}", retry))
+                             for retry in (True, False)]
+        elif args.heartbeat:
             pg = PrivatePostgres() if PrivatePostgres.available() else None
             rows = [asyncio.run(heartbeat_cost("sqlite", f"sqlite+aiosqlite:///{tmp}/hb.db"))]
             if pg is not None:

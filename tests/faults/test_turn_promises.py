@@ -266,6 +266,7 @@ async def test_a_gateway_stopped_under_kept_alive_load_refuses_new_turns_and_sto
     clients, turns_each = 4, 5
     refused: list[httpx.Headers] = []
     acked: dict[tuple[str, str], str] = {}
+    answered = [0] * clients  # each client's turns acknowledged so far
 
     async def user(n: int) -> None:
         async with httpx.AsyncClient(base_url=fm.url, timeout=30,
@@ -293,6 +294,7 @@ async def test_a_gateway_stopped_under_kept_alive_load_refuses_new_turns_and_sto
                                         text += data["text"]
                                     elif event == "turn.completed":
                                         acked[(conv, turn)] = text
+                                        answered[n] += 1
                     except httpx.HTTPError:
                         pass  # the gateway is gone for a moment: retry the same turn id
                     if (conv, turn) in acked:
@@ -300,7 +302,8 @@ async def test_a_gateway_stopped_under_kept_alive_load_refuses_new_turns_and_sto
                     await asyncio.sleep(0.1)
 
     load = [asyncio.create_task(user(n)) for n in range(clients)]
-    await asyncio.sleep(1.0)  # every client has a kept-alive connection and turns in flight
+    # every client has a kept-alive connection (a turn answered on it) and turns still to send
+    await eventually(lambda: _ready(all(answered)), "every client had a turn answered")
     code = await asyncio.to_thread(fm.kill, "gateway", signal.SIGTERM)
     await asyncio.to_thread(fm.restart, "gateway")
     await asyncio.wait_for(asyncio.gather(*load), 120)
