@@ -18,10 +18,12 @@ signalled process's exit time, the time from the fault (or, for a restarted serv
 again) to the first acknowledged turn and from the fault to the last affected turn acknowledged; for a killed
 chat process, each interrupted turn's time to completion through the other; for a restarted engine, the time
 from healthy to its first generation. `heartbeat` measures the store write a generating turn makes per progress
-interval (UpdateTurnProgress: the reply so far and the lease renewal) on each database.
+interval (UpdateTurnProgress: the reply so far and the lease renewal) on each database. `paused` measures how
+long a SIGSTOPped lease holder's engine sequence goes on, taken over by a retry and with no retry (issue 33).
 
     flock /work/coord/heavy.lock .venv/bin/python -m bench.faults [--seconds 90] [--conversations 24]
-        [--databases sqlite,postgres] [--kinds all] [--json out.json]
+        [--databases sqlite,postgres] [--kinds all] [--temperature 0.7] [--json out.json]
+    flock /work/coord/heavy.lock .venv/bin/python -m bench.faults --paused
 """
 
 from __future__ import annotations
@@ -311,6 +313,8 @@ async def paused_holder(root: Path, retry: bool, tokens: int = 3000) -> dict[str
             pid = mesh.pid(holder)
             os.kill(pid, signal.SIGSTOP)
             paused_wall, paused = time.time(), time.monotonic()
+            lease = (await _record(mesh, conv, turn)).lease_expires_at_ms  # its last renewal's
+            out["lease_lapses_after_pause_s"] = round(lease / 1000 - paused_wall, 3)
             try:
                 if retry:
                     successor = next(n for n in mesh.names("chat") if n != holder)
@@ -325,10 +329,7 @@ async def paused_holder(root: Path, retry: bool, tokens: int = 3000) -> dict[str
                                 continue
                             text += resp.event.delta.text
                             if progress is None:  # the paused holder's last progress, replayed by the follow
-                                record = await _record(mesh, conv, turn)
-                                progress = record.partial_text
-                                out["lease_lapsed_after_pause_s"] = round(
-                                    record.lease_expires_at_ms / 1000 - paused_wall, 3)
+                                progress = text
                             elif len(text) > len(progress) and alone is None:  # the successor's own tokens
                                 alone = await _running(mesh)
                                 out["successor_generating_after_pause_s"] = round(time.monotonic() - paused, 3)
