@@ -23,7 +23,7 @@ from chatmesh.gateway.openai.response_object import Shape, request_fields
 from chatmesh.gateway.openai.tool_wire import response_tools
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.model.tools import ChoiceMode, ToolCall
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 from tests.gateway.openresponses_spec import check_stream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
@@ -140,22 +140,19 @@ def _stream(text: str, calls: list[ToolCall]) -> str:
                             truncation="disabled", metadata={}, user=None, safety_identifier=None,
                             prompt_cache_key=None)
 
-    async def ending(event: chat_pb2.TurnEvent, kind: events.SseEvent, usage: common_pb2.Usage) -> Outcome:
+    async def ending(end: events.ReplyEnd) -> Outcome:
         return Outcome("completed", None, 2)
 
     framing = EventFraming(Shape(point, fields), ending, Immediate())
 
     async def run() -> bytes:
-        out = await framing.event(chat_pb2.TurnEvent(sequence=1, started=chat_pb2.TurnStarted(turn_id=point.turn)),
-                                  events.SseEvent.STARTED)
+        out = await framing.event(events.ReplyStarted(1, point.turn, False, None))
         if text:
             out += framing.delta(2, text)
         for i, c in enumerate(calls):
-            out += await framing.event(chat_pb2.TurnEvent(sequence=3 + i, tool_call=chat_pb2.TurnToolCall(
-                call=common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments), index=i)),
-                events.SseEvent.TOOL_CALL)
-        out += await framing.event(chat_pb2.TurnEvent(sequence=9, completed=chat_pb2.TurnCompleted(
-            finish_reason="tool_calls" if calls else "stop")), events.SseEvent.COMPLETED)
+            out += await framing.event(events.ReplyToolCall(3 + i, i, c))
+        out += await framing.event(events.ReplyCompleted(9, events.Usage(),
+                                                         finish_reason="tool_calls" if calls else "stop"))
         return out + await framing.end(events.Outcome(events.SseEvent.COMPLETED, 0))
 
     return asyncio.run(run()).decode()

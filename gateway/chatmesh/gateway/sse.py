@@ -4,8 +4,9 @@ How it works. `open_relay` starts the gRPC call and awaits its FIRST event befor
 error the chat service raises up front (unknown conversation, reused turn id, bad argument) is still answered as
 a JSON error with its proper status. Then `TurnRelay` (a raw ASGI response) runs two tasks per stream:
 
-- the pump reads one TurnEvent at a time and awaits `send` for each, so a slow client back-pressures the gRPC
-  stream instead of growing a buffer; deltas go through the output sanitiser; a final event ends the stream;
+- the pump: the one turn-stream reader (`chatmesh.gateway.relay.Relay`: sanitising, reply events, the started
+  and final bookkeeping metering settles by) writing each framed event with `send`, awaited, so a slow client
+  back-pressures the gRPC stream instead of growing a buffer; a final event ends the stream;
 - the watcher awaits the client's `http.disconnect` and, while the model is silent for `heartbeat_s`, writes an
   SSE comment so proxies and browsers keep the connection open.
 
@@ -17,9 +18,10 @@ retry generates it (or, if the retry is already following it, it goes on for tha
 empty stopped reply. Each ASGI `send` writes one whole frame, so the two tasks never interleave bytes. On gateway
 shutdown `Relays.drain` gives open streams `grace_s` to finish, then ends them the same way.
 
-Framing: what each event becomes on the wire is a `Framing` (chatmesh's own `turn.*` events by default; the
+Framing: what each event becomes on the wire is a `relay.Framing` (chatmesh's own `turn.*` events by default; the
 OpenAI-compatible surface passes its own, `chat.completion.chunk` or `response.*` events), so both surfaces share
-one relay, its back-pressure, disconnect handling, heartbeats, drain and metering.
+one relay, its back-pressure, disconnect handling, heartbeats, drain and metering (and a non-streaming OpenAI
+reply is collected by the same `relay.Relay`).
 
 Resume: the SSE id is the TurnEvent sequence. The sanitiser may hold back the start of a Markdown construct (a `[`
 that could open a link) at the end of a delta; a client that reconnects right there loses that held text, never
@@ -31,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any, Protocol
 
 import grpc
@@ -40,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError, http_for_grpc
+from chatmesh.gateway.relay import STREAM_MESSAGES, Framing, OnEnd, OnStarted, Relay, TurnCall
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.observe import START_KEY
 from chatmesh.mesh import logs, metrics
@@ -57,13 +59,9 @@ SSE_HEADERS = [
 ]
 
 
-# What the three turn streams yield; each wraps one TurnEvent.
-_STREAM_MESSAGES = (chat_pb2.SendTurnResponse, chat_pb2.AttachTurnResponse, chat_pb2.RegenerateTurnResponse)
+__all__ = ["ChatmeshFraming", "Framing", "OnEnd", "OnStarted", "PromptOverAllowance", "Relays", "Release",
+           "TurnCall", "TurnRelay", "first_event", "next_event", "open_relay"]
 
-
-TurnCall = grpc.aio.UnaryStreamCall[Any, Any]
-OnEnd = Callable[[events.Outcome], Awaitable[None]]
-OnStarted = Callable[[bool, int | None], Awaitable[None]]  # (replayed, the prompt's size if reported)
 Release = Callable[[], Awaitable[object]]  # asks chat to release the relay's turn (its client saw none of it)
 RELEASE_TIMEOUT_S = 2.0
 
@@ -91,24 +89,6 @@ async def _noop_started(replayed: bool, prompt_tokens: int | None) -> None:
     return None
 
 
-class Framing(Protocol):
-    """How turn events are written as SSE bytes. `delta` is the hot path (one call per relayed delta)."""
-
-    def delta(self, sequence: int, text: str) -> bytes: ...
-
-    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        """Any event but a delta (started and the final ones); may await work its bytes depend on."""
-        ...
-
-    def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
-        """The stream broke without a final event (the turn failed)."""
-        ...
-
-    async def end(self, outcome: events.Outcome) -> bytes:
-        """Bytes to write after the final event (b"" for none); may await work that must precede them."""
-        ...
-
-
 class ChatmeshFraming:
     """chatmesh's own events: `id: <sequence>`, `event: turn.<kind>`, `data: <JSON>` (chatmesh.gateway.events).
     `turn.completed` also carries `ttft_ms`, the time to first text as this edge saw it (the web page shows it)."""
@@ -119,11 +99,11 @@ class ChatmeshFraming:
     def delta(self, sequence: int, text: str) -> bytes:
         return events.delta_frame(sequence, text)
 
-    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        data = events.data_of(event, kind)
-        if kind is events.SseEvent.COMPLETED and self.ttft_s is not None:
+    async def event(self, event: events.ReplyEvent) -> bytes:
+        data = events.data_of(event)
+        if isinstance(event, events.ReplyCompleted) and self.ttft_s is not None:
             data["ttft_ms"] = round(self.ttft_s * 1000, 1)
-        return events.frame(event.sequence, kind, data)
+        return events.frame(event.sequence, event.kind, data)
 
     def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
         return events.failed_frame(sequence, message, retryable)
@@ -161,7 +141,7 @@ async def first_event(call: TurnCall) -> chat_pb2.TurnEvent:
         if err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (size := _prompt_tokens_trailer(err)) is not None:
             raise PromptOverAllowance(size, err.details() or "prompt over its allowance") from None
         raise ApiError.from_rpc(err) from None
-    if not isinstance(first, _STREAM_MESSAGES):
+    if not isinstance(first, STREAM_MESSAGES):
         raise ApiError(503, "unavailable", "the chat service ended the turn stream without an event")
     return first.event
 
@@ -169,25 +149,23 @@ async def first_event(call: TurnCall) -> chat_pb2.TurnEvent:
 async def next_event(call: TurnCall) -> chat_pb2.TurnEvent | None:
     """The next event of a turn stream, None when it ended without one (gRPC errors propagate)."""
     message: object = await call.read()
-    return message.event if isinstance(message, _STREAM_MESSAGES) else None
+    return message.event if isinstance(message, STREAM_MESSAGES) else None
 
 
 async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
                      on_end: OnEnd, on_started: OnStarted = _noop_started,
                      ttft: metrics.HistogramChild | None = None, release: Release | None = None) -> TurnRelay:
     """Awaits the first event of `call` (see `first_event`), then relays the stream in chatmesh's own events."""
-    return TurnRelay(call, await first_event(call), sanitiser, heartbeat_s, relays, on_end, on_started, ttft=ttft,
-                     release=release)
+    return TurnRelay(Relay(call, await first_event(call), sanitiser, on_started, on_end), heartbeat_s, relays,
+                     ttft=ttft, release=release)
 
 
 class TurnRelay(Response):
     """A raw ASGI response relaying one turn stream; see the module docstring. (A Response subclass only so
     routes can return it; it writes its own headers and body.)"""
 
-    def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser, heartbeat_s: float,
-                 relays: Relays, on_end: OnEnd, on_started: OnStarted = _noop_started,
-                 framing: Framing | None = None, ttft: metrics.HistogramChild | None = None,
-                 release: Release | None = None):
+    def __init__(self, relay: Relay, heartbeat_s: float, relays: Relays, framing: Framing | None = None,
+                 ttft: metrics.HistogramChild | None = None, release: Release | None = None):
         super().__init__(status_code=200, media_type="text/event-stream")
         self._release = release  # a new turn's: asked when its client goes having been shown no text
         self._ending = False  # `end()` was called
@@ -195,17 +173,10 @@ class TurnRelay(Response):
         self._ttft = ttft  # where a new turn's time to first text is observed (None: not measured, an attach)
         self._arrived = time.perf_counter()  # replaced by the request's arrival time (observe.Observe) when known
         self._ttft_s: float | None = None
-        self._on_started = on_started
-        self._started: chat_pb2.TurnStarted | None = None
-        self._call = call
-        self._first = first
-        self._sanitiser = sanitiser
+        self._relay = relay
         self._heartbeat_s = heartbeat_s
         self._relays = relays
-        self._on_end = on_end
         self._last_send = 0.0
-        self._outcome = events.Outcome(None, 0)
-        self._final_written = False
         self._tasks: list[asyncio.Task[None]] = []
 
     def end(self) -> None:
@@ -229,36 +200,26 @@ class TurnRelay(Response):
             if self._ending:
                 self._tasks[1].cancel()
             await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-            if self._final_written and not self._tasks[1].done():  # the client is still there
-                closing = await self._framing.end(self._outcome)
+            if self._relay.final_written and not self._tasks[1].done():  # the client is still there
+                closing = await self._framing.end(self._relay.outcome)
                 if closing:
                     await self._write(send, closing)
         except OSError:  # the client went away before the headers were written
             pass
         finally:
             self._relays.open.discard(self)
-            cut = not self._final_written and not (self._tasks and self._tasks[0].done())  # the turn still runs
-            if cut and self._ttft_s is None and self._release is not None and self._generates():
+            cut = not self._relay.final_written and not (self._tasks and self._tasks[0].done())  # still runs
+            # a retry's attach or a replay has no turn of its own to release
+            if cut and self._ttft_s is None and self._release is not None and self._relay.generates:
                 await self._released()  # before the pump is ended: cancelling its read cancels the call
             self._stop_tasks()
-            self._call.cancel()  # no-op once the stream finished; otherwise cancels the turn (client gone)
+            self._relay.call.cancel()  # no-op once the stream finished; otherwise cancels the turn (client gone)
             await asyncio.gather(*self._tasks, return_exceptions=True)
             try:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:
                 pass
-            started = self._started
-            if started is not None:
-                self._outcome = replace(
-                    self._outcome, replayed=started.replayed,
-                    started_prompt_tokens=started.prompt_tokens if started.HasField("prompt_tokens") else None)
-            await self._on_end(self._outcome)
-
-    def _generates(self) -> bool:
-        """Whether this stream is the one its turn is generated for (not a retry's attach, not a replay: those
-        have no turn of their own to release)."""
-        first = self._first
-        return first.WhichOneof("kind") == "started" and not first.started.replayed
+            await self._relay.finish()
 
     async def _released(self) -> None:
         """Asks chat to release the turn before the call is cancelled (module header); a failure leaves the
@@ -282,46 +243,22 @@ class TurnRelay(Response):
         self._last_send = asyncio.get_running_loop().time()
 
     async def _pump(self, send: Send) -> None:
-        event = self._first
-        last_sequence = 0
+        async def write(chunk: bytes) -> None:
+            await self._write(send, chunk)
+
+        def on_text() -> None:
+            if self._ttft_s is None:
+                self._first_text()
+
         try:
-            while True:
-                kind = events.kind_of(event)
-                if kind is events.SseEvent.DELTA:
-                    text = self._sanitiser.feed(event.delta.text)
-                    if text:
-                        await self._write(send, self._framing.delta(event.sequence, text))
-                        if self._ttft_s is None:
-                            self._first_text()
-                else:
-                    if kind is events.SseEvent.STARTED and self._started is None:
-                        self._started = event.started
-                        await self._on_started(event.started.replayed, event.started.prompt_tokens
-                                               if event.started.HasField("prompt_tokens") else None)
-                    if kind.is_final or kind is events.SseEvent.TOOL_CALL:  # a call follows all of the text
-                        tail = self._sanitiser.flush()
-                        if tail:
-                            await self._write(send, self._framing.delta(last_sequence, tail))
-                    if kind.is_final:
-                        self._outcome = _outcome_of(event, kind)
-                        await self._write(send, await self._framing.event(event, kind))
-                        self._final_written = True
-                        return
-                    await self._write(send, await self._framing.event(event, kind))
-                last_sequence = event.sequence
-                message: object = await self._call.read()
-                if not isinstance(message, _STREAM_MESSAGES):
-                    await self._write(send, self._framing.failed(
-                        last_sequence, "the turn stream ended without an outcome", True))
-                    return
-                event = message.event
+            await self._relay.pump(self._framing, write, on_text)
         except grpc.aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.CANCELLED:
                 return
             mapped = http_for_grpc(err.code())
             log.warning("turn_stream_failed", grpc_code=err.code().name)
             try:
-                await self._write(send, self._framing.failed(last_sequence, err.details() or mapped.code,
+                await self._write(send, self._framing.failed(self._relay.last_sequence, err.details() or mapped.code,
                                                              mapped.status == 503))
             except OSError:
                 pass
@@ -345,15 +282,3 @@ class TurnRelay(Response):
                 continue
             if message["type"] == "http.disconnect":
                 return
-
-
-def _outcome_of(event: chat_pb2.TurnEvent, kind: events.SseEvent) -> events.Outcome:
-    match kind:
-        case events.SseEvent.COMPLETED:
-            return events.Outcome(kind, event.completed.usage.prompt_tokens)
-        case events.SseEvent.STOPPED:
-            return events.Outcome(kind, event.stopped.usage.prompt_tokens)
-        case events.SseEvent.BLOCKED:
-            return events.Outcome(kind, 0, blocked_stage=event.blocked.stage)
-        case _:
-            return events.Outcome(kind, 0)

@@ -41,10 +41,11 @@ from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.openai.turns import Opened, owner_token
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.sanitise import Sanitiser
+from chatmesh.gateway.relay import Relay
 from chatmesh.gateway.sse import TurnRelay, first_event
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 
@@ -52,8 +53,9 @@ log = logs.get("chatmesh.gateway.openai")
 def settled(surface: Surface, owner: OwnerId, point: Point, cap: int) -> Ending:
     """How a background response ended, decided from what chat stores only (so every reader agrees): the token
     cap (the stored turn keeps no finish reason) and the time the reply was stored."""
-    async def ending(event: chat_pb2.TurnEvent, kind: events.SseEvent, usage: common_pb2.Usage) -> Outcome:
-        status, reason = status_of(kind, "length" if cap and usage.output_tokens >= cap else "stop")
+    async def ending(end: events.ReplyEnd) -> Outcome:
+        usage = events.usage_of(end)
+        status, reason = status_of(end.kind, "length" if cap and usage.output_tokens >= cap else "stop")
         completed_at = None
         if status == "completed":
             turn = await surface.edge.unary(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
@@ -86,11 +88,10 @@ class Follower:
         point = self.opened.point
         try:
             reply = await replies.collect(self.surface, slot, self.opened, self.cap)
-            if reply.kind is events.SseEvent.FAILED:
+            if reply.end is None or isinstance(reply.end, events.ReplyFailed):
                 outcome = Outcome("failed", None, None)
             else:
-                ending = settled(self.surface, self.owner, point, self.cap)
-                outcome = await ending(chat_pb2.TurnEvent(), reply.kind, reply.usage)
+                outcome = await settled(self.surface, self.owner, point, self.cap)(reply.end)
             await self.surface.records.end(self.owner, point.turn, Ended(outcome.status, outcome.reason,
                                                                          outcome.completed_at))
         except (ApiError, OSError, ValueError) as exc:  # a failure to record: retrieve then reads the turn itself
@@ -145,8 +146,5 @@ async def _attach(surface: Surface, owner: OwnerId, point: Point, shape: Shape, 
         if slot is not None:
             await surface.edge.ended(slot, outcome)
 
-    async def on_started(replayed: bool, prompt_tokens: int | None) -> None:
-        return None
-
-    return TurnRelay(call, first, Sanitiser(surface.edge.allowlist), surface.edge.heartbeat_s, surface.edge.relays,
-                     on_end, on_started, framing)
+    return TurnRelay(Relay(call, first, Sanitiser(surface.edge.allowlist), on_end=on_end), surface.edge.heartbeat_s,
+                     surface.edge.relays, framing)

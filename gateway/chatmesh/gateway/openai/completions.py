@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, assert_never
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -23,17 +23,16 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import (
     CHAT_HEADERS, TASK_HEADER, TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.tool_wire import call_of, chunk_call, completion_calls
+from chatmesh.gateway.openai.tool_wire import chunk_call, completion_calls
 from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.model.tools import ToolCall
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
-from chatmesh.v1 import chat_pb2, common_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 
 
-def usage_json(u: common_pb2.Usage) -> dict[str, Any]:
+def usage_json(u: events.Usage) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.output_tokens,
             "total_tokens": u.prompt_tokens + u.output_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens, "audio_tokens": 0},
@@ -84,25 +83,28 @@ class ChunkFraming:
         return self._delta_prefix + json.dumps(text, ensure_ascii=False).encode() + \
             b'},"logprobs":null,"finish_reason":null}]}\n\n'
 
-    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
-        if kind is events.SseEvent.STARTED:
-            return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None}])
-        if kind is events.SseEvent.TOOL_CALL:  # one chunk per call: its id, name and whole arguments
-            call = call_of(event.tool_call.call)
-            self._calls.append(call)
-            return self._chunk([{"index": 0, "delta": {"tool_calls": [chunk_call(call, event.tool_call.index)]},
-                                 "logprobs": None, "finish_reason": None}])
-        self._kind = kind
-        if kind is events.SseEvent.FAILED:
-            return self.failed(event.sequence, event.failed.message, event.failed.retryable)
-        usage = replies.usage_of(event)
-        stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
-        out = self._chunk([{"index": 0, "delta": {}, "logprobs": None,
-                            "finish_reason": replies.finish_reason(kind, usage, stated, self._cap)}])
-        if self._include_usage:
-            out += self._chunk([], usage=usage_json(usage))
-        return out
+    async def event(self, event: events.ReplyEvent) -> bytes:
+        match event:
+            case events.ReplyStarted():
+                return self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}])
+            case events.ReplyToolCall():  # one chunk per call: its id, name and whole arguments
+                self._calls.append(event.call)
+                return self._chunk([{"index": 0, "delta": {"tool_calls": [chunk_call(event.call, event.index)]},
+                                     "logprobs": None, "finish_reason": None}])
+            case events.ReplyDelta():  # the relay hands deltas to `delta`
+                return self.delta(event.sequence, event.text)
+            case events.ReplyFailed():
+                return self.failed(event.sequence, event.message, event.retryable)
+            case events.ReplyCompleted() | events.ReplyStopped() | events.ReplyBlocked():
+                self._kind = event.kind
+                out = self._chunk([{"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": replies.finish_reason(event, self._cap)}])
+                if self._include_usage:
+                    out += self._chunk([], usage=usage_json(events.usage_of(event)))
+                return out
+            case _:
+                assert_never(event)
 
     def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
         self._kind = events.SseEvent.FAILED

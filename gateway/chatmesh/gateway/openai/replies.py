@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import assert_never
 
 import grpc
 
@@ -16,27 +17,37 @@ from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.openai.surface import Surface
+from chatmesh.gateway.relay import Framing, Relay
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
 from chatmesh.gateway.sanitise import Sanitiser
-from chatmesh.gateway.openai.tool_wire import call_of
-from chatmesh.gateway.sse import Framing, TurnRelay, next_event
+from chatmesh.gateway.sse import TurnRelay
 from chatmesh.model.tools import ToolCall
 from chatmesh.mesh import ids, logs
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 After = Callable[[events.Outcome], Awaitable[None]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Reply:
-    text: str  # as the client receives it (sanitised)
-    kind: events.SseEvent
-    usage: common_pb2.Usage
+    """A whole reply: its text as the client receives it (sanitised), its calls, and the event that ended it
+    (None: the stream ended without one, `failure` says how)."""
+
+    text: str
+    end: events.ReplyEnd | None
     finish_reason: str  # "stop", "length", "tool_calls" or "content_filter"; "" when failed
     failure: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
+
+    @property
+    def kind(self) -> events.SseEvent:
+        return self.end.kind if self.end is not None else events.SseEvent.FAILED
+
+    @property
+    def usage(self) -> events.Usage:
+        return events.usage_of(self.end) if self.end is not None else events.Usage()
 
 
 async def start(surface: Surface, ask: Ask) -> tuple[StreamSlot, Opened]:
@@ -48,88 +59,93 @@ async def start(surface: Surface, ask: Ask) -> tuple[StreamSlot, Opened]:
         raise await surface.edge.refuse(slot, exc) from None
 
 
-def finish_reason(kind: events.SseEvent, usage: common_pb2.Usage, stated: str, cap: int) -> str:
+def finish_reason(end: events.ReplyEnd, cap: int) -> str:
     """OpenAI's finish_reason of a final turn event. Older chat services do not state it on completed turns: a
     reply that used its whole token cap then reads as `length`."""
-    match kind:
-        case events.SseEvent.BLOCKED:
+    match end:
+        case events.ReplyBlocked():
             return "content_filter"
-        case events.SseEvent.COMPLETED:
-            return stated or ("length" if cap and usage.output_tokens >= cap else "stop")
-        case events.SseEvent.STOPPED:
+        case events.ReplyCompleted():
+            return end.finish_reason or ("length" if cap and end.usage.output_tokens >= cap else "stop")
+        case events.ReplyStopped():
             return "stop"
-        case events.SseEvent.FAILED | events.SseEvent.STARTED | events.SseEvent.DELTA | events.SseEvent.TOOL_CALL:
+        case events.ReplyFailed():
             return ""
-
-
-def usage_of(event: chat_pb2.TurnEvent) -> common_pb2.Usage:
-    match event.WhichOneof("kind"):
-        case "completed":
-            return event.completed.usage
-        case "stopped":
-            return event.stopped.usage
         case _:
-            return common_pb2.Usage()
+            assert_never(end)
 
 
-async def collect(surface: Surface, slot: StreamSlot, opened: Opened, cap: int, after: After | None = None
-                  ) -> Reply:
-    """The whole reply of a turn; the slot is metered as a relayed stream's is (chatmesh.gateway.metering)."""
-    sanitiser = Sanitiser(surface.edge.allowlist)
-    parts: list[str] = []
-    calls: list[ToolCall] = []
-    event = opened.first
-    outcome = events.Outcome(None, 0)
-    started: chat_pb2.TurnStarted | None = None
-    try:
-        while True:
-            kind = events.kind_of(event)
-            if kind is events.SseEvent.STARTED and started is None:
-                started = event.started
-                await slot.started(started.replayed,
-                                   started.prompt_tokens if started.HasField("prompt_tokens") else None)
-            if kind is events.SseEvent.DELTA:
-                parts.append(sanitiser.feed(event.delta.text))
-            elif kind is events.SseEvent.TOOL_CALL:
-                calls.append(call_of(event.tool_call.call))
-            elif kind.is_final:
-                parts.append(sanitiser.flush())
-                usage = usage_of(event)
-                outcome = events.Outcome(kind, usage.prompt_tokens, blocked_stage=event.blocked.stage
-                                         if kind is events.SseEvent.BLOCKED else "")
-                stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
-                failure = event.failed.message if kind is events.SseEvent.FAILED else ""
-                return Reply("".join(parts), kind, usage, finish_reason(kind, usage, stated, cap), failure,
-                             tuple(calls))
-            nxt = await next_event(opened.call)
-            if nxt is None:
-                return Reply("".join(parts), events.SseEvent.FAILED, common_pb2.Usage(), "",
-                             "the turn stream ended without an outcome")
-            event = nxt
-    except grpc.aio.AioRpcError as err:
-        raise ApiError.from_rpc(err) from None
-    finally:
-        opened.call.cancel()  # no-op once the stream finished
-        if started is not None:
-            outcome = replace(outcome, replayed=started.replayed, started_prompt_tokens=started.prompt_tokens
-                              if started.HasField("prompt_tokens") else None)
-        await surface.edge.ended(slot, outcome)
-        if after is not None:
-            await after(outcome)
-
-
-def relay(surface: Surface, slot: StreamSlot, opened: Opened, framing: Framing, after: After | None = None
-          ) -> TurnRelay:
+def _relay(surface: Surface, slot: StreamSlot, opened: Opened, after: After | None) -> Relay:
+    """The turn's reader, metered as every relayed stream is: the slot's reservation settled at turn.started
+    and at the end, the slot released (chatmesh.gateway.metering); then `after`."""
     async def on_end(outcome: events.Outcome) -> None:
         await surface.edge.ended(slot, outcome)
         if after is not None:
             await after(outcome)
+    return Relay(opened.call, opened.first, Sanitiser(surface.edge.allowlist), slot.started, on_end)
 
+
+class _Kept:
+    """A framing that keeps the reply's pieces and writes nothing (a non-streaming reply)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.final: events.ReplyEnd | None = None
+        self.failure = ""
+
+    def delta(self, sequence: int, text: str) -> bytes:
+        self.parts.append(text)
+        return b""
+
+    async def event(self, event: events.ReplyEvent) -> bytes:
+        if isinstance(event, events.ReplyToolCall):
+            self.calls.append(event.call)
+        elif isinstance(event, events.ReplyEnd):
+            self.final = event
+            if isinstance(event, events.ReplyFailed):
+                self.failure = event.message
+        return b""
+
+    def failed(self, sequence: int, message: str, retryable: bool) -> bytes:
+        self.failure = message
+        return b""
+
+    async def end(self, outcome: events.Outcome) -> bytes:
+        return b""
+
+    def reply(self, cap: int) -> Reply:
+        end = self.final
+        return Reply("".join(self.parts), end, finish_reason(end, cap) if end is not None else "", self.failure,
+                     tuple(self.calls))
+
+
+async def _nowhere(chunk: bytes) -> None:
+    return None
+
+
+async def collect(surface: Surface, slot: StreamSlot, opened: Opened, cap: int, after: After | None = None
+                  ) -> Reply:
+    """The whole reply of a turn, read by the one relay (chatmesh.gateway.relay) as a stream's is, so it is
+    metered alike; a gRPC error is answered as the request's error."""
+    relay, kept = _relay(surface, slot, opened, after), _Kept()
+    try:
+        await relay.pump(kept, _nowhere)
+    except grpc.aio.AioRpcError as err:
+        raise ApiError.from_rpc(err) from None
+    finally:
+        await relay.finish()
+    return kept.reply(cap)
+
+
+def relay(surface: Surface, slot: StreamSlot, opened: Opened, framing: Framing, after: After | None = None
+          ) -> TurnRelay:
+    """The turn relayed to its client as a text/event-stream in `framing`."""
     # A stream cut before any text reached its client (the SDK retries it at once) releases the turn (sse.py).
     release = surface.edge.releaser(Principal(slot.owner, Via.API_KEY), opened.point.conversation,
                                     opened.point.turn)
-    return TurnRelay(opened.call, opened.first, Sanitiser(surface.edge.allowlist), surface.edge.heartbeat_s,
-                     surface.edge.relays, on_end, slot.started, framing, release=release)
+    return TurnRelay(_relay(surface, slot, opened, after), surface.edge.heartbeat_s, surface.edge.relays, framing,
+                     release=release)
 
 
 def discard(surface: Surface, owner: ids.OwnerId, opened: Opened) -> After:

@@ -29,14 +29,12 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, assert_never
 
 from chatmesh.gateway import events
-from chatmesh.gateway.openai import replies
 from chatmesh.gateway.openai.response_object import Shape
-from chatmesh.gateway.openai.tool_wire import call_of, function_call_item
+from chatmesh.gateway.openai.tool_wire import function_call_item
 from chatmesh.model.tools import ToolCall
-from chatmesh.v1 import chat_pb2, common_pb2
 
 ALIGN_MAX = 8
 DONE = b"data: [DONE]\n\n"
@@ -88,12 +86,12 @@ class Outcome:
     completed_at: int | None
 
 
-# Decides the outcome of a final turn event (and records it, where this stream is the one that does).
-Ending = Callable[[chat_pb2.TurnEvent, events.SseEvent, common_pb2.Usage], Awaitable[Outcome]]
+# Decides the outcome of a final turn event but a failure (and records it, where this stream is the one that does).
+Ending = Callable[[events.ReplyEnd], Awaitable[Outcome]]
 
 
 class EventFraming:
-    """A `chatmesh.gateway.sse.Framing` writing `response.*` events (module docstring). Events numbered up to
+    """A `chatmesh.gateway.relay.Framing` writing `response.*` events (module docstring). Events numbered up to
     `starting_after` are framed (so the numbers match) but not written."""
 
     def __init__(self, shape: Shape, ending: Ending, chunker: Chunker, starting_after: int = -1):
@@ -142,8 +140,7 @@ class EventFraming:
                               part=part)
                 + self._event("response.output_item.done", output_index=0, item=s.item(text, status)))
 
-    def _call(self, event: chat_pb2.TurnEvent) -> bytes:
-        call = call_of(event.tool_call.call)
+    def _call(self, call: ToolCall) -> bytes:
         self._calls.append(call)
         out = self._deltas(self._chunker.flush()) + self._close_message("completed")
         index, self._next_index = self._next_index, self._next_index + 1
@@ -170,20 +167,30 @@ class EventFraming:
     def delta(self, sequence: int, text: str) -> bytes:
         return self._deltas(self._chunker.feed(text))
 
-    async def event(self, event: chat_pb2.TurnEvent, kind: events.SseEvent) -> bytes:
+    async def event(self, event: events.ReplyEvent) -> bytes:
         s = self._shape
-        if kind is events.SseEvent.STARTED:
-            running = s.body("in_progress", None, None)
-            return (self._event("response.created", response=running)
-                    + self._event("response.in_progress", response=running))
-        if kind is events.SseEvent.TOOL_CALL:
-            return self._call(event)
-        if kind is events.SseEvent.FAILED:
-            return self.failed(event.sequence, event.failed.message, event.failed.retryable)
+        match event:
+            case events.ReplyStarted():
+                running = s.body("in_progress", None, None)
+                return (self._event("response.created", response=running)
+                        + self._event("response.in_progress", response=running))
+            case events.ReplyToolCall():
+                return self._call(event.call)
+            case events.ReplyFailed():
+                return self.failed(event.sequence, event.message, event.retryable)
+            case events.ReplyDelta():  # the relay hands deltas to `delta`
+                return self.delta(event.sequence, event.text)
+            case events.ReplyCompleted() | events.ReplyStopped() | events.ReplyBlocked():
+                return await self._ended(event)
+            case _:
+                assert_never(event)
+
+    async def _ended(self, end: events.ReplyEnd) -> bytes:
+        s = self._shape
         out = self._deltas(self._chunker.flush())
         text = "".join(self._parts)
-        usage = replies.usage_of(event)
-        ended = await self._ending(event, kind, usage)
+        usage = events.usage_of(end)
+        ended = await self._ending(end)
         final = s.body(ended.status, text, usage, reason=ended.reason, completed_at=ended.completed_at,
                        calls=self._calls)
         item_status = "completed" if ended.status == "completed" else "incomplete"

@@ -23,12 +23,11 @@ from chatmesh.gateway.openai import ids
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.tool_wire import NO_TOOLS, Tools, function_call_item
 from chatmesh.model.tools import ToolCall
-from chatmesh.v1 import common_pb2
 
 TERMINAL = ("completed", "incomplete", "cancelled", "failed")
 
 
-def usage_json(u: common_pb2.Usage) -> dict[str, Any]:
+def usage_json(u: events.Usage) -> dict[str, Any]:
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
             "output_tokens": u.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.output_tokens}
@@ -96,7 +95,7 @@ class Shape:
         message = [] if text is None or (not text and calls) else [self.item(text, item_status)]
         return message + [function_call_item(c, "completed") for c in calls]
 
-    def body(self, status: str, text: str | None, usage: common_pb2.Usage | None, *, reason: str | None = None,
+    def body(self, status: str, text: str | None, usage: events.Usage | None, *, reason: str | None = None,
              error: dict[str, str] | None = None, completed_at: int | None = None,
              calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         item_status = "in_progress" if status in ("in_progress", "queued") else \

@@ -43,7 +43,7 @@ from chatmesh.gateway.openai.surface import (
 from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 T = TypeVar("T")
@@ -90,9 +90,8 @@ class _Recording:
             log.warning("response_record_failed", error=type(exc).__name__)
 
     def ending(self) -> Ending:
-        async def ending(event: chat_pb2.TurnEvent, kind: events.SseEvent, usage: common_pb2.Usage) -> Outcome:
-            stated = event.completed.finish_reason if kind is events.SseEvent.COMPLETED else ""
-            status, reason = status_of(kind, replies.finish_reason(kind, usage, stated, self.cap))
+        async def ending(end: events.ReplyEnd) -> Outcome:
+            status, reason = status_of(end.kind, replies.finish_reason(end, self.cap))
             outcome = Outcome(status, reason, int(time.time()))
             await self.end(outcome)
             return outcome
@@ -202,10 +201,20 @@ async def _turn(request: Request) -> tuple[Surface, OwnerId, Point]:
     return surface, owner, Point(*ids.parse_response(request.path_params["response_id"]))
 
 
-_STATUS = {chat_pb2.TURN_STATUS_COMPLETED: events.SseEvent.COMPLETED,
-           chat_pb2.TURN_STATUS_STOPPED: events.SseEvent.STOPPED,
-           chat_pb2.TURN_STATUS_BLOCKED: events.SseEvent.BLOCKED,
-           chat_pb2.TURN_STATUS_FAILED: events.SseEvent.FAILED}
+def _end_of(turn: chat_pb2.GetTurnResponse) -> events.ReplyEnd | None:
+    """A stored turn's ending as its final event would have said it (None: it has not ended)."""
+    usage = events.Usage.of(turn.usage)
+    match turn.status:
+        case chat_pb2.TURN_STATUS_COMPLETED:
+            return events.ReplyCompleted(0, usage, finish_reason=turn.finish_reason)
+        case chat_pb2.TURN_STATUS_STOPPED:
+            return events.ReplyStopped(0, usage)
+        case chat_pb2.TURN_STATUS_BLOCKED:
+            return events.ReplyBlocked(0, "")
+        case chat_pb2.TURN_STATUS_FAILED:
+            return events.ReplyFailed(0, "", False)
+        case _:
+            return None
 
 
 async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any]:
@@ -219,18 +228,18 @@ async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any
     shape = Shape(point, recorded.body if recorded is not None else
                   _fields(surface, None, turn.stored_at_ms // 1000 or int(time.time())))
     text = Sanitiser(surface.edge.allowlist).whole(turn.reply)
-    kind = _STATUS.get(turn.status)
-    if kind is None:
+    end = _end_of(turn)
+    if end is None:
         return shape.body("in_progress", text, None)
-    if kind is events.SseEvent.FAILED:
+    if isinstance(end, events.ReplyFailed):
         return shape.body("failed", None, None, error={"code": "server_error", "message": "the turn failed"})
     ended = recorded.ended if recorded is not None else None
     if ended is None:  # no record of how it ended: decided from the stored turn and the cap it ran with
         cap = recorded.cap if recorded is not None and recorded.cap else surface.reply_cap
-        status, reason = status_of(kind, replies.finish_reason(kind, turn.usage, turn.finish_reason, cap))
+        status, reason = status_of(end.kind, replies.finish_reason(end, cap))
         ended = Ended(status, reason, turn.stored_at_ms // 1000 or None)
-    return shape.body(ended.status, text, turn.usage, reason=ended.reason, completed_at=ended.completed_at,
-                      calls=[call_of(c) for c in turn.tool_calls])
+    return shape.body(ended.status, text, events.Usage.of(turn.usage), reason=ended.reason,
+                      completed_at=ended.completed_at, calls=[call_of(c) for c in turn.tool_calls])
 
 
 async def retrieve(request: Request) -> Response:
