@@ -1,11 +1,14 @@
 """Each command's help lists its own options, then only the settings its service reads (grouped by module);
-`--help-all` lists every setting; positionals parse before or after flags."""
+`--help-all` lists every setting; positionals parse before or after flags; a reader that leaves early (`| head`)
+ends the command quietly."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +63,36 @@ def test_a_positional_after_the_flags_parses(tmp_path: Path) -> None:
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout.splitlines()[0])["model"] == "Llama-3-tokenizer"
+
+
+@pytest.mark.parametrize("command", ["users", "keys", "groups"])
+def test_the_account_commands_list_the_database_they_write_to(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their tables live in the store's database unless CHATMESH_AUTH_DATABASE_URL names another (found by QA:
+    the help listed only the gateway's settings, and groups' every service's)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    text = help_of(command, "--help")
+    assert all(flag in text for flag in ("--database-url", "--database-schema", "--auth-database-url", "--data-dir",
+                                         "--key-pepper"))
+    assert "--moderation-check-thread" not in text and "--summary-threshold-tokens" not in text  # other services
+    assert len(text.splitlines()) < 200
+
+
+F_SETPIPE_SZ = 1031  # Linux fcntl: a pipe's capacity
+
+
+@pytest.mark.parametrize("argv", [["groups", "--help"], ["config", "table"]])
+def test_a_reader_that_leaves_early_ends_the_command_without_a_traceback(argv: list[str]) -> None:
+    """`chatmesh groups --help | head`: the pipe made small (4 KiB) so the command is still writing when its
+    reader closes; it stops quietly, exit 0 (argparse's help) or 141 (as a command killed by SIGPIPE)."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, F_SETPIPE_SZ, 4096)
+    done = subprocess.Popen([sys.executable, "-m", "chatmesh.mesh.cli", *argv], stdout=write,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    try:
+        assert os.read(read, 100)
+    finally:
+        os.close(read)
+    _, err = done.communicate(timeout=60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert done.returncode in (0, 141), (done.returncode, err)

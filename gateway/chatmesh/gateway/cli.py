@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
     users.add_argument("name")
     users.add_argument("--password-stdin", action="store_true",
                        help="read a password for browser login from standard input")
-    config.add_flags(users, *config.SERVICE_SETTINGS["gateway"])
+    config.add_flags(users, *config.SERVICE_SETTINGS["accounts"])
     users.set_defaults(handler=_users)
 
     keys = sub.add_parser("keys", help="API keys (Authorization: Bearer <key>)")
@@ -40,7 +40,7 @@ def register(sub: Any) -> None:
     keys.add_argument("--frontend", action="store_true",
                       help="a trusted front-end's key (Open WebUI, LibreChat): it may name the end user of each "
                            "request (X-OpenWebUI-User-Id), each of whom is then an owner of their own")
-    config.add_flags(keys, *config.SERVICE_SETTINGS["gateway"])
+    config.add_flags(keys, *config.SERVICE_SETTINGS["accounts"])
     keys.set_defaults(handler=_keys)
 
     groups = sub.add_parser("groups", help="named groups of users (an internal client's owner-token grant may name "
@@ -48,7 +48,7 @@ def register(sub: Any) -> None:
     groups.add_argument("action", choices=("add", "remove"))
     groups.add_argument("group")
     groups.add_argument("names", nargs="+", metavar="USER", help="user names")
-    config.add_flags(groups)
+    config.add_flags(groups, *config.SERVICE_SETTINGS["accounts"])
     groups.set_defaults(handler=_run)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -40,14 +41,33 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command killed by SIGPIPE (128 + 13)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv[0] if argv else None).parse_args(argv)
-    handler: Handler = args.handler
     try:
+        args = build_parser(argv[0] if argv else None).parse_args(argv)
+        handler: Handler = args.handler
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `chatmesh ... | head`: the reader left; stop quietly, as a SIGPIPE'd command would
+        return _reader_gone()
+    except SystemExit as done:  # --help and usage errors exit from inside argparse: flush while we can catch it
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _reader_gone()
+        raise done
+
+
+def _reader_gone() -> int:
+    """Points stdout at /dev/null so the interpreter's flush at exit does not fail again (Python's documented
+    recipe for SIGPIPE, https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

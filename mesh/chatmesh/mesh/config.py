@@ -150,6 +150,9 @@ SERVICE_SETTINGS: dict[str, tuple[str, ...]] = {
                "chatmesh.engine_adapter.triton.settings", "chatmesh.model.settings"),
     "moderation": ("chatmesh.mesh.settings", "chatmesh.moderation.settings"),
     "gateway": ("chatmesh.mesh.settings", "chatmesh.gateway.settings"),
+    # `chatmesh users|keys|groups`: the gateway's accounts, whose tables live in the store's database unless
+    # CHATMESH_AUTH_DATABASE_URL names another (`chatmesh.gateway.cli.accounts_for`)
+    "accounts": ("chatmesh.mesh.settings", "chatmesh.gateway.settings", "chatmesh.store.settings"),
 }
 
 
