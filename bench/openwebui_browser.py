@@ -9,9 +9,12 @@ connection headers no background task (title, tags, follow-ups) leaves a convers
     .owui-venv/bin/pip install open-webui==0.12.4
     flock /work/coord/heavy.lock .venv/bin/python -m bench.openwebui_browser [--owui .owui-venv]
 
-What it checks, and how: the engine's own counters (GenerateService.GetStats: hit tokens) say turn 2 reused turn
-1's prefix; the store's SQLite file says how many conversations each owner has (one: the chat; Open WebUI's
-background tasks carry `X-OpenWebUI-Task` and answer in throwaway conversations the edge deletes).
+What it checks, and how: the engine's own counters (GenerateService.GetStats: hit tokens) and the store's turn
+records (prompt and cached prompt tokens per turn) say turn 2 reused turn 1's prefix; the gateway's log counts
+the turns served (the chat's two and the background tasks'); the store's SQLite file says how many conversations
+each owner has (one: the chat; Open WebUI's background tasks carry `X-OpenWebUI-Task` and answer in throwaway
+conversations the edge deletes). Exit 0 when all hold and at least one background task ran. `--keep DIR` keeps
+the logs (mesh and Open WebUI) and a screenshot per turn (failed.png when the browser part fails).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import sqlite3
@@ -27,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -61,6 +66,31 @@ def conversations_per_owner(data_dir: Path) -> dict[str, int]:
         return dict(conn.execute("SELECT owner_id, count(*) FROM conversations GROUP BY owner_id").fetchall())
 
 
+def stored_turns(data_dir: Path) -> list[tuple[int, int]]:
+    """(prompt tokens, of them served from the cache) of every turn the store keeps, oldest first."""
+    db = next(data_dir.rglob("*.db"))
+    with sqlite3.connect(db) as conn:
+        return [(int(p), int(c)) for p, c in conn.execute(
+            "SELECT prompt_tokens, cached_prompt_tokens FROM turns ORDER BY created_at_ms")]
+
+
+def turns_ended(gateway_log: Path) -> int:
+    """How many turns the gateway served (its turn_stream_ended log lines): the chat's and the background tasks'."""
+    return sum('"turn_stream_ended"' in line for line in gateway_log.read_text().splitlines())
+
+
+def versions(owui: Path) -> dict[str, str]:
+    from importlib.metadata import version
+
+    def run(*cmd: str) -> str:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    return {"open-webui": run(str(owui / "bin" / "python"), "-c", "import importlib.metadata as m;"
+                                                                  "print(m.version('open-webui'))"),
+            "chromium": run(CHROMIUM, "--version"), "playwright": version("playwright"),
+            "chatmesh": run("git", "rev-parse", "--short", "HEAD")}
+
+
 def start_open_webui(owui: Path, folder: Path, port: int, base_url: str, key: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DATA_DIR": str(folder), "PORT": str(port), "OFFLINE_MODE": "true", "HF_HUB_OFFLINE": "1",
            "WEBUI_SECRET_KEY": "bench", "ENABLE_OLLAMA_API": "false", "OPENAI_API_BASE_URL": base_url,
@@ -91,13 +121,16 @@ async def admin(url: str) -> str:
         return token
 
 
-def browser_chat(url: str, token: str, messages: list[str], after_each: Callable[[], int]) -> list[tuple[str, int]]:
+def browser_chat(url: str, token: str, messages: list[str], after_each: Callable[[], int],
+                 shots: Path) -> list[tuple[str, int]]:
     """One chat in the browser: each message sent, its reply streamed to its end; `after_each`'s answer with it."""
     from playwright.sync_api import sync_playwright
 
     replies = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+            "--no-first-run", "--disable-component-update", "--disable-sync"])
         page = browser.new_page()
         page.goto(url)
         page.evaluate(f"localStorage.setItem('token', {json.dumps(token)})")
@@ -108,35 +141,49 @@ def browser_chat(url: str, token: str, messages: list[str], after_each: Callable
         if button.count() and button.first.is_visible():
             button.first.click(timeout=5000)
         page.keyboard.press("Escape")
-        for i, text in enumerate(messages):
-            box = page.locator("#chat-input")
-            box.click()
-            box.fill(text)
-            page.keyboard.press("Enter")
-            reply = page.locator("#response-content-container").nth(i)
-            reply.wait_for(timeout=120_000)
-            deadline = time.monotonic() + 120
-            last = ""
-            while time.monotonic() < deadline:  # streamed: wait until the text stops growing
-                time.sleep(1.0)
-                now = reply.inner_text()
-                if now and now == last:
-                    break
-                last = now
-            replies.append((last, after_each()))
-        browser.close()
+        try:
+            for i, text in enumerate(messages):
+                replies.append(_turn(page, i, text, after_each))
+                page.screenshot(path=str(shots / f"turn{i + 1}.png"))
+        except Exception:
+            page.screenshot(path=str(shots / "failed.png"))
+            raise
+        finally:
+            browser.close()
     return replies
+
+
+def _turn(page: Any, i: int, text: str, after_each: Callable[[], int]) -> tuple[str, int]:
+    """One message typed and sent; its reply (the i-th) waited for until its text stops growing."""
+    box = page.locator("#chat-input")
+    box.click()
+    box.fill(text)
+    page.keyboard.press("Enter")
+    reply = page.locator("#response-content-container").nth(i)
+    reply.wait_for(timeout=120_000)
+    deadline = time.monotonic() + 120
+    last = ""
+    while time.monotonic() < deadline:  # streamed: wait until the text stops growing
+        time.sleep(1.0)
+        now = reply.inner_text()
+        if now and now == last:
+            break
+        last = now
+    return last, after_each()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--owui", default=".owui-venv", help="the virtualenv Open WebUI is installed in")
+    parser.add_argument("--keep", help="work in this folder and keep it (logs, screenshots) instead of a temporary one")
     args = parser.parse_args()
     owui = Path(args.owui).resolve()
     if not (owui / "bin" / "open-webui").exists():
         print(f"no Open WebUI in {owui}; see this script's docstring", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory() as tmp:
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(args.keep) if args.keep else tempfile.TemporaryDirectory()) as tmp:
         env = mesh_env(Path(tmp) / "data", CHATMESH_AUTH="required", CHATMESH_MAX_REPLY_TOKENS="48")
         mesh = Mesh(env=env, log_dir=Path(tmp) / "logs", start_timeout_s=180)
         mesh.start()
@@ -150,13 +197,20 @@ def main() -> int:
             token = asyncio.run(admin(url))
             before = asyncio.run(engine_hits(mesh))
             (first, between), (second, after) = browser_chat(
-                url, token, ["What is the capital of France?", "And of Japan?"], lambda: hits_now(mesh))
+                url, token, ["What is the capital of France?", "And of Japan?"], lambda: hits_now(mesh), Path(tmp))
             time.sleep(5)  # background tasks (title, tags, follow-ups) finish and their conversations are deleted
             owners = conversations_per_owner(data_dir)
-            print(json.dumps({"turn1_reply_chars": len(first), "turn2_reply_chars": len(second),
-                              "turn1_hit_tokens": between - before, "turn2_hit_tokens": after - between,
-                              "conversations_per_owner": owners}, indent=2))
-            ok = bool(first and second and after - between > 0 and all(n == 1 for n in owners.values()))
+            stored = stored_turns(data_dir)
+            ended = turns_ended(Path(tmp) / "logs" / "gateway.log")
+            print(json.dumps({
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(owui),
+                "turn1_reply_chars": len(first), "turn2_reply_chars": len(second),
+                "engine_hit_tokens": {"turn1": between - before, "turn2": after - between},
+                "stored_turns": [{"prompt_tokens": p, "cached_prompt_tokens": c} for p, c in stored],
+                "turns_served": ended, "background_turns": ended - len(stored),
+                "conversations_per_owner": owners}, indent=2))
+            ok = bool(first and second and after - between > 0 and len(stored) == 2 and stored[1][1] > 0
+                      and ended > len(stored) and all(n == 1 for n in owners.values()))
             return 0 if ok else 1
         finally:
             if webui is not None:
