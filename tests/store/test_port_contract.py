@@ -258,6 +258,36 @@ async def a_regenerate_supersedes_the_last_reply_only(s: Subject) -> None:
     await stored(s, conv, "three")  # a user message lands between the regenerate's claim and its finish
     with pytest.raises(FailedPrecondition):
         await s.store.finish_turn(stale, lease, reply("stale"))
+    last = (await s.store.read_conversation(OWNER, conv)).messages[-1]
+    assert last.role is Role.ASSISTANT
+    regen = key(conv)  # regenerating the last turn supersedes its reply only, not the earlier exchanges'
+    await s.store.finish_turn(regen, await claimed(s, regen, content="", regenerates=last.turn_id), reply("new"))
+    history = await s.store.read_conversation(OWNER, conv)
+    assert [(m.content, m.superseded) for m in history.messages if m.role is Role.ASSISTANT] == [
+        ("first answer", True), ("second answer", True), ("third", False), ("later answer", False),
+        ("hello back", True), ("new", False)]
+
+
+async def a_claim_again_keeps_the_first_options_and_the_reply_shown(s: Subject) -> None:
+    """A record claimed again hands the new attempt what it holds: the first claim's options (a retry's own are
+    ignored) and the reply an earlier attempt showed, with `taken_over` only when a lapsed lease was taken."""
+    conv = await conversation(s)
+    k = key(conv)
+
+    async def begin(options: str, holder: str) -> Claim:
+        return await s.store.begin_turn(ClaimRequest(k, "fp:opts", "hi", holder, TTL, None, 0, options=options))
+
+    first = await begin('{"seed": 1}', "chat-1")
+    assert isinstance(first, Claimed) and first.options == "" and first.resume_text == "" and not first.taken_over
+    assert await s.store.fail_turn(k, first.lease_id, "engine lost", shown="Hel")
+    retry = await begin('{"seed": 2}', "chat-2")
+    assert isinstance(retry, Claimed) and (retry.options, retry.resume_text, retry.taken_over) == (
+        '{"seed": 1}', "Hel", False)
+    assert (await s.store.update_turn_progress(k, retry.lease_id, "Hello", 4, TTL)).held
+    s.advance(TTL)  # chat-2's lease lapses: chat-3 takes the turn over, continuing what chat-2 showed
+    taken = await begin('{"seed": 3}', "chat-3")
+    assert isinstance(taken, Claimed) and (taken.options, taken.resume_text, taken.taken_over) == (
+        '{"seed": 1}', "Hello", True)
 
 
 async def only_a_stored_turn_is_regenerated(s: Subject) -> None:
@@ -363,6 +393,7 @@ SCENARIOS: list[Callable[[Subject], Awaitable[None]]] = [
     one_claim_per_turn_id, a_lease_lapses_at_its_expiry_and_is_taken_over_once,
     a_lapsed_lease_nobody_took_still_finishes, progress_renews_the_lease_and_is_read_back, a_turn_is_stored_once,
     a_stopped_reply_is_stored_as_stopped, a_failed_turn_keeps_nothing_and_may_be_claimed_again,
+    a_claim_again_keeps_the_first_options_and_the_reply_shown,
     a_regenerate_supersedes_the_last_reply_only, only_a_stored_turn_is_regenerated,
     unknown_conversations_and_turns_are_not_found, a_claim_carries_the_whole_context,
     a_claims_context_starts_after_the_summary, usage_counts_stored_turns,
