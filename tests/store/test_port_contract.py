@@ -344,13 +344,15 @@ async def usage_counts_stored_turns(s: Subject) -> None:
     before = await s.store.usage(OWNER, 30)
     await stored(s, owner_conv)
     await stored(s, owner_conv, "again")
+    halted = key(owner_conv)  # a stopped reply is a stored turn too, billed for what it generated
+    await s.store.finish_turn(halted, await claimed(s, halted, content="halt"), reply("Par", MessageStatus.STOPPED))
     failed = key(owner_conv)
     await s.store.fail_turn(failed, await claimed(s, failed), "gone")
     await claimed(s, key(owner_conv))  # still running
     after = await s.store.usage(OWNER, 30)
     turns = sum(d.turns for d in after) - sum(d.turns for d in before)
     output = sum(d.usage.output_tokens for d in after) - sum(d.usage.output_tokens for d in before)
-    assert (turns, output) == (2, 4)
+    assert (turns, output) == (3, 6)
 
 
 async def a_running_turn_is_not_deleted(s: Subject) -> None:
@@ -364,6 +366,35 @@ async def a_running_turn_is_not_deleted(s: Subject) -> None:
     assert (await s.store.read_conversation(OWNER, conv)).messages == []
     with pytest.raises(NotFound):
         await s.store.delete_turn(k)
+
+
+async def deleting_reaches_every_record_of_what_it_deletes(s: Subject) -> None:
+    """A conversation id is created once; deleting a turn takes its regenerations with it, a failed turn is not
+    there to delete, and a deleted conversation's turn records go too: the same id created again starts clean."""
+    conv = ConversationId(str(uuid.uuid4()))
+    made, created = await s.store.create_conversation(OWNER, conv, "contract", "v1", (Seed(Role.USER, "seeded", 2),))
+    assert created and made.conversation_id == conv
+    again, created = await s.store.create_conversation(OWNER, conv, "other", "v2", ())
+    assert not created and (again.title, again.system_prompt_version) == ("contract", "v1")
+    seeded = (await s.store.read_conversation(OWNER, conv)).messages
+    assert [(m.role, m.content, m.status) for m in seeded] == [(Role.USER, "seeded", MessageStatus.COMPLETE)]
+    asked = await stored(s, conv, "question", "answer")
+    regen = key(conv)
+    await s.store.finish_turn(regen, await claimed(s, regen, content="", regenerates=asked.turn), reply("better"))
+    failed = key(conv)
+    assert await s.store.fail_turn(failed, await claimed(s, failed), "engine lost")
+    with pytest.raises(NotFound):
+        await s.store.delete_turn(failed)
+    assert await s.store.delete_turn(asked) == [conv]
+    assert [m.content for m in (await s.store.read_conversation(OWNER, conv)).messages] == ["seeded"]
+    kept = await stored(s, conv, "kept", "kept answer")
+    assert await s.store.delete_conversation(OWNER, conv) == [conv]
+    with pytest.raises(NotFound):
+        await s.store.read_conversation(OWNER, conv)
+    _, created = await s.store.create_conversation(OWNER, conv, "contract", "v1", ())
+    assert created
+    fresh = await claim(s, kept, content="kept")  # the old record went with the conversation
+    assert isinstance(fresh, Claimed)
 
 
 async def a_tool_round_trip_is_stored_turn_by_turn(s: Subject) -> None:
@@ -397,7 +428,8 @@ SCENARIOS: list[Callable[[Subject], Awaitable[None]]] = [
     a_regenerate_supersedes_the_last_reply_only, only_a_stored_turn_is_regenerated,
     unknown_conversations_and_turns_are_not_found, a_claim_carries_the_whole_context,
     a_claims_context_starts_after_the_summary, usage_counts_stored_turns,
-    a_running_turn_is_not_deleted, a_tool_round_trip_is_stored_turn_by_turn,
+    a_running_turn_is_not_deleted, deleting_reaches_every_record_of_what_it_deletes,
+    a_tool_round_trip_is_stored_turn_by_turn,
 ]
 
 
