@@ -18,6 +18,7 @@ process; sim replies run to their max_tokens, 10 ms a token):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,21 @@ async def running_sequences(fm: FaultMesh) -> int:
             total += (await generate_pb2_grpc.GenerateServiceStub(ch).GetStats(
                 generate_pb2.GetStatsRequest())).stats.running_sequences
     return total
+
+
+@contextlib.contextmanager
+def engines_held(fm: FaultMesh) -> Iterator[None]:
+    """Holds every engine still (SIGSTOP) for the block: a reply cannot run on (or finish) while the test finds
+    its lease holder, however slow the machine; the sim engines draw each token by seed and position, so the
+    reply is the same."""
+    engines = [fm.pid(name) for name in fm.names("engine")]
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
 
 
 async def eventually(check: Any, what: str, tries: int = 300) -> None:
@@ -183,15 +199,16 @@ async def test_a_taken_over_openai_turn_keeps_its_seed_sampling_and_max_tokens(f
     ref_key, key = await make_key(data_dir(fm), f"ref-{tag}"), await make_key(data_dir(fm), f"hit-{tag}")
     async with httpx.AsyncClient(base_url=fm.url, timeout=30) as client:
         reference = await stream_completion(client, ref_key, "once", body)  # the reply without a fault
+        owner = await owner_of(fm, f"hit-{tag}")
         shown: list[str] = []
         ids: list[str] = []
         first = asyncio.create_task(stream_completion(client, key, "once", body, shown, ids))
         await eventually(lambda: _ready(len("".join(shown)) >= 60), "the client was shown some text")
-        turn = str(uuid.UUID(ids[0].removeprefix("chatcmpl-")))
-        owner = await owner_of(fm, f"hit-{tag}")
-        conv = await only_conversation(client, key)
-        holder = fm.chat_holding((await read_turn(fm, owner, conv, turn)).lease_holder)
-        await asyncio.to_thread(fm.kill, holder, signal.SIGKILL)
+        with engines_held(fm):  # the reply cannot finish before its holder is killed
+            turn = str(uuid.UUID(ids[0].removeprefix("chatcmpl-")))
+            conv = await only_conversation(client, key)
+            holder = fm.chat_holding((await read_turn(fm, owner, conv, turn)).lease_holder)
+            await asyncio.to_thread(fm.kill, holder, signal.SIGKILL)
         await asyncio.gather(first, return_exceptions=True)  # its stream broke with the process
         was_shown = "".join(shown)
         again = await stream_completion(client, key, "once", body)  # the SDK's retry: the same request
@@ -217,11 +234,12 @@ async def test_a_paused_holder_is_cancelled_and_billed_once_when_its_successor_c
         shown: list[str] = []
         first = asyncio.create_task(rest_turn(client, conv, turn, content, options, shown))
         await eventually(lambda: _ready(len("".join(shown)) >= 40), "the client was shown some text")
-        record = await read_turn(fm, LOCAL, conv, turn)
-        holder = fm.chat_holding(record.lease_holder)
-        successor = next(n for n in fm.names("chat") if n != holder)
-        pid = fm.pid(holder)
-        os.kill(pid, signal.SIGSTOP)
+        with engines_held(fm):  # the reply cannot finish before its holder is paused
+            record = await read_turn(fm, LOCAL, conv, turn)
+            holder = fm.chat_holding(record.lease_holder)
+            successor = next(n for n in fm.names("chat") if n != holder)
+            pid = fm.pid(holder)
+            os.kill(pid, signal.SIGSTOP)
         try:
             was_shown = "".join(shown)
 
@@ -383,17 +401,11 @@ async def test_a_stream_cut_at_its_response_headers_is_released_and_its_retry_st
     # headers) before any engine work, so no token can exist before the cut. Without this the cut races the
     # first token, and a token the gateway wrote to the socket before it saw the close counts as shown (the
     # gateway cannot know the proxy dropped it): on a loaded runner that turned the turn into a stopped one.
-    engines = [fm.pid(name) for name in fm.names("engine")]
-    for pid in engines:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with engines_held(fm):
         async with HeaderCut(port) as proxy_port, httpx.AsyncClient(base_url=f"http://127.0.0.1:{proxy_port}",
                                                                      timeout=30) as cut:
             with pytest.raises(httpx.HTTPError):
                 await stream_completion(cut, key, "cut", body)
-    finally:
-        for pid in engines:
-            os.kill(pid, signal.SIGCONT)
     owner = await owner_of(fm, f"cut-{tag}")
     turn = derived_id("key", owner, "cut")  # the turn an Idempotency-Key names (gateway/openai/turns.py)
     async with httpx.AsyncClient(base_url=fm.url, timeout=30) as client:
