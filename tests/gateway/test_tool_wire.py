@@ -45,9 +45,9 @@ def test_chat_tools_and_a_tool_turn() -> None:
     assert [t.name for t in tools.definitions] == ["get_weather"]
     assert json.loads(tools.definitions[0].definition_json) == WEATHER  # as the client sent it
     assert tools.choice.mode is ChoiceMode.NAMED and tools.choice.name == "get_weather" and tools.parallel is False
-    assert req.content == "" and req.results == (("call_1", '{"celsius": 21}'),)
-    assert [m.role for m in req.history] == [wire.Role.USER, wire.Role.ASSISTANT]
-    assert req.history[1].tool_calls == (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)
+    assert req.input.content == "" and req.input.results == (("call_1", '{"celsius": 21}'),)
+    assert [m.role for m in req.input.history] == [wire.Role.USER, wire.Role.ASSISTANT]
+    assert req.input.history[1].tool_calls == (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)
     options = req.options.proto()
     assert options.tools[0].name == "get_weather" and options.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NAMED
     assert options.HasField("parallel_tool_calls") and not options.parallel_tool_calls
@@ -89,8 +89,8 @@ def test_responses_tools_and_items() -> None:
                                            {"type": "function_call_output", "call_id": "call_1", "output": "a"},
                                            {"type": "function_call_output", "call_id": "call_2", "output": "b"}]},
                                 max_chars=10_000, context_tokens=8192)
-    assert req.results == (("call_1", "a"), ("call_2", "b"))
-    (user, calls) = req.history
+    assert req.input.results == (("call_1", "a"), ("call_2", "b"))
+    (user, calls) = req.input.history
     assert [c.id for c in calls.tool_calls] == ["call_1", "call_2"]  # one reply's calls: one assistant message
     definition = json.loads(req.tools.definitions[0].definition_json)
     assert definition == {"type": "function", "function": {k: v for k, v in flat.items() if k != "type"}}
@@ -182,7 +182,7 @@ def test_the_responses_events_of_a_call() -> None:
 def test_a_continuing_response_answers_with_results_alone() -> None:
     req = wire.response_request({"model": "m", "previous_response_id": "resp_x", "input": [
         {"type": "function_call_output", "call_id": "call_1", "output": "21"}]}, max_chars=100, context_tokens=8192)
-    assert req.history == () and req.content == "" and req.results == (("call_1", "21"),)
+    assert req.input.history == () and req.input.content == "" and req.input.results == (("call_1", "21"),)
     with pytest.raises(OpenAIError) as err:  # Chat Completions carries the whole history: the call must be in it
         chat(messages=[{"role": "tool", "tool_call_id": "call_1", "content": "21"}])
     assert err.value.param == "messages[0].tool_call_id"
@@ -192,9 +192,9 @@ def test_one_key_names_each_turn_of_a_tool_round_trip() -> None:
     from chatmesh.gateway.openai.turns import Ask, Continuity
 
     turns = Continuity.__new__(Continuity)
-    asked = Ask(owner=OwnerId("o"), chat="", history=(), content="Weather?", options=chat_pb2.TurnOptions(),
+    asked = Ask(owner=OwnerId("o"), chat="", history=(), content="Weather?", options=wire.Options(),
                 request_digest="a", key="message-1")
-    answered = Ask(owner=OwnerId("o"), chat="", history=(), content="", options=chat_pb2.TurnOptions(),
+    answered = Ask(owner=OwnerId("o"), chat="", history=(), content="", options=wire.Options(),
                    request_digest="b", key="message-1", results=(("call_1", "21"),))
     assert turns.turn_id(asked) != turns.turn_id(answered)  # Open WebUI sends the message id with both
     assert turns.turn_id(answered) == turns.turn_id(Ask(**{**answered.__dict__, "request_digest": "c"}))

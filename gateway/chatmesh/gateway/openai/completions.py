@@ -119,12 +119,11 @@ class ChunkFraming:
 
 def ask_of(request: Request, surface: Surface, owner: OwnerId, req: wire.ChatRequest) -> Ask:
     chat = header(request, CHAT_HEADERS) or ""
-    options = req.options.proto()
-    shape = options.SerializeToString(deterministic=True).hex()
-    return Ask(owner=owner, chat=chat, history=req.history, content=req.content, options=options,
-               request_digest=surface.index.digest(owner, f"{chat}\0completion\0{shape}", req.messages),
+    given = req.input
+    return Ask(owner=owner, chat=chat, history=given.history, content=given.content, options=req.options,
+               request_digest=surface.index.digest(owner, f"{chat}\0completion\0{req.options.key()}", req.messages),
                key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
-               fresh=header(request, (TASK_HEADER,)) is not None, results=req.results)
+               fresh=header(request, (TASK_HEADER,)) is not None, results=given.results)
 
 
 async def create(request: Request) -> Response:

@@ -101,7 +101,7 @@ class _Recording:
 def _split_input(req: wire.ResponseRequest, continuing: bool) -> tuple[tuple[wire.Message, ...], str]:
     """The input's earlier items (the seed of a new conversation) and the turn's instructions. A continuing
     response takes one new user message; system/developer items in its input join its instructions."""
-    history = req.history
+    history = req.input.history
     instructions = req.instructions
     if continuing:
         extra = [m.text for m in history if m.role is wire.Role.SYSTEM]
@@ -134,16 +134,14 @@ async def create(request: Request) -> Response:
     conversation = ids.parse_conversation(req.conversation, "conversation") if req.conversation else None
     history, instructions = _split_input(req, continuing=after is not None or conversation is not None)
     options = wire.Options(req.options.temperature, req.options.top_p, None, (), req.options.max_tokens,
-                           instructions, req.tools).proto()
-    if req.compact_threshold is not None:
-        options.compact_threshold_tokens = req.compact_threshold
+                           instructions, req.tools, req.compact_threshold)
     shape_key = json.dumps([req.previous_response_id, req.conversation, req.raw_input, instructions,
-                            options.SerializeToString(deterministic=True).hex(), req.store, req.background],
-                           sort_keys=True)
-    ask = Ask(owner=owner, chat="", history=history, content=req.content, options=options,
+                            options.key(), req.store, req.background], sort_keys=True)
+    given = req.input
+    ask = Ask(owner=owner, chat="", history=history, content=given.content, options=options,
               request_digest=surface.index.digest(owner, "response\0" + shape_key, ()),
               key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
-              after=Point(*after) if after else None, conversation=conversation, results=req.results,
+              after=Point(*after) if after else None, conversation=conversation, results=given.results,
               fresh=not req.store and after is None and conversation is None,
               seed_from=Point(*after) if after and not req.store else None)
     if not req.store and (after is not None or conversation is not None):

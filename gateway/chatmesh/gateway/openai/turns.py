@@ -42,7 +42,7 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.records import TurnRecords
-from chatmesh.gateway.openai.wire import Message, Phase, Role
+from chatmesh.gateway.openai.wire import Message, Options, Phase, Role
 from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.owner_tokens import Metadata
 from chatmesh.gateway.routes import Edge
@@ -87,7 +87,7 @@ class Ask:
     chat: str  # the client's own chat id (Open WebUI), or ""
     history: tuple[Message, ...]  # the client's messages before `content` (the seed of a new conversation)
     content: str
-    options: chat_pb2.TurnOptions
+    options: Options
     request_digest: str  # of the whole request: messages, options and where it continues
     key: str | None = None  # Idempotency-Key or Open WebUI's message id
     retry: bool = False  # the SDK's own retry of this request
@@ -225,7 +225,7 @@ class Continuity:
         if asks_again:
             again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id))
             call = self.edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
-                owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options,
+                owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options.proto(),
                 prompt_token_allowance=ask.allowance), metadata=owner_token(self.edge, ask.owner, point.conversation))
             return Opened(call, await self._first(call), Point(point.conversation, again), created=False)
         if forks >= MAX_FORKS:
@@ -240,7 +240,7 @@ class Continuity:
     async def _send(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, expect: str = "",
                     create: chat_pb2.NewConversation | None = None) -> Opened:
         req = chat_pb2.SendTurnRequest(owner_id=ask.owner, conversation_id=conversation, turn_id=turn,
-                                       content=ask.content, options=ask.options, expect_last_turn_id=expect,
+                                       content=ask.content, options=ask.options.proto(), expect_last_turn_id=expect,
                                        tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c)
                                                      for i, c in ask.results],
                                        prompt_token_allowance=ask.allowance)

@@ -65,15 +65,25 @@ class Message:
     tool_call_id: str = ""  # a TOOL message: the call whose result `text` is
 
 
-def split_input(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], str, tuple[tuple[str, str], ...]]:
-    """A request's messages as (history, the new user message, the new tool results): the input is the last
-    message (a user's), or the run of tool results that ends the messages (answering the calls before them)."""
+@dataclass(frozen=True, slots=True)
+class Input:
+    """A request's messages split: the history before its input, and the input: the new user message
+    (`content`), or the tool results (call id, output) it answers with instead."""
+
+    history: tuple[Message, ...]
+    content: str
+    results: tuple[tuple[str, str], ...] = ()
+
+
+def split_input(messages: tuple[Message, ...]) -> Input:
+    """The input is the last message (a user's), or the run of tool results that ends the messages (answering
+    the calls before them)."""
     start = len(messages) - 1
     while start > 0 and messages[start - 1].role is Role.TOOL:
         start -= 1
     if messages[-1].role is Role.TOOL:
-        return messages[:start], "", tuple((m.tool_call_id, m.text) for m in messages[start:])
-    return messages[:-1], messages[-1].text, ()
+        return Input(messages[:start], "", tuple((m.tool_call_id, m.text) for m in messages[start:]))
+    return Input(messages[:-1], messages[-1].text)
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,15 @@ class Options:
     max_tokens: int | None = None
     instructions: str = ""
     tools: Tools = NO_TOOLS
+    compact_threshold: int | None = None  # summarise older turns past this many history tokens (Responses)
 
     def proto(self) -> chat_pb2.TurnOptions:
+        """As chat takes them (turns.py's calls)."""
         out = chat_pb2.TurnOptions(stop=list(self.stop), max_tokens=self.max_tokens or 0,
                                    instructions=self.instructions)
         self.tools.proto(out)
+        if self.compact_threshold is not None:
+            out.compact_threshold_tokens = self.compact_threshold
         if self.temperature is not None:
             out.temperature = self.temperature
         if self.top_p is not None:
@@ -99,6 +113,10 @@ class Options:
         if self.seed is not None:
             out.seed = self.seed
         return out
+
+    def key(self) -> str:
+        """What the request digest holds of them: their form on the wire to chat (so equal options agree)."""
+        return self.proto().SerializeToString(deterministic=True).hex()
 
 
 @dataclass(frozen=True)
@@ -113,17 +131,8 @@ class ChatRequest:
     user: str | None
 
     @property
-    def history(self) -> tuple[Message, ...]:
-        return split_input(self.messages)[0]
-
-    @property
-    def content(self) -> str:
-        return split_input(self.messages)[1]
-
-    @property
-    def results(self) -> tuple[tuple[str, str], ...]:
-        """The tool results this request answers with (call id, output), instead of a user message."""
-        return split_input(self.messages)[2]
+    def input(self) -> Input:
+        return split_input(self.messages)
 
 
 @dataclass(frozen=True)
@@ -151,16 +160,8 @@ class ResponseRequest:
     tools: Tools = NO_TOOLS
 
     @property
-    def history(self) -> tuple[Message, ...]:
-        return split_input(self.items)[0]
-
-    @property
-    def content(self) -> str:
-        return split_input(self.items)[1]
-
-    @property
-    def results(self) -> tuple[tuple[str, str], ...]:
-        return split_input(self.items)[2]
+    def input(self) -> Input:
+        return split_input(self.items)
 
 
 # ---- field checks ---------------------------------------------------------------------------------------------
