@@ -10,11 +10,12 @@ dev files laid out as `chatmesh up` lays them), each tried as the attacker did a
 - Generate without the conversation a token is bound to; Evict of another owner's conversation;
 - the wide JSON body (refused before it is parsed; /healthz and an open stream keep answering meanwhile);
 - X-Forwarded-For from loopback with no proxy configured; the development pepper on a gateway configured for a
-  public origin.
+  public origin;
+- the outsider probes (plaintext, no certificate, a foreign CA, expired or not yet valid, a wrong SPIFFE id)
+  against every port of this running mesh (also, one test per class on single servers, tests/mesh/test_trust.py
+  and test_authz_rpcs.py).
 
-The edge budget across gateways is tests/e2e/test_prompt_limits.py's (its own mesh: two gateways, one Redis); the
-outsider probes (plaintext, no certificate, foreign CA, expired, wrong SPIFFE id) are tests/mesh/test_trust.py's
-and test_authz_rpcs.py's, one per class."""
+The edge budget across gateways is tests/e2e/test_prompt_limits.py's (its own mesh: two gateways, one Redis)."""
 
 from __future__ import annotations
 
@@ -149,13 +150,15 @@ async def sse_turn(client: httpx.AsyncClient, conv: str, content: str) -> list[s
         return [line for line in [ln async for ln in r.aiter_lines()] if line.startswith("event:")]
 
 
-def _cert_signed_by(key: Any, issuer: x509.Name, who: str) -> tuple[bytes, bytes]:
-    """A client certificate for `who` claiming `issuer`, signed with `key` (what a stolen key lets one mint)."""
+def _cert_signed_by(key: Any, issuer: x509.Name, who: str, *, start: datetime.datetime | None = None,
+                    days: float = 1) -> tuple[bytes, bytes]:
+    """A client certificate for `who` claiming `issuer`, signed with `key` (what a stolen key lets one mint),
+    valid from `start` (default five minutes ago) for `days`."""
     own = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    start = start or datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "evil")]))
             .issuer_name(issuer).public_key(own.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(start).not_valid_after(start + datetime.timedelta(days=days))
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(who)]), critical=True)
             .sign(key, None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()))
@@ -344,11 +347,14 @@ async def test_a_wide_body_is_refused_unparsed_and_the_edge_keeps_answering_mean
         flooding = False
         refused = await attack
         await watch
-    # Before: each such body held the gateway's loop ~1.2 s (/healthz 1.5 s, streams stalled 2 s). The bound here
-    # is loose (this machine is shared); the figures are printed for the record (BENCHMARKS.md, issue 30).
+    # Before: each such body held the gateway's loop ~1.2 s (/healthz 1.5 s, streams stalled 2 s). The issue's
+    # bound, 100 ms, holds for nine in ten /healthz answers and the typical gap between deltas; the worst of each
+    # is bounded loosely (this machine is shared: another process's burst is not the gateway's stall). The
+    # figures are printed for the record (BENCHMARKS.md, issue 30).
     print(f"wide bodies refused: {refused}; /healthz p50 {statistics.median(healthz) * 1000:.1f} ms, "
           f"max {max(healthz) * 1000:.1f} ms over {len(healthz)}; stream gap max {max(gaps, default=0) * 1000:.1f} ms")
     assert refused >= 3 and len(healthz) >= 10 and gaps
+    assert sum(h < 0.1 for h in healthz) >= 0.9 * len(healthz) and statistics.median(gaps) < 0.1, (healthz, gaps)
     assert max(healthz) < 1.0 and max(gaps) < 1.0
 
 
@@ -366,6 +372,70 @@ async def test_forwarded_for_from_loopback_is_not_believed_and_a_public_gateway_
     assert done.returncode == 2
     assert "startup_refused" in done.stderr and "CHATMESH_KEY_PEPPER" in done.stderr
     assert "CHATMESH_PUBLIC_ORIGIN=https://chat.example.com" in done.stderr
+
+
+# One RPC per service port of the running mesh, each open to some mesh identity (chat.proto and the others'
+# authorization tables): what an outsider would try first.
+PROBED = {"chat": (settings.CHAT_ADDRESS, "/chatmesh.v1.ChatService/ListConversations"),
+          "store": (settings.STORE_ADDRESS, "/chatmesh.v1.StoreService/ReadUsage"),
+          "router": (settings.ROUTER_ADDRESS, "/chatmesh.v1.RouteService/ListReplicas"),
+          "engine": (settings.ENGINE_ADDRESS, "/chatmesh.v1.GenerateService/GetStats"),
+          "moderation": (settings.MODERATION_ADDRESS, "/chatmesh.v1.ModerateService/CheckInput"),
+          "gateway": (settings.OWNER_TOKEN_ADDRESS, "/chatmesh.v1.OwnerTokenService/IssueOwnerToken")}
+
+
+async def _probe(channel: grpc.aio.Channel, path: str) -> tuple[grpc.StatusCode, str]:
+    """One call with an empty request."""
+    async with channel:
+        try:
+            await channel.unary_unary(path, None, None)(b"", timeout=10)
+        except grpc.aio.AioRpcError as err:
+            return err.code(), err.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def test_the_outsider_probes_get_nothing_from_any_port_of_the_running_mesh(
+        insider: Insider, tmp_path: Path) -> None:
+    """Plaintext, no certificate, a foreign CA's certificate: no handshake (UNAVAILABLE); the mesh CA's own
+    certificates out of their validity window (expired, not yet valid): no handshake either; in it but naming
+    another trust domain or a made-up service: denied by name. Every service's port, the gateway's too."""
+    ca_pem = (insider.certs / pki.CA_FILE).read_bytes()
+    authority = pki.load_authority(insider.certs)
+    assert authority is not None
+    pki.ensure(tmp_path / "foreign" / "certs")
+    foreign = pki.load_authority(tmp_path / "foreign" / "certs")
+    assert foreign is not None
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def signed(ca: pki.Authority, who: str, start: datetime.datetime | None = None) -> grpc.ChannelCredentials:
+        cert, key = _cert_signed_by(ca.key, ca.cert.subject, who, start=start)
+        return grpc.ssl_channel_credentials(ca_pem, key, cert)
+
+    operator = str(ident.OPERATOR)
+    probes: list[tuple[str, grpc.ChannelCredentials | None, grpc.StatusCode]] = [
+        ("plaintext", None, grpc.StatusCode.UNAVAILABLE),
+        ("no certificate", grpc.ssl_channel_credentials(ca_pem), grpc.StatusCode.UNAVAILABLE),
+        ("a foreign CA", signed(foreign, operator), grpc.StatusCode.UNAVAILABLE),
+        ("expired", signed(authority, operator, now - datetime.timedelta(days=2)), grpc.StatusCode.UNAVAILABLE),
+        ("not yet valid", signed(authority, operator, now + datetime.timedelta(days=1)), grpc.StatusCode.UNAVAILABLE),
+        ("another trust domain", signed(authority, "spiffe://other/chat"), grpc.StatusCode.PERMISSION_DENIED),
+        ("a made-up service", signed(authority, "spiffe://chatmesh/billing"), grpc.StatusCode.PERMISSION_DENIED),
+    ]
+    for service, (setting, path) in PROBED.items():
+        address = insider.mesh.cfg[setting]
+        name = [("grpc.ssl_target_name_override", ident.server_name(service))]
+        for what, credentials, expected in probes:
+            channel = grpc.aio.insecure_channel(address) if credentials is None else \
+                grpc.aio.secure_channel(address, credentials, name)
+            code, details = await _probe(channel, path)
+            assert code == expected, (service, what, code, details)
+            if expected == grpc.StatusCode.PERMISSION_DENIED:
+                assert f"may not call {path}" in details, (service, what, details)
+        # the control: the same port lets a mesh identity its table admits past the handshake and the table
+        allowed = ident.client("dev") if service in ("chat", "gateway") else \
+            ident.OPERATOR if service in ("router", "engine") else ident.CHAT
+        code, details = await _probe(channel_as(insider.certs, allowed, address, service), path)
+        assert code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED), (service, code, details)
 
 
 async def test_a_retired_keys_token_is_refused_though_chat_verified_it_before(insider: Insider) -> None:
