@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from chatmesh.chat import context
+from chatmesh.chat import context, prompt
 from chatmesh.chat.core import DEFAULT_SYSTEM_PROMPTS, ChatCore, ChatOptions
 from chatmesh.chat.options import TurnOptions
 from chatmesh.chat.events import Blocked, Completed, TurnDelta, Failed, TurnStarted, Stopped, TurnEvent, TurnEventKind
@@ -698,6 +698,57 @@ async def summary_is_made_at_the_boundary_and_prompts_stay_stable_after_it() -> 
     assert summary.covers_through_index == 1  # the first exchange; the last two messages stay verbatim
     assert w.idle()
     return w
+
+
+async def test_a_turn_over_its_allowance_is_refused_before_its_summary_is_written() -> None:
+    """chat.proto: over its allowance, a turn fails before any engine work. A turn that would summarise first
+    (its conversation past the threshold) is checked before the summary is written, the summary counted as long
+    as one can be (prompt.STAND_IN): refused, no generation at all, no summary stored, the claim released; with
+    the size the refusal named as its allowance, the same turn id summarises and runs, its prompt within it."""
+    w, conv = await fresh(summary_threshold_tokens=8, keep_recent_messages=2)
+    for n in range(2):
+        await w.turn(conv, f"message number {n} with words")
+    before = len(w.engine.generations)
+    turn = w.key(conv).turn
+    with pytest.raises(errors.PromptOverAllowance) as refused:
+        await collect(w.core.send_turn(OWNER, conv, turn, "message number 2 with words", allowance=30))
+    await w.settled()
+    assert len(w.engine.generations) == before  # no summary generated (before the fix: one, then the refusal)
+    assert w.store.conversations[(OWNER, conv)].summary is None and len(stored(w, conv)) == 4 and w.idle()
+    bound = refused.value.prompt_tokens
+    assert bound > 30 and refused.value.trailing_metadata() == ((errors.PROMPT_TOKENS_TRAILER, str(bound)),)
+    events = await collect(w.core.send_turn(OWNER, conv, turn, "message number 2 with words", allowance=bound))
+    await w.settled()
+    summary = w.store.conversations[(OWNER, conv)].summary
+    assert summary is not None and isinstance(final_of(events), Completed)
+    started = next(e.kind for e in events if isinstance(e.kind, TurnStarted))
+    assert started.prompt_tokens is not None and started.prompt_tokens <= bound
+    # the bound is the prompt with the longest summary in its place: the real one is shorter by the difference
+    words = len(prompt.STAND_IN.split()) - len(summary.text.split())
+    assert started.prompt_tokens == bound - words
+
+
+async def test_a_turn_whose_prompt_outgrows_the_room_is_refused_over_its_allowance_before_folding() -> None:
+    """A turn that must summarise the whole conversation to fit the room (a long paste before it): with the
+    summary as long as one can be it would not fit at all, so only the least its prompt can be is certain (the
+    summary empty). Under that, refused with no generation; above it, the turn folds and runs."""
+    limits = context.PromptLimits(context_tokens=240, prompt_cap_tokens=240, reply_tokens=20)
+    w, conv = await fresh(limits=limits, keep_recent_messages=2)
+    await w.turn(conv, " ".join(["pasted"] * 150))
+    await w.turn(conv, "short one")
+    before = len(w.engine.generations)
+    new = " ".join(["asking"] * 60)
+    least = len(w.core.prompts.render(await w.store.read_conversation(OWNER, conv),
+                                      context.PromptSummary("", 4), new).token_ids)
+    turn = w.key(conv).turn
+    with pytest.raises(errors.PromptOverAllowance) as refused:
+        await collect(w.core.send_turn(OWNER, conv, turn, new, allowance=least - 1))
+    await w.settled()
+    assert refused.value.prompt_tokens == least and len(w.engine.generations) == before
+    assert w.store.conversations[(OWNER, conv)].summary is None and w.idle()
+    events = await collect(w.core.send_turn(OWNER, conv, turn, new, allowance=least + 10))
+    await w.settled()
+    assert isinstance(final_of(events), Completed) and w.store.conversations[(OWNER, conv)].summary is not None
 
 
 @scenario

@@ -191,9 +191,10 @@ class ClaimedTurn:
             rendered = await self.prompts.prompt_for(
                 owner, conv, view, new, self.job.regenerates, options.instructions,
                 options.max_reply_tokens(self.opt.limits.reply_tokens), self.job.results, options.tools, prefill,
-                options.compact_threshold_tokens)
+                options.compact_threshold_tokens, self.job.allowance)
             self.calls = self._calls(prefill)
-            if self.job.allowance and len(rendered.token_ids) > self.job.allowance:
+            if self.job.allowance and len(rendered.token_ids) > self.job.allowance:  # a summary it needed was
+                # checked against the allowance before it was written (`Prompts.prompt_for`)
                 raise errors.PromptOverAllowance(len(rendered.token_ids), self.job.allowance)
             await self.live.publish(TurnStarted(replayed=False, prompt_tokens=len(rendered.token_ids)))
             resumed: tuple[int, ...] = ()

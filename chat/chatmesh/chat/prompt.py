@@ -17,6 +17,13 @@ message it answers), so a turn fails as too long only when its new message alone
 conversation's length. The summariser's own prompt is held to the context: a transcript too long for it is cut
 in the middle of its longest messages (`transcript`).
 
+A turn's allowance (chat.proto's prompt_token_allowance, or an internal client's per-turn budget) is refused
+before any engine work, summaries included: before the first summary a turn would write, its plan is made again
+with stand-in summaries as long as one can be (`STAND_IN`, SUMMARY_MAX_TOKENS words) and no engine call
+(`_check_allowance`); a turn that could end over its allowance is refused then, the size checked in the trailer.
+The price is a conservative refusal, by at most one summary's length, of a turn that summarises right at the edge
+of its allowance; a turn that would fold more than once is refused only when even its least prompt is over.
+
 The prefix cache (I1): every generation names its owner (`Generation.owner`), and the engine derives the owner's
 cache salt from it (and, with mutual TLS, only from a verified owner token), so one owner's turns reuse each
 other's KV past the platform prefix and two owners never share it. Chat holds no salt secret.
@@ -25,8 +32,8 @@ other's KV past the platform prefix and two owners never share it. Chat holds no
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from chatmesh.chat import context
 from chatmesh.chat.options import ChatOptions
@@ -102,6 +109,23 @@ def transcript_line(m: context.HistoryMessage) -> str:
     return f"{m.speaker.value}: {m.content}{calls}"
 
 
+STAND_IN = " ".join(["summary"] * SUMMARY_MAX_TOKENS)  # at least as many tokens as a summary can have
+
+
+@dataclass(frozen=True)
+class Built:
+    """A prompt's plan: the prompt (None: too long for the room even after every summary it could make, `too_long`
+    says by how much), how many summaries it made, and the last."""
+
+    rendered: context.Rendered | None
+    folds: int
+    summary: context.PromptSummary | None
+    too_long: context.PromptTooLong | None = None
+
+
+Fold = Callable[[context.PromptSummary | None, int], Awaitable[context.PromptSummary | None]]
+
+
 @dataclass(frozen=True)
 class Compacted:
     """A summary just stored (or found stored), with what writing it cost."""
@@ -135,36 +159,85 @@ class Prompts:
     async def prompt_for(self, owner: OwnerId, conv: ConversationId, view: History, new_message: str | None,
                          regenerates: TurnId | None, instructions: str, reply_tokens: int,
                          new_results: Sequence[ToolResult] = (), tools: Sequence[ToolDefinition] = (),
-                         prefill: str = "", threshold: int | None = None) -> context.Rendered:
+                         prefill: str = "", threshold: int | None = None, allowance: int = 0) -> context.Rendered:
         """A turn's prompt, summarising first as the module header says (at the threshold, the turn's own when it
         sets one, then as far as the prompt needs to fit); PromptTooLong only when the turn's own message cannot
-        fit."""
-        summary = await self.summary_for(owner, conv, view, threshold)
+        fit. With an `allowance` (the most prompt tokens the turn may use), a turn that would summarise first is
+        checked before the summary is written (`_check_allowance`), so PromptOverAllowance comes before any
+        engine work."""
         least = 2 if regenerates is not None else 0  # a regenerate keeps the user message it answers
 
-        def render() -> context.Rendered:
+        def render(summary: context.PromptSummary | None) -> context.Rendered:
             return self.render(view, summary, new_message, regenerates, instructions, reply_tokens, new_results,
                                tools, prefill)
 
-        for keep in sorted({max(least, self.opt.keep_recent_messages // 2), least}, reverse=True):
-            try:
-                return render()
-            except context.PromptTooLong:
-                folded = await self._fold(owner, conv, view, summary, keep)
-                summary = folded.summary if folded is not None else summary
-        return render()
+        checked = not allowance
 
-    async def summary_for(self, owner: OwnerId, conv: ConversationId, view: History,
-                          threshold: int | None = None) -> context.PromptSummary | None:
-        """The stored summary, refreshed first when the replayed history is over the threshold (`threshold`: the
-        turn's own, Responses' context_management; else the service's)."""
+        async def fold(summary: context.PromptSummary | None, keep: int) -> context.PromptSummary | None:
+            nonlocal checked
+            if not checked:  # the first summary this turn would write: first, whether the turn can then run
+                checked = True
+                await self._check_allowance(view, render, least, threshold, allowance)
+            folded = await self._fold(owner, conv, view, summary, keep)
+            return folded.summary if folded is not None else None
+
+        built = await self._build(view, render, least, threshold, fold)
+        if built.rendered is None:
+            assert built.too_long is not None
+            raise built.too_long
+        return built.rendered
+
+    async def _build(self, view: History, render: Callable[[context.PromptSummary | None], context.Rendered],
+                     least: int, threshold: int | None, fold: Fold) -> Built:
+        """The prompt's plan: the stored summary refreshed when the replayed history is over the threshold (the
+        turn's own, Responses' context_management; else the service's), then further while the prompt does not
+        fit the room, each summary by `fold` (which writes one, or stands one in)."""
         summary = stored_summary(view)
+        folds = 0
+
+        async def step(keep: int) -> None:
+            nonlocal summary, folds
+            folded = await fold(summary, keep)
+            if folded is not None:
+                summary, folds = folded, folds + 1
+
         counts = {m.index: m.token_count for m in view.messages}
         limit = threshold if threshold is not None else self.opt.summary_threshold_tokens
-        if context.history_tokens(history(view), summary, counts) <= limit:
-            return summary
-        folded = await self._fold(owner, conv, view, summary, self.opt.keep_recent_messages)
-        return folded.summary if folded is not None else summary
+        if context.history_tokens(history(view), summary, counts) > limit:
+            await step(self.opt.keep_recent_messages)
+        for keep in sorted({max(least, self.opt.keep_recent_messages // 2), least}, reverse=True):
+            try:
+                return Built(render(summary), folds, summary)
+            except context.PromptTooLong:
+                await step(keep)
+        try:
+            return Built(render(summary), folds, summary)
+        except context.PromptTooLong as err:
+            return Built(None, folds, summary, err)
+
+    async def _check_allowance(self, view: History, render: Callable[[context.PromptSummary | None], context.Rendered],
+                               least: int, threshold: int | None, allowance: int) -> None:
+        """PromptOverAllowance unless the turn's prompt, once summarised, is sure to be within `allowance`, judged
+        on the plan made with stand-in summaries as long as a summary can be (`STAND_IN`), without engine work.
+        One summary: the prompt is at most the plan's (a conservative refusal, by at most a summary's length).
+        Several, or one after which the prompt still does not fit the room: the real, shorter summaries may stop
+        the folding earlier, at any size within the room, so only the least the prompt can be is certain (the
+        deepest fold, its summary empty): over the allowance, refused; else the turn goes on, and the exact check
+        after rendering (`claimed.py`) is the only one. The trailer names the size checked."""
+
+        async def stand_in(summary: context.PromptSummary | None, keep: int) -> context.PromptSummary | None:
+            cut = context.summary_cut(history(view), summary, keep)
+            return None if cut is None else context.PromptSummary(STAND_IN, cut)
+
+        planned = await self._build(view, render, least, threshold, stand_in)
+        if planned.summary is None or planned.folds == 0:  # nothing to summarise: no engine work comes
+            return
+        if planned.folds == 1 and planned.rendered is not None:
+            bound = len(planned.rendered.token_ids)
+        else:
+            bound = len(render(replace(planned.summary, text="")).token_ids)  # PromptTooLong: too long anyway
+        if bound > allowance:
+            raise errors.PromptOverAllowance(bound, allowance)
 
     async def compact(self, owner: OwnerId, conv: ConversationId, expect_last: TurnId | None) -> Compacted:
         """Summarises the whole conversation, through its last reply, and stores that as its summary (the
