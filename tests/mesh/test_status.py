@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,10 @@ def test_the_repos_scrape_config_is_what_chatmesh_status_prints_for_the_defaults
     text = status.scrape_config(Config(env={"CHATMESH_STORE_METRICS_PORT": "0", "CHATMESH_CHAT_METRICS_PORT": "7001",
                                             "CHATMESH_CHAT_ADDRESS": "10.1.2.3:50051"}), interval_s=0.5)
     assert "chatmesh-store" not in text and "targets: ['10.1.2.3:7001']" in text and "scrape_interval: 500ms" in text
+
+
+def test_status_without_certificates_says_what_is_missing_without_a_traceback(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "chatmesh.mesh.cli", "status", "--data-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "mutual TLS needs" in done.stderr and "chatmesh certs" in done.stderr

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.mesh import config, identity, settings
 from chatmesh.mesh.config import Config
-from chatmesh.mesh.trust import Trust
+from chatmesh.mesh.trust import Trust, TrustRefused
 from chatmesh.mesh.up import ORDER, Extra, MeshError, grpc_serving, http_answers, metrics_targets, scaled
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -220,7 +220,11 @@ def _status(args: argparse.Namespace) -> int:
         sys.stdout.write(scrape_config(cfg, extra=extra))
         return 0
     while True:
-        text = report(cfg, extra=extra).render()
+        try:
+            text = report(cfg, extra=extra).render()
+        except TrustRefused as err:  # no certificates to ask the mesh with: say so, not a traceback
+            print(f"chatmesh: {err}", file=sys.stderr)
+            return 2
         if args.watch is None:
             print(text)
             return 0 if "DOWN" not in text.split("replicas:")[0] else 1
