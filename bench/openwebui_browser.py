@@ -2,7 +2,9 @@
 too heavy for the test command). A real Open WebUI (PyPI `open-webui`, in its own virtualenv, started offline)
 set up as the README says, with its defaults (built-in tools on), driven in headless Chromium (Debian's, through
 Playwright): a chat of two turns streams a reply, turn 2 is served from the prefix cache, and with the README's
-connection headers no background task (title, tags, follow-ups) leaves a conversation behind.
+connection headers no background task (title, tags, follow-ups) leaves a conversation behind. Two Open WebUI
+users chat so (the admin, then an ordinary user who sees the model through the README's access grant): each is a
+chatmesh owner of their own, with one conversation.
 
     python3.11 -m venv .owui-venv
     .owui-venv/bin/pip install --find-links /opt/wheels torch==2.13.0     # pinned first: taken from the local file
@@ -66,12 +68,15 @@ def conversations_per_owner(data_dir: Path) -> dict[str, int]:
         return dict(conn.execute("SELECT owner_id, count(*) FROM conversations GROUP BY owner_id").fetchall())
 
 
-def stored_turns(data_dir: Path) -> list[tuple[int, int]]:
-    """(prompt tokens, of them served from the cache) of every turn the store keeps, oldest first."""
+def stored_turns(data_dir: Path) -> dict[str, list[tuple[int, int]]]:
+    """Per owner, (prompt tokens, of them served from the cache) of every turn the store keeps, oldest first."""
     db = next(data_dir.rglob("*.db"))
+    out: dict[str, list[tuple[int, int]]] = {}
     with sqlite3.connect(db) as conn:
-        return [(int(p), int(c)) for p, c in conn.execute(
-            "SELECT prompt_tokens, cached_prompt_tokens FROM turns ORDER BY created_at_ms")]
+        for owner, p, c in conn.execute(
+                "SELECT owner_id, prompt_tokens, cached_prompt_tokens FROM turns ORDER BY created_at_ms"):
+            out.setdefault(owner, []).append((int(p), int(c)))
+    return out
 
 
 def turns_ended(gateway_log: Path) -> int:
@@ -101,8 +106,13 @@ def start_open_webui(owui: Path, folder: Path, port: int, base_url: str, key: st
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-async def admin(url: str) -> str:
-    """The first account (Open WebUI makes it the admin) and the README's connection headers set through its API."""
+USERS = [("Ada", "ada@example.com"), ("Grace", "grace@example.com")]  # the admin, then a user of Open WebUI's own
+
+
+async def sign_up(url: str) -> list[str]:
+    """The first account (Open WebUI makes it the admin), the README's connection headers set through its API, and
+    a second, ordinary user the admin adds (it sees the model through BYPASS_MODEL_ACCESS_CONTROL, the README's
+    access grant). Their tokens, in USERS' order."""
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         for _ in range(600):
             try:
@@ -111,18 +121,27 @@ async def admin(url: str) -> str:
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(1)
-        token: str = (await http.post("/api/v1/auths/signup", json={
-            "name": "Ada", "email": "ada@example.com", "password": "bench-password"})).json()["token"]
-        auth = {"Authorization": f"Bearer {token}"}
+        (admin_name, admin_email), *others = USERS
+        signed = await http.post("/api/v1/auths/signup", json={"name": admin_name, "email": admin_email,
+                                                               "password": "bench-password"})
+        signed.raise_for_status()
+        tokens: list[str] = [signed.json()["token"]]
+        auth = {"Authorization": f"Bearer {tokens[0]}"}
+        for name, email in others:  # the admin adds them (sign-up closes after the first account), they sign in
+            (await http.post("/api/v1/auths/add", headers=auth, json={
+                "name": name, "email": email, "password": "bench-password", "role": "user"})).raise_for_status()
+            signed = await http.post("/api/v1/auths/signin", json={"email": email, "password": "bench-password"})
+            signed.raise_for_status()
+            tokens.append(signed.json()["token"])
         config = (await http.get("/openai/config", headers=auth)).json()
         config["OPENAI_API_CONFIGS"] = {"0": {**config.get("OPENAI_API_CONFIGS", {}).get("0", {}), "enable": True,
                                               "headers": HEADERS}}
         (await http.post("/openai/config/update", headers=auth, json=config)).raise_for_status()
-        return token
+        return tokens
 
 
 def browser_chat(url: str, token: str, messages: list[str], after_each: Callable[[], int],
-                 shots: Path) -> list[tuple[str, int]]:
+                 shots: Path, name: str) -> list[tuple[str, int]]:
     """One chat in the browser: each message sent, its reply streamed to its end; `after_each`'s answer with it."""
     from playwright.sync_api import sync_playwright
 
@@ -144,9 +163,9 @@ def browser_chat(url: str, token: str, messages: list[str], after_each: Callable
         try:
             for i, text in enumerate(messages):
                 replies.append(_turn(page, i, text, after_each))
-                page.screenshot(path=str(shots / f"turn{i + 1}.png"))
+                page.screenshot(path=str(shots / f"{name}-turn{i + 1}.png"))
         except Exception:
-            page.screenshot(path=str(shots / "failed.png"))
+            page.screenshot(path=str(shots / f"{name}-failed.png"))
             raise
         finally:
             browser.close()
@@ -172,6 +191,9 @@ def _turn(page: Any, i: int, text: str, after_each: Callable[[], int]) -> tuple[
     return last, after_each()
 
 
+CHATS = [["What is the capital of France?", "And of Japan?"], ["Name a prime number.", "And a larger one?"]]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--owui", default=".owui-venv", help="the virtualenv Open WebUI is installed in")
@@ -194,23 +216,29 @@ def main() -> int:
             port = free_port()
             webui = start_open_webui(owui, Path(tmp), port, mesh.gateway_url + "/openai/v1", key)
             url = f"http://127.0.0.1:{port}"
-            token = asyncio.run(admin(url))
-            before = asyncio.run(engine_hits(mesh))
-            (first, between), (second, after) = browser_chat(
-                url, token, ["What is the capital of France?", "And of Japan?"], lambda: hits_now(mesh), Path(tmp))
+            tokens = asyncio.run(sign_up(url))
+            chats = {}
+            for (name, _), token, messages in zip(USERS, tokens, CHATS):
+                before = asyncio.run(engine_hits(mesh))
+                (first, between), (second, after) = browser_chat(url, token, messages, lambda: hits_now(mesh),
+                                                                 Path(tmp), name)
+                chats[name] = {"reply_chars": [len(first), len(second)],
+                               "engine_hit_tokens": [between - before, after - between]}
             time.sleep(5)  # background tasks (title, tags, follow-ups) finish and their conversations are deleted
             owners = conversations_per_owner(data_dir)
             stored = stored_turns(data_dir)
             ended = turns_ended(Path(tmp) / "logs" / "gateway.log")
+            kept = sum(len(t) for t in stored.values())
             print(json.dumps({
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(owui),
-                "turn1_reply_chars": len(first), "turn2_reply_chars": len(second),
-                "engine_hit_tokens": {"turn1": between - before, "turn2": after - between},
-                "stored_turns": [{"prompt_tokens": p, "cached_prompt_tokens": c} for p, c in stored],
-                "turns_served": ended, "background_turns": ended - len(stored),
+                "chats": chats,
+                "stored_turns": {o: [{"prompt_tokens": p, "cached_prompt_tokens": c} for p, c in t]
+                                 for o, t in stored.items()},
+                "turns_served": ended, "background_turns": ended - kept,
                 "conversations_per_owner": owners}, indent=2))
-            ok = bool(first and second and after - between > 0 and len(stored) == 2 and stored[1][1] > 0
-                      and ended > len(stored) and all(n == 1 for n in owners.values()))
+            ok = (all(all(c["reply_chars"]) and c["engine_hit_tokens"][1] > 0 for c in chats.values())
+                  and len(stored) == len(USERS) and all(len(t) == 2 and t[1][1] > 0 for t in stored.values())
+                  and ended > kept and len(owners) == len(USERS) and all(n == 1 for n in owners.values()))
             return 0 if ok else 1
         finally:
             if webui is not None:
