@@ -68,6 +68,9 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
         self.report_prompt_tokens = True
         self.token_claims: list[OwnerClaims] = []  # with mutual TLS: the verified owner token of each call
         self.summaries: dict[str, tuple[str, int]] = {}  # conversation -> (summary, last index it covers)
+        # how each reply ends after its chunks: None (completed, or stopped when asked to stop), a TurnFailed
+        # (nothing stored, as chat fails a turn) or a TurnBlocked (moderation blocked the output)
+        self.ending: chat_pb2.TurnFailed | chat_pb2.TurnBlocked | None = None
 
     async def _admit(self, allowance: int, context: Ctx) -> None:
         self.allowances.append(allowance)
@@ -275,6 +278,15 @@ class FakeChat(chat_pb2_grpc.ChatServiceServicer):
                 text += chunk
                 turn.reply = text
                 yield await self._emit(turn, chat_pb2.TurnEvent(delta=chat_pb2.TurnDelta(text=chunk)))
+            if isinstance(self.ending, chat_pb2.TurnFailed) and not turn.stop:
+                conv.messages = [m for m in conv.messages if m.turn_id != turn.turn_id]
+                turn.reply, turn.status = "", chat_pb2.TURN_STATUS_FAILED
+                yield await self._emit(turn, chat_pb2.TurnEvent(failed=self.ending))
+                return
+            if isinstance(self.ending, chat_pb2.TurnBlocked) and not turn.stop:
+                turn.reply, turn.status, turn.stored_at_ms = "", chat_pb2.TURN_STATUS_BLOCKED, int(time.time() * 1000)
+                yield await self._emit(turn, chat_pb2.TurnEvent(blocked=self.ending))
+                return
             usage = common_pb2.Usage(prompt_tokens=self.prompt_tokens, cached_prompt_tokens=2,
                                      output_tokens=len(self.chunks))
             status = common_pb2.MESSAGE_STATUS_STOPPED if turn.stop else common_pb2.MESSAGE_STATUS_COMPLETE
