@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from chatmesh.gateway.accounts import Accounts
 from chatmesh.gateway.cli import accounts_for
@@ -119,6 +120,21 @@ async def test_redis_scripts_enforce_the_same_buckets(redis_limits: RedisLimits)
     leases.append(await redis_limits.open_stream(A))
     for lease in leases:
         await lease.release()
+
+
+async def test_a_connection_redis_dropped_is_reconnected_not_refused(redis_limits: RedisLimits,
+                                                                     redis_url: str) -> None:
+    """A restarted Redis leaves every pooled connection dead: the next check reconnects instead of answering 503
+    (bench/faults saw one such 503 after a Redis restart)."""
+    await redis_limits.admit_turn(A, 1)
+    own = await redis_limits.redis.client_id()  # the pooled connection the next check takes
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await admin.client_kill_filter(_id=str(own)) == 1
+    finally:
+        await admin.aclose()
+    assert (await redis_limits.admit_turn(A, 1)).held == 1
+    assert own != await redis_limits.redis.client_id()  # a new connection served it
 
 
 async def test_redis_reservations_of_two_gateways_never_exceed_the_budget(redis_url: str) -> None:
