@@ -5,7 +5,8 @@ dev files laid out as `chatmesh up` lays them), each tried as the attacker did a
   with any key a service does read (its own TLS key; the gateway's token signing keys) is refused by the mesh;
 - a 100-year owner token signed with the real key; a token replayed from another identity; a retired key's token
   that chat had already verified (cached);
-- IssueOwnerToken without a grant, or for an owner the gateway does not know;
+- IssueOwnerToken without a grant, or for an owner the gateway does not know; a grant taken out of the file
+  (no restart) mints nothing more;
 - six turns from an internal client over its grant's per-turn budget (asking for allowance 1, or none);
 - Generate without the conversation a token is bound to; Evict of another owner's conversation;
 - the wide JSON body (refused before it is parsed; /healthz and an open stream keep answering meanwhile);
@@ -436,6 +437,41 @@ async def test_the_outsider_probes_get_nothing_from_any_port_of_the_running_mesh
             ident.OPERATOR if service in ("router", "engine") else ident.CHAT
         code, details = await _probe(channel_as(insider.certs, allowed, address, service), path)
         assert code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED), (service, code, details)
+
+
+async def test_a_grant_added_to_the_file_mints_and_one_taken_out_stops_minting_without_a_restart(
+        insider: Insider) -> None:
+    """The operator's revocation: the gateway re-reads the authorization file's grants within a second of a change
+    (tokens already minted live out their TTL, at most CHATMESH_OWNER_TOKEN_TTL_S)."""
+    path = Path(insider.mesh.env["CHATMESH_MESH_AUTHZ_FILE"])
+    reports, bob = ident.client("reports"), insider.users["bob"]
+
+    def write(doc: dict[str, Any]) -> None:
+        staged = path.with_suffix(".new")
+        staged.write_text(json.dumps(doc))
+        staged.replace(path)
+
+    async def refusal() -> grpc.StatusCode:
+        try:
+            await insider.issue(reports, owner_id=bob)
+        except grpc.aio.AioRpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    assert await refusal() == grpc.StatusCode.PERMISSION_DENIED
+    granted = {**GRANTS["owner_token_grants"], str(reports): {"owners": ["bob"], "scopes": ["read"]}}
+    try:
+        write({"owner_token_grants": granted})
+        for want in (grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED):
+            for _ in range(50):
+                if (code := await refusal()) == want:
+                    break
+                await asyncio.sleep(0.1)
+            assert code == want
+            write(GRANTS)  # taken out again
+    finally:
+        write(GRANTS)
+    assert (await insider.issue(ident.client("dev"), owner_id=insider.users["alice"])).token  # dev's grant held
 
 
 async def test_a_retired_keys_token_is_refused_though_chat_verified_it_before(insider: Insider) -> None:

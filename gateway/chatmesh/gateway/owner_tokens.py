@@ -35,6 +35,7 @@ from chatmesh.mesh import authz, grants, identity, logs, tokens
 from chatmesh.mesh.config import Config
 from chatmesh.mesh.errors import InvalidArgument, PermissionDenied
 from chatmesh.mesh.grants import Grant, Owners
+from chatmesh.mesh.reload import Watched
 from chatmesh.mesh.identity import Identity
 from chatmesh.mesh.ids import ConversationId, OwnerId, parse_conversation_id, parse_owner_id
 from chatmesh.mesh.server import Running, Service, start_server, unary_errors
@@ -43,6 +44,7 @@ from chatmesh.mesh.trust import Trust, host_of
 from chatmesh.v1 import owner_token_pb2, owner_token_pb2_grpc
 
 log = logs.get("chatmesh.gateway.owner_tokens")
+Grants = Mapping[Identity, Grant] | Watched[dict[Identity, Grant]]  # fixed, or the authorization file's
 
 Metadata = tuple[tuple[str, str], ...]
 REUSE_S = 60.0  # how long a minted token is handed out again for the same owner and conversation
@@ -128,11 +130,17 @@ class Directory:
 
 
 class OwnerTokenServicer(owner_token_pb2_grpc.OwnerTokenServiceServicer):
-    def __init__(self, issuer: tokens.Issuer, grants_by_client: Mapping[Identity, Grant] | None = None,
+    def __init__(self, issuer: tokens.Issuer, grants_by_client: Grants | None = None,
                  directory: Directory = Directory(None)) -> None:
         self.issuer = issuer
-        self.grants = dict(grants_by_client or {})
+        self._grants = grants_by_client if isinstance(grants_by_client, Watched) else dict(grants_by_client or {})
         self.directory = directory
+
+    @property
+    def grants(self) -> Mapping[Identity, Grant]:
+        """The grants in force: the authorization file's as it is now (re-read within a second of a change, so
+        a grant revoked or narrowed mints nothing more; tokens already minted live out their TTL)."""
+        return self._grants.current() if isinstance(self._grants, Watched) else self._grants
 
     @unary_errors
     async def IssueOwnerToken(self, request: owner_token_pb2.IssueOwnerTokenRequest,
@@ -191,7 +199,7 @@ class TokenServer:
         await self.running.stop(self.service, grace_s)
 
 
-def token_service(issuer: tokens.Issuer, grants_by_client: Mapping[Identity, Grant] | None = None,
+def token_service(issuer: tokens.Issuer, grants_by_client: Grants | None = None,
                   directory: Directory = Directory(None)) -> Service:
     servicer = OwnerTokenServicer(issuer, grants_by_client, directory)
 
@@ -202,9 +210,13 @@ def token_service(issuer: tokens.Issuer, grants_by_client: Mapping[Identity, Gra
     return Service(name="gateway", register=register, authz=AUTHZ)
 
 
-def grants_of(trust: Trust) -> dict[Identity, Grant]:
-    """The owner-token grants of the process's authorization file (none without one)."""
-    return grants.parse(authz.read_file(trust.authz_file)) if trust.authz_file is not None else {}
+def grants_of(trust: Trust) -> Grants:
+    """The owner-token grants of the process's authorization file (none without one), re-read when it changes
+    (a change that does not parse keeps the grants in force, and is logged: `reload.Watched`)."""
+    path = trust.authz_file
+    if path is None:
+        return {}
+    return Watched([path], lambda data: grants.parse(authz.parse_file(path, data[0])))
 
 
 async def serve_token_service(cfg: Config, trust: Trust, edge: EdgeTokens, directory: Directory

@@ -69,8 +69,17 @@ def read_file(path: Path) -> dict[str, object]:
     """The authorization file's JSON object: RPC paths ("/chatmesh.v1.Service/Rpc") to the identities allowed,
     and "owner_token_grants" (grants.py)."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: unreadable ({err})") from None
+    return parse_file(path, data)
+
+
+def parse_file(path: Path, data: bytes) -> dict[str, object]:
+    """`read_file` of the bytes already read from `path`."""
+    try:
+        doc = json.loads(data)
+    except ValueError as err:
         raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: unreadable ({err})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"CHATMESH_MESH_AUTHZ_FILE {path}: expected a JSON object")

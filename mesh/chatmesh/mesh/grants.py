@@ -19,6 +19,10 @@ without one a client gets no token at all (default nothing):
 - prompt_tokens_per_turn: the most prompt tokens one turn of the client's may use (the token's `pta`; chat refuses
   a larger prompt before any engine work, as it refuses one over the edge's allowance). Required when the scopes
   send turns: an internal client's turns carry a budget from its grant, never none.
+
+The gateway re-reads the grants within a second of the file changing (`reload.Watched`; a change that does not
+parse keeps the grants in force and is logged), so a grant revoked or narrowed mints nothing more without a
+restart; tokens already minted live out their lifetime (CHATMESH_OWNER_TOKEN_TTL_S, 900 s by default).
 """
 
 from __future__ import annotations
