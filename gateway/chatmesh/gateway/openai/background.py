@@ -38,7 +38,8 @@ from chatmesh.gateway.openai.records import Ended
 from chatmesh.gateway.openai.response_events import Aligned, Ending, EventFraming, Outcome
 from chatmesh.gateway.openai.response_object import Shape, status_of
 from chatmesh.gateway.openai.surface import Surface
-from chatmesh.gateway.openai.turns import Opened, owner_token
+from chatmesh.gateway.openai.stored import owner_token, read_turn
+from chatmesh.gateway.openai.turns import Opened
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.relay import Relay
@@ -58,9 +59,7 @@ def settled(surface: Surface, owner: OwnerId, point: Point, cap: int) -> Ending:
         status, reason = status_of(end.kind, "length" if cap and usage.output_tokens >= cap else "stop")
         completed_at = None
         if status == "completed":
-            turn = await surface.edge.unary(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
-                owner_id=owner, conversation_id=point.conversation, turn_id=point.turn),
-                timeout=surface.edge.deadline_s, metadata=owner_token(surface.edge, owner, point.conversation)))
+            turn = await surface.edge.unary(read_turn(surface.edge, owner, point))
             completed_at = turn.stored_at_ms // 1000 or None
         return Outcome(status, reason, completed_at)
     return ending

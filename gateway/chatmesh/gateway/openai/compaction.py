@@ -34,7 +34,7 @@ from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import owner_of, surface_of
-from chatmesh.gateway.openai.turns import owner_token
+from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation
 from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.v1 import chat_pb2, common_pb2
 
@@ -85,19 +85,18 @@ async def compact(request: Request) -> Response:
         done = await edge.unary(edge.chat.CompactConversation(chat_pb2.CompactConversationRequest(
             owner_id=owner, conversation_id=conversation, expect_last_turn_id=expect),
             timeout=edge.deadline_s * 6, metadata=token))  # it generates the summary: an engine's time
-        view = await edge.unary(edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-            owner_id=owner, conversation_id=conversation), timeout=edge.deadline_s, metadata=token))
+        view = await read_conversation(edge, owner, conversation)
     except ApiError as err:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "response not found", "previous_response_id") from None
         raise
-    live = [m for m in view.messages if not m.superseded]
-    last = Point(conversation, TurnId(live[-1].turn_id))
+    live = view.live
+    last = Point(conversation, TurnId(live[-1].turn_id or ""))
     return JSONResponse({
         "id": "cmp_" + uuid.UUID(conversation).hex + uuid.UUID(last.turn).hex, "object": "response.compaction",
         "created_at": int(time.time()),
-        "output": [*(_user_item(m) for m in live if m.role == common_pb2.ROLE_USER
-                     and m.status != common_pb2.MESSAGE_STATUS_BLOCKED),
+        "output": [*(_user_item(m) for m in live if m.role is wire.Role.USER
+                     and m.status is not MessageStatus.BLOCKED),
                    {"type": "compaction", "id": "cmp_" + uuid.UUID(last.turn).hex, "encrypted_content": token_of(last),
                     "created_by": "chatmesh", "summary": done.summary_text}],
         "usage": {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
@@ -106,6 +105,6 @@ async def compact(request: Request) -> Response:
                   "total_tokens": done.prompt_tokens + (done.token_count if done.prompt_tokens else 0)}})
 
 
-def _user_item(m: common_pb2.Message) -> dict[str, Any]:
+def _user_item(m: StoredMessage) -> dict[str, Any]:
     return {"type": "message", "id": ids.message_id(m.turn_id, "user") if m.turn_id else f"msg_{m.index}",
             "status": "completed", "role": "user", "content": [{"type": "input_text", "text": m.content}]}

@@ -14,42 +14,42 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
 from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
-from chatmesh.gateway.openai.tool_wire import call_of, function_call_item
-from chatmesh.gateway.openai.turns import Seeded, keep_phases, owner_token, seeds_of
+from chatmesh.gateway.openai.tool_wire import function_call_item
+from chatmesh.gateway.openai.stored import (
+    MessageStatus, StoredConversation, StoredMessage, owner_token, read_conversation,
+)
+from chatmesh.gateway.openai.turns import Seeded, keep_phases, seeds_of
 from chatmesh.gateway.openai.wire import Phase
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 
-_ROLES = {common_pb2.ROLE_SYSTEM: "system", common_pb2.ROLE_USER: "user", common_pb2.ROLE_ASSISTANT: "assistant"}
-
-
-def conversation_json(c: common_pb2.Conversation) -> dict[str, Any]:
-    return {"id": ids.conversation_id(c.conversation_id), "object": "conversation",
+def conversation_json(c: StoredConversation) -> dict[str, Any]:
+    return {"id": ids.conversation_id(c.id), "object": "conversation",
             "created_at": c.created_at_ms // 1000, "metadata": {}}
 
 
-def items_of(m: common_pb2.Message, sanitiser: Sanitiser, phase: Phase | None = None) -> list[dict[str, Any]]:
+def items_of(m: StoredMessage, sanitiser: Sanitiser, phase: Phase | None = None) -> list[dict[str, Any]]:
     """A stored message as Conversations items: a message (with the `phase` it was seeded with, if any), an
     assistant's calls as function_call items after it (the message left out when it is only calls), a tool
     message's results as function_call_output items."""
-    if m.role == common_pb2.ROLE_TOOL:
-        return [{"type": "function_call_output", "id": "fco_" + r.tool_call_id.removeprefix("call_"),
-                 "call_id": r.tool_call_id, "output": r.content, "status": "completed"} for r in m.tool_results]
-    calls = [function_call_item(call_of(c), "completed") for c in m.tool_calls]
+    if m.role is wire.Role.TOOL:
+        return [{"type": "function_call_output", "id": "fco_" + call_id.removeprefix("call_"),
+                 "call_id": call_id, "output": output, "status": "completed"} for call_id, output in m.tool_results]
+    calls = [function_call_item(c, "completed") for c in m.tool_calls]
     return ([] if calls and not m.content else [item_json(m, sanitiser, phase)]) + calls
 
 
-def item_json(m: common_pb2.Message, sanitiser: Sanitiser, phase: Phase | None = None) -> dict[str, Any]:
-    role = _ROLES.get(m.role, "user")
-    if role == "assistant":
+def item_json(m: StoredMessage, sanitiser: Sanitiser, phase: Phase | None = None) -> dict[str, Any]:
+    role = m.role.value
+    if m.role is wire.Role.ASSISTANT:
         content = [{"type": "output_text", "text": sanitiser.whole(m.content), "annotations": [], "logprobs": []}]
     else:
         content = [{"type": "input_text", "text": m.content}]
-    status = "completed" if m.status == common_pb2.MESSAGE_STATUS_COMPLETE else "incomplete"
+    status = "completed" if m.status is MessageStatus.COMPLETE else "incomplete"
     message_id = ids.message_id(m.turn_id, role) if m.turn_id else f"msg_{m.index}"
     item: dict[str, Any] = {"type": "message", "id": message_id, "status": status, "role": role, "content": content}
-    if phase is not None and role == "assistant":
+    if phase is not None and m.role is wire.Role.ASSISTANT:
         item["phase"] = phase.value
     return item
 
@@ -60,11 +60,9 @@ async def _existing(request: Request) -> tuple[Surface, OwnerId, ConversationId]
     return surface, owner, ids.parse_conversation(request.path_params["conversation_id"])
 
 
-async def _read(surface: Surface, owner: OwnerId, conv: ConversationId) -> chat_pb2.GetConversationResponse:
+async def _read(surface: Surface, owner: OwnerId, conv: ConversationId) -> StoredConversation:
     try:
-        return await surface.edge.unary(surface.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s,
-            metadata=owner_token(surface.edge, owner, conv)))
+        return await read_conversation(surface.edge, owner, conv)
     except ApiError as err:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "conversation not found") from None
@@ -89,12 +87,14 @@ async def create(request: Request) -> Response:
         owner_id=owner, messages=seed.messages), timeout=surface.edge.deadline_s,
         metadata=owner_token(surface.edge, owner)))
     await keep_phases(surface.records, owner, ConversationId(reply.conversation.conversation_id), seed)
-    return JSONResponse(conversation_json(reply.conversation))
+    made = reply.conversation
+    return JSONResponse(conversation_json(StoredConversation(ConversationId(made.conversation_id),
+                                                             made.created_at_ms, ())))
 
 
 async def retrieve(request: Request) -> Response:
     surface, owner, conv = await _existing(request)
-    return JSONResponse(conversation_json((await _read(surface, owner, conv)).conversation))
+    return JSONResponse(conversation_json(await _read(surface, owner, conv)))
 
 
 async def delete(request: Request) -> Response:

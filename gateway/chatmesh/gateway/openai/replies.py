@@ -19,7 +19,8 @@ from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.relay import Framing, Relay
 from chatmesh.gateway.routes import StreamSlot
-from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
+from chatmesh.gateway.openai.stored import owner_token
+from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import TurnRelay
 from chatmesh.model.tools import ToolCall

@@ -36,11 +36,12 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.records import Ended, Recorded
 from chatmesh.gateway.openai.response_events import Ending, EventFraming, Immediate, Outcome
 from chatmesh.gateway.openai.response_object import Shape, request_fields, status_of
-from chatmesh.gateway.openai.tool_wire import NO_TOOLS, call_of
+from chatmesh.gateway.openai.tool_wire import NO_TOOLS
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.turns import Ask, Opened, owner_token
+from chatmesh.gateway.openai.stored import owner_token, read_turn
+from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
 from chatmesh.v1 import chat_pb2
@@ -199,34 +200,16 @@ async def _turn(request: Request) -> tuple[Surface, OwnerId, Point]:
     return surface, owner, Point(*ids.parse_response(request.path_params["response_id"]))
 
 
-def _end_of(turn: chat_pb2.GetTurnResponse) -> events.ReplyEnd | None:
-    """A stored turn's ending as its final event would have said it (None: it has not ended)."""
-    usage = events.Usage.of(turn.usage)
-    match turn.status:
-        case chat_pb2.TURN_STATUS_COMPLETED:
-            return events.ReplyCompleted(0, usage, finish_reason=turn.finish_reason)
-        case chat_pb2.TURN_STATUS_STOPPED:
-            return events.ReplyStopped(0, usage)
-        case chat_pb2.TURN_STATUS_BLOCKED:
-            return events.ReplyBlocked(0, "")
-        case chat_pb2.TURN_STATUS_FAILED:
-            return events.ReplyFailed(0, "", False)
-        case _:
-            return None
-
-
 async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any]:
     """The object as create answered it: its recorded request side and ending, the turn's reply and usage."""
-    turn = await _of_response(surface.edge.chat.GetTurn(chat_pb2.GetTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
-        metadata=owner_token(surface.edge, owner, point.conversation)))
+    turn = await _of_response(read_turn(surface.edge, owner, point))
     recorded: Recorded | None = await surface.records.get(owner, point.turn)
     if recorded is not None and (recorded.conversation != point.conversation or not recorded.body):
         recorded = None
     shape = Shape(point, recorded.body if recorded is not None else
                   _fields(surface, None, turn.stored_at_ms // 1000 or int(time.time())))
     text = Sanitiser(surface.edge.allowlist).whole(turn.reply)
-    end = _end_of(turn)
+    end = turn.end
     if end is None:
         return shape.body("in_progress", text, None)
     if isinstance(end, events.ReplyFailed):
@@ -236,8 +219,8 @@ async def _body(surface: Surface, owner: OwnerId, point: Point) -> dict[str, Any
         cap = recorded.cap if recorded is not None and recorded.cap else surface.reply_cap
         status, reason = status_of(end.kind, replies.finish_reason(end, cap))
         ended = Ended(status, reason, turn.stored_at_ms // 1000 or None)
-    return shape.body(ended.status, text, events.Usage.of(turn.usage), reason=ended.reason,
-                      completed_at=ended.completed_at, calls=[call_of(c) for c in turn.tool_calls])
+    return shape.body(ended.status, text, turn.usage, reason=ended.reason, completed_at=ended.completed_at,
+                      calls=turn.tool_calls)
 
 
 async def retrieve(request: Request) -> Response:

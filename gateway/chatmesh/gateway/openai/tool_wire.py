@@ -31,7 +31,7 @@ from typing import Any
 
 from chatmesh.gateway.openai.errors import invalid, unsupported
 from chatmesh.model.tools import AUTO, ChoiceMode, ToolCall, ToolChoice, ToolDefinition
-from chatmesh.v1 import chat_pb2, common_pb2
+from chatmesh.v1 import chat_pb2
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -218,10 +218,6 @@ def item_output(item: Mapping[str, Any], where: str) -> tuple[str, str]:
 
 
 # ---- what chatmesh answers -----------------------------------------------------------------------------------
-
-def call_of(proto: common_pb2.ToolCall) -> ToolCall:
-    return ToolCall(proto.id, proto.name, proto.arguments)
-
 
 def completion_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
     """`message.tool_calls` of a chat completion."""

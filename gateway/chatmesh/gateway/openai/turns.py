@@ -42,9 +42,8 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.records import TurnRecords
+from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation
 from chatmesh.gateway.openai.wire import Message, Options, Phase, Role
-from chatmesh.gateway.identity import Principal, Via
-from chatmesh.gateway.owner_tokens import Metadata
 from chatmesh.gateway.routes import Edge
 from chatmesh.gateway.sse import TurnCall, first_event
 from chatmesh.mesh import logs
@@ -56,12 +55,6 @@ _NAMESPACE = uuid.UUID("6f1d6c1e-2b7a-4c53-9a55-0c0a7e0b5f19")
 MAX_FORKS = 3
 HOLD_S = 300.0  # how long a point stays held for the turn continuing it (module docstring)
 MAX_HOLDS = 100_000
-
-
-def owner_token(edge: Edge, owner: OwnerId, conversation: ConversationId | None = None) -> Metadata:
-    """The owner token a ChatService call for `owner` carries (minted by the edge; see owner_tokens.py). The owner
-    is the key's user or, for a trusted front-end, the end user it named (surface.py)."""
-    return edge.tokens.metadata(Principal(owner, Via.API_KEY), conversation)
 
 
 async def keep_phases(records: TurnRecords, owner: OwnerId, conversation: ConversationId, seed: Seeded) -> None:
@@ -214,16 +207,13 @@ class Continuity:
         """The stored conversation does not end where the client's history does. If it ends with the client's
         history plus a reply to this very message, the client asks again: regenerate that reply. Otherwise
         (another request continued the conversation, an earlier reply was regenerated) fork."""
-        view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-            owner_id=ask.owner, conversation_id=point.conversation), timeout=self.edge.deadline_s,
-            metadata=owner_token(self.edge, ask.owner, point.conversation)))
-        live = [m for m in view.messages if not m.superseded]
-        asks_again = (len(live) >= 2 and live[-1].role == common_pb2.ROLE_ASSISTANT
-                      and live[-2].role == common_pb2.ROLE_USER and live[-2].content.strip() == ask.content.strip()
+        live = (await read_conversation(self.edge, ask.owner, point.conversation)).live
+        asks_again = (len(live) >= 2 and live[-1].role is Role.ASSISTANT
+                      and live[-2].role is Role.USER and live[-2].content.strip() == ask.content.strip()
                       and (live[-3].turn_id == point.turn if point.turn and len(live) >= 3
                            else not point.turn and len(live) - 2 == seeded))
         if asks_again:
-            again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id))
+            again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id or ""))
             call = self.edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
                 owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options.proto(),
                 prompt_token_allowance=ask.allowance), metadata=owner_token(self.edge, ask.owner, point.conversation))
@@ -262,17 +252,14 @@ class Continuity:
     async def _seed(self, ask: Ask) -> Seeded:
         seed = Seeded()
         if ask.seed_from is not None:  # a fork of a stored conversation: its history up to that reply
-            view = await self.edge.unary(self.edge.chat.GetConversation(chat_pb2.GetConversationRequest(
-                owner_id=ask.owner, conversation_id=ask.seed_from.conversation), timeout=self.edge.deadline_s,
-                metadata=owner_token(self.edge, ask.owner, ask.seed_from.conversation)))
-            live = [m for m in view.messages if not m.superseded and m.status != common_pb2.MESSAGE_STATUS_BLOCKED]
+            view = await read_conversation(self.edge, ask.owner, ask.seed_from.conversation)
+            live = [m for m in view.live if m.status is not MessageStatus.BLOCKED]
             ends = [i for i, m in enumerate(live) if m.turn_id == ask.seed_from.turn]
             if not ends:
                 raise OpenAIError(404, "not_found", "previous response not found", "previous_response_id")
             kept = await self.records.phases(ask.owner, ask.seed_from.conversation)
             forked = live[:ends[-1] + 1]
-            seed = Seeded(tuple(common_pb2.SeedMessage(role=m.role, content=m.content, tool_calls=m.tool_calls,
-                                                       tool_results=m.tool_results) for m in forked),
+            seed = Seeded(tuple(_seed_pb(m) for m in forked),
                           tuple((i, kept[m.index]) for i, m in enumerate(forked) if m.index in kept))
         return seed + seeds_of(ask.history)
 
@@ -283,6 +270,14 @@ class Continuity:
     @staticmethod
     def _new_conversation(ask: Ask, base: str) -> ConversationId:
         return ConversationId(derived_id("conversation", ask.owner, ask.chat, ask.request_digest, base))
+
+
+def _seed_pb(m: StoredMessage) -> common_pb2.SeedMessage:
+    """A stored message seeding a fork, as chat takes it."""
+    return common_pb2.SeedMessage(
+        role=m.role.proto, content=m.content,
+        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+        tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c) for i, c in m.tool_results])
 
 
 @dataclass(frozen=True, slots=True)
