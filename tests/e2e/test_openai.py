@@ -114,6 +114,7 @@ async def test_responses_state_stream_retrieve_delete_cancel(openai_mesh: Mesh) 
     assert last.response.incomplete_details.reason == "max_output_tokens"
     got = await client.responses.retrieve(last.response.id)
     assert got.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert got.status == "incomplete" and got.incomplete_details == last.response.incomplete_details  # create's
     await client.responses.delete(got.id)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(got.id)
@@ -128,6 +129,7 @@ async def test_responses_state_stream_retrieve_delete_cancel(openai_mesh: Mesh) 
     partial = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
     kept = await client.responses.retrieve(seen[0].response.id)  # type: ignore[union-attr]
     assert kept.status == "cancelled" and kept.output_text == partial and partial
+    assert seen[-1].response.status == kept.status  # the stream's final word is retrieve's
 
 
 async def test_conversations_crud_and_isolation(openai_mesh: Mesh) -> None:
