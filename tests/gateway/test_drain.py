@@ -110,7 +110,8 @@ async def test_a_turns_sampling_options_reach_chat_and_bad_ones_are_400(gateway:
         sent = fake.options[-1]
         assert (round(sent.temperature, 3), sent.seed, sent.max_tokens, list(sent.stop)) == (0.7, 7, 40, ["END"])
         assert not sent.HasField("top_p")
-        bads: list[object] = [{"temperature": "hot"}, {"seed": -1}, {"beam": 4}, {"stop": [1]}, []]
+        bads: list[object] = [{"temperature": "hot"}, {"seed": -1}, {"beam": 4}, {"stop": [1]}, [],
+                              {"max_tokens": 2 ** 31}, {"max_tokens": -2 ** 40}]  # past int32: was a 500
         for bad in bads:
             r = await client.post(f"/v1/conversations/{conv}/turns", json={
                 "turn_id": str(uuid.uuid4()), "content": "hi", "options": bad})

@@ -169,7 +169,10 @@ def options_field(body: dict[str, Any]) -> chat_pb2.TurnOptions | None:
     seed = raw.get("seed")
     if seed is not None and not 0 <= seed < 2 ** 64:
         raise bad_request("options.seed must be between 0 and 2^64 - 1")
-    out = chat_pb2.TurnOptions(stop=stop, max_tokens=raw.get("max_tokens", 0))
+    max_tokens = raw.get("max_tokens", 0)
+    if not 0 <= max_tokens < 2 ** 31:  # chat judges the reply budget; past int32 the field cannot carry it
+        raise bad_request("options.max_tokens must be between 1 and 2^31 - 1")
+    out = chat_pb2.TurnOptions(stop=stop, max_tokens=max_tokens)
     if "temperature" in raw:
         out.temperature = float(raw["temperature"])
     if "top_p" in raw:
