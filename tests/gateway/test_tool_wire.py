@@ -20,6 +20,7 @@ from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.response_events import EventFraming, Immediate, Outcome
 from chatmesh.gateway.openai.response_object import Shape, request_fields
+from chatmesh.gateway.openai.stored import options_pb
 from chatmesh.gateway.openai.tool_wire import response_tools
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.model.tools import ChoiceMode, ToolCall
@@ -48,7 +49,7 @@ def test_chat_tools_and_a_tool_turn() -> None:
     assert req.input.content == "" and req.input.results == (("call_1", '{"celsius": 21}'),)
     assert [m.role for m in req.input.history] == [wire.Role.USER, wire.Role.ASSISTANT]
     assert req.input.history[1].tool_calls == (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)
-    options = req.options.proto()
+    options = options_pb(req.options)
     assert options.tools[0].name == "get_weather" and options.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NAMED
     assert options.HasField("parallel_tool_calls") and not options.parallel_tool_calls
 

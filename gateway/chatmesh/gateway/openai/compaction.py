@@ -34,7 +34,7 @@ from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import owner_of, surface_of
-from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation
+from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation, role_pb
 from chatmesh.mesh.ids import ConversationId, TurnId
 from chatmesh.v1 import chat_pb2, common_pb2
 
@@ -76,7 +76,7 @@ async def compact(request: Request) -> Response:
     else:
         await surface.check_sizes(req.items, "input")
         made = await edge.unary(edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
-            owner_id=owner, messages=[common_pb2.SeedMessage(role=m.role.proto, content=m.text)
+            owner_id=owner, messages=[common_pb2.SeedMessage(role=role_pb(m.role), content=m.text)
                                       for m in req.items if m.text.strip()]),
             timeout=edge.deadline_s, metadata=owner_token(edge, owner)))
         conversation = ConversationId(made.conversation.conversation_id)

@@ -20,6 +20,7 @@ from chatmesh.gateway import bodies, events
 from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai import ids, replies, wire
 from chatmesh.gateway.openai.history import Point
+from chatmesh.gateway.openai.stored import options_key
 from chatmesh.gateway.openai.surface import (
     CHAT_HEADERS, TASK_HEADER, TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
@@ -119,9 +120,9 @@ class ChunkFraming:
 
 def ask_of(request: Request, surface: Surface, owner: OwnerId, req: wire.ChatRequest) -> Ask:
     chat = header(request, CHAT_HEADERS) or ""
-    given = req.input
+    given, shape = req.input, options_key(req.options)
     return Ask(owner=owner, chat=chat, history=given.history, content=given.content, options=req.options,
-               request_digest=surface.index.digest(owner, f"{chat}\0completion\0{req.options.key()}", req.messages),
+               request_digest=surface.index.digest(owner, f"{chat}\0completion\0{shape}", req.messages),
                key=header(request, TURN_KEY_HEADERS), retry=retry_count(request) > 0,
                fresh=header(request, (TASK_HEADER,)) is not None, results=given.results)
 

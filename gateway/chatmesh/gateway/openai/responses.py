@@ -40,7 +40,7 @@ from chatmesh.gateway.openai.tool_wire import NO_TOOLS
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.stored import owner_token, read_turn
+from chatmesh.gateway.openai.stored import options_key, owner_token, read_turn
 from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
@@ -137,7 +137,7 @@ async def create(request: Request) -> Response:
     options = wire.Options(req.options.temperature, req.options.top_p, None, (), req.options.max_tokens,
                            instructions, req.tools, req.compact_threshold)
     shape_key = json.dumps([req.previous_response_id, req.conversation, req.raw_input, instructions,
-                            options.key(), req.store, req.background], sort_keys=True)
+                            options_key(options), req.store, req.background], sort_keys=True)
     given = req.input
     ask = Ask(owner=owner, chat="", history=history, content=given.content, options=options,
               request_digest=surface.index.digest(owner, "response\0" + shape_key, ()),

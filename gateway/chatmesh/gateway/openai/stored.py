@@ -1,20 +1,23 @@
-"""What chat stores, as the OpenAI surface reads it: a conversation's messages and a turn's reply, converted from
+"""The OpenAI surface's protobuf boundary: its domain values as ChatService takes them (`options_pb`, `role_pb`),
+and what chat stores, as the surface reads it: a conversation's messages and a turn's reply, converted from
 ChatService's answers where they are read (`read_conversation`, `read_turn`), so the layers above work on domain
-values. A read's errors are the call's: `read_conversation` answers them as ApiError (`Edge.unary`), `read_turn`
-leaves the gRPC error to its caller (a response's NOT_FOUND is the response's, `responses._of_response`)."""
+values (tests/gateway/test_openai_layers.py keeps protobuf to the modules that call chat). A read's errors are
+the call's: `read_conversation` answers them as ApiError (`Edge.unary`), `read_turn` leaves the gRPC error to its
+caller (a response's NOT_FOUND is the response's, `responses._of_response`)."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import assert_never
 
 from chatmesh.gateway import events
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.identity import Principal, Via
-from chatmesh.gateway.openai.wire import Role
+from chatmesh.gateway.openai.wire import Options, Role
 from chatmesh.gateway.owner_tokens import Metadata
 from chatmesh.gateway.routes import Edge
-from chatmesh.model.tools import ToolCall
+from chatmesh.model.tools import AUTO, ChoiceMode, ToolCall
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
 from chatmesh.v1 import chat_pb2, common_pb2
 
@@ -22,6 +25,51 @@ def owner_token(edge: Edge, owner: OwnerId, conversation: ConversationId | None 
     """The owner token a ChatService call for `owner` carries (minted by the edge; see owner_tokens.py). The owner
     is the key's user or, for a trusted front-end, the end user it named (surface.py)."""
     return edge.tokens.metadata(Principal(owner, Via.API_KEY), conversation)
+
+
+def role_pb(role: Role) -> common_pb2.Role:
+    match role:
+        case Role.SYSTEM:
+            return common_pb2.ROLE_SYSTEM
+        case Role.USER:
+            return common_pb2.ROLE_USER
+        case Role.ASSISTANT:
+            return common_pb2.ROLE_ASSISTANT
+        case Role.TOOL:
+            return common_pb2.ROLE_TOOL
+        case _:
+            assert_never(role)
+
+
+_CHOICES = {ChoiceMode.AUTO: chat_pb2.TOOL_CHOICE_MODE_AUTO, ChoiceMode.NONE: chat_pb2.TOOL_CHOICE_MODE_NONE,
+            ChoiceMode.REQUIRED: chat_pb2.TOOL_CHOICE_MODE_REQUIRED, ChoiceMode.NAMED: chat_pb2.TOOL_CHOICE_MODE_NAMED}
+
+
+def options_pb(options: Options) -> chat_pb2.TurnOptions:
+    """A turn's options as SendTurn and RegenerateTurn take them."""
+    out = chat_pb2.TurnOptions(stop=list(options.stop), max_tokens=options.max_tokens or 0,
+                               instructions=options.instructions)
+    tools = options.tools
+    out.tools.extend(chat_pb2.ToolDefinition(name=t.name, definition_json=t.definition_json)
+                     for t in tools.definitions)
+    if tools.choice != AUTO:
+        out.tool_choice.CopyFrom(chat_pb2.ToolChoice(mode=_CHOICES[tools.choice.mode], name=tools.choice.name))
+    if tools.parallel is not None:
+        out.parallel_tool_calls = tools.parallel
+    if options.compact_threshold is not None:
+        out.compact_threshold_tokens = options.compact_threshold
+    if options.temperature is not None:
+        out.temperature = options.temperature
+    if options.top_p is not None:
+        out.top_p = options.top_p
+    if options.seed is not None:
+        out.seed = options.seed
+    return out
+
+
+def options_key(options: Options) -> str:
+    """What a request digest holds of a turn's options: their form on the wire to chat (equal options agree)."""
+    return options_pb(options).SerializeToString(deterministic=True).hex()
 
 
 _ROLES = {common_pb2.ROLE_SYSTEM: Role.SYSTEM, common_pb2.ROLE_USER: Role.USER,

@@ -31,7 +31,6 @@ from typing import Any
 
 from chatmesh.gateway.openai.errors import invalid, unsupported
 from chatmesh.model.tools import AUTO, ChoiceMode, ToolCall, ToolChoice, ToolDefinition
-from chatmesh.v1 import chat_pb2
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
@@ -49,18 +48,6 @@ class Tools:
     echo: tuple[Any, ...] = ()  # the Responses tool objects as sent
     echo_choice: Any = "auto"
     max_calls: int | None = None  # Responses' max_tool_calls: echoed (it limits built-in tools; chatmesh has none)
-
-    def proto(self, options: chat_pb2.TurnOptions) -> None:
-        """Sets these on a turn's options."""
-        options.tools.extend(chat_pb2.ToolDefinition(name=t.name, definition_json=t.definition_json)
-                             for t in self.definitions)
-        mode = {ChoiceMode.AUTO: chat_pb2.TOOL_CHOICE_MODE_AUTO, ChoiceMode.NONE: chat_pb2.TOOL_CHOICE_MODE_NONE,
-                ChoiceMode.REQUIRED: chat_pb2.TOOL_CHOICE_MODE_REQUIRED,
-                ChoiceMode.NAMED: chat_pb2.TOOL_CHOICE_MODE_NAMED}[self.choice.mode]
-        if self.choice != AUTO:
-            options.tool_choice.CopyFrom(chat_pb2.ToolChoice(mode=mode, name=self.choice.name))
-        if self.parallel is not None:
-            options.parallel_tool_calls = self.parallel
 
     def response_fields(self) -> dict[str, Any]:
         """The Response object's tool fields (OpenAI's defaults when none were sent)."""

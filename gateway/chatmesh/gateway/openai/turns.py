@@ -42,7 +42,9 @@ from chatmesh.gateway.errors import ApiError
 from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.records import TurnRecords
-from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation
+from chatmesh.gateway.openai.stored import (
+    MessageStatus, StoredMessage, options_pb, owner_token, read_conversation, role_pb,
+)
 from chatmesh.gateway.openai.wire import Message, Options, Phase, Role
 from chatmesh.gateway.routes import Edge
 from chatmesh.gateway.sse import TurnCall, first_event
@@ -215,7 +217,7 @@ class Continuity:
         if asks_again:
             again = TurnId(derived_id("regenerate", ask.owner, ask.request_digest, live[-1].turn_id or ""))
             call = self.edge.chat.RegenerateTurn(chat_pb2.RegenerateTurnRequest(
-                owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=ask.options.proto(),
+                owner_id=ask.owner, conversation_id=point.conversation, turn_id=again, options=options_pb(ask.options),
                 prompt_token_allowance=ask.allowance), metadata=owner_token(self.edge, ask.owner, point.conversation))
             return Opened(call, await self._first(call), Point(point.conversation, again), created=False)
         if forks >= MAX_FORKS:
@@ -230,7 +232,7 @@ class Continuity:
     async def _send(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, expect: str = "",
                     create: chat_pb2.NewConversation | None = None) -> Opened:
         req = chat_pb2.SendTurnRequest(owner_id=ask.owner, conversation_id=conversation, turn_id=turn,
-                                       content=ask.content, options=ask.options.proto(), expect_last_turn_id=expect,
+                                       content=ask.content, options=options_pb(ask.options), expect_last_turn_id=expect,
                                        tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c)
                                                      for i, c in ask.results],
                                        prompt_token_allowance=ask.allowance)
@@ -275,7 +277,7 @@ class Continuity:
 def _seed_pb(m: StoredMessage) -> common_pb2.SeedMessage:
     """A stored message seeding a fork, as chat takes it."""
     return common_pb2.SeedMessage(
-        role=m.role.proto, content=m.content,
+        role=role_pb(m.role), content=m.content,
         tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
         tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c) for i, c in m.tool_results])
 
@@ -309,6 +311,6 @@ def seeds_of(messages: Sequence[Message]) -> Seeded:
         elif m.text.strip() or m.tool_calls:
             if m.phase is not None:
                 phases.append((len(seed), m.phase))
-            seed.append(common_pb2.SeedMessage(role=m.role.proto, content=m.text, tool_calls=[
+            seed.append(common_pb2.SeedMessage(role=role_pb(m.role), content=m.text, tool_calls=[
                 common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]))
     return Seeded(tuple(seed), tuple(phases))

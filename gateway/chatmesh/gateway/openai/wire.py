@@ -20,7 +20,6 @@ from chatmesh.gateway.openai.tool_wire import (
     NO_TOOLS, Tools, chat_tools, item_call, item_output, message_calls, reject_legacy_functions, response_tools,
 )
 from chatmesh.model.tools import ToolCall
-from chatmesh.v1 import chat_pb2, common_pb2
 
 MAX_STOP = 4
 MAX_STOP_CHARS = 64
@@ -34,11 +33,6 @@ class Role(enum.Enum):
     USER = "user"
     ASSISTANT = "assistant"
     TOOL = "tool"  # a tool's result (Chat Completions' tool message, a Responses function_call_output item)
-
-    @property
-    def proto(self) -> common_pb2.Role:
-        return {Role.SYSTEM: common_pb2.ROLE_SYSTEM, Role.USER: common_pb2.ROLE_USER,
-                Role.ASSISTANT: common_pb2.ROLE_ASSISTANT, Role.TOOL: common_pb2.ROLE_TOOL}[self]
 
 
 _ROLES = {"system": Role.SYSTEM, "developer": Role.SYSTEM, "user": Role.USER, "assistant": Role.ASSISTANT,
@@ -88,7 +82,7 @@ def split_input(messages: tuple[Message, ...]) -> Input:
 
 @dataclass(frozen=True)
 class Options:
-    """Per-turn generation options; None: the service's default."""
+    """Per-turn generation options; None: the service's default. (As chat takes them: `stored.options_pb`.)"""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -98,25 +92,6 @@ class Options:
     instructions: str = ""
     tools: Tools = NO_TOOLS
     compact_threshold: int | None = None  # summarise older turns past this many history tokens (Responses)
-
-    def proto(self) -> chat_pb2.TurnOptions:
-        """As chat takes them (turns.py's calls)."""
-        out = chat_pb2.TurnOptions(stop=list(self.stop), max_tokens=self.max_tokens or 0,
-                                   instructions=self.instructions)
-        self.tools.proto(out)
-        if self.compact_threshold is not None:
-            out.compact_threshold_tokens = self.compact_threshold
-        if self.temperature is not None:
-            out.temperature = self.temperature
-        if self.top_p is not None:
-            out.top_p = self.top_p
-        if self.seed is not None:
-            out.seed = self.seed
-        return out
-
-    def key(self) -> str:
-        """What the request digest holds of them: their form on the wire to chat (so equal options agree)."""
-        return self.proto().SerializeToString(deterministic=True).hex()
 
 
 @dataclass(frozen=True)
