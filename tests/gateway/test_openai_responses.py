@@ -145,6 +145,23 @@ async def test_a_key_reused_for_another_request_is_a_409_the_sdk_does_not_retry(
     assert fake.generations == 2
 
 
+async def test_a_key_reused_for_another_request_is_a_409_when_nothing_is_stored_too(gateway: Gateway, key: str,
+                                                                                     fake: FakeChat) -> None:
+    """store=false and a front end's background task keep no conversation, so a retry cannot replay; a key
+    reused for other content is still refused (qa2: it was a 200 and a new reply)."""
+    client = sdk(gateway.url, key, max_retries=3)
+    await client.responses.create(model=MODEL, input="E", store=False, extra_headers={"Idempotency-Key": "k-3"})
+    with pytest.raises(openai.ConflictError) as conflict:
+        await client.responses.create(model=MODEL, input="F", store=False, extra_headers={"Idempotency-Key": "k-3"})
+    assert conflict.value.response.headers["x-should-retry"] == "false"
+    task = {"Idempotency-Key": "k-4", "X-OpenWebUI-Task": "title_generation"}
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "G"}], extra_headers=task)
+    with pytest.raises(openai.ConflictError):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "H"}],
+                                             extra_headers=task)
+    assert fake.generations == 2
+
+
 async def test_errors_have_the_specification_shape_and_say_not_to_retry(gateway: Gateway, key: str) -> None:
     async with http(gateway, key) as c:
         for body, param in (({"input": "x", "temperature": 9}, "temperature"),

@@ -147,6 +147,9 @@ class Continuity:
     async def open(self, ask: Ask) -> Opened:
         turn = self.turn_id(ask)
         if ask.fresh:
+            if ask.key is not None:  # nothing is kept to replay, but a key reused for other content is still a 409
+                await self.records.claim(ask.owner, TurnId(derived_id("key", ask.owner, ask.key, "fresh")),
+                                         ask.request_digest)
             return await self._start(ask, turn, ConversationId(str(uuid.uuid4())), forks=0)
         if ask.key is not None:  # the key names this turn for this request only (records.py)
             await self.records.claim(ask.owner, turn, ask.request_digest)
