@@ -1,5 +1,5 @@
-"""The OpenAI surface's layers hold domain values: protobuf (chatmesh.v1) is imported only by the modules that call
-ChatService (and convert at that call), never by the request parsing, the framings, the Response object, the
+"""The OpenAI surface's layers hold domain values: protobuf (chatmesh.v1) is imported only by the two modules that
+call ChatService (and convert at that call), never by the request parsing, the framings, the Response object, the
 records or the surface's wiring. Checked by AST over gateway/chatmesh/gateway/openai/ (and the reply events of
 chatmesh.gateway.events hold no protobuf field)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import chatmesh.gateway.openai as openai_pkg
 
-# The modules that call ChatService: each converts to and from protobuf where it calls.
-CALLERS = {"stored", "turns", "replies", "conversations", "compaction", "responses", "background"}
+# The modules that call ChatService (stored.py every call but the two that open a turn, turns.py those).
+CALLERS = {"stored", "turns"}
 PACKAGE = Path(openai_pkg.__file__).parent
 
 

@@ -38,7 +38,7 @@ from chatmesh.gateway.openai.records import Ended
 from chatmesh.gateway.openai.response_events import Aligned, Ending, EventFraming, Outcome
 from chatmesh.gateway.openai.response_object import Shape, status_of
 from chatmesh.gateway.openai.surface import Surface
-from chatmesh.gateway.openai.stored import owner_token, read_turn
+from chatmesh.gateway.openai.stored import attach_turn, read_turn
 from chatmesh.gateway.openai.turns import Opened
 from chatmesh.gateway.routes import StreamSlot
 from chatmesh.gateway.sanitise import Sanitiser
@@ -46,7 +46,6 @@ from chatmesh.gateway.relay import Relay
 from chatmesh.gateway.sse import TurnRelay, first_event
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
-from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 
@@ -131,9 +130,7 @@ async def resume(surface: Surface, owner: OwnerId, point: Point, starting_after:
 
 async def _attach(surface: Surface, owner: OwnerId, point: Point, shape: Shape, cap: int, starting_after: int,
                   slot: StreamSlot | None) -> TurnRelay:
-    call = surface.edge.chat.AttachTurn(chat_pb2.AttachTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn, after_sequence=0),
-        metadata=owner_token(surface.edge, owner, point.conversation))
+    call = attach_turn(surface.edge, owner, point)
     try:
         first = await first_event(call)
     except BaseException:

@@ -34,9 +34,10 @@ from chatmesh.gateway.openai import ids, wire
 from chatmesh.gateway.openai.errors import OpenAIError, invalid
 from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.openai.surface import owner_of, surface_of
-from chatmesh.gateway.openai.stored import MessageStatus, StoredMessage, owner_token, read_conversation, role_pb
+from chatmesh.gateway.openai.stored import (
+    MessageStatus, Seed, StoredMessage, compact_conversation, create_conversation, read_conversation,
+)
 from chatmesh.mesh.ids import ConversationId, TurnId
-from chatmesh.v1 import chat_pb2, common_pb2
 
 PREFIX = "cmp1."
 
@@ -75,16 +76,11 @@ async def compact(request: Request) -> Response:
         conversation, expect = point.conversation, point.turn
     else:
         await surface.check_sizes(req.items, "input")
-        made = await edge.unary(edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
-            owner_id=owner, messages=[common_pb2.SeedMessage(role=role_pb(m.role), content=m.text)
-                                      for m in req.items if m.text.strip()]),
-            timeout=edge.deadline_s, metadata=owner_token(edge, owner)))
-        conversation = ConversationId(made.conversation.conversation_id)
-    token = owner_token(edge, owner, conversation)
+        made = await edge.unary(create_conversation(edge, owner, [Seed(m.role, m.text) for m in req.items
+                                                                   if m.text.strip()]))
+        conversation = made.id
     try:
-        done = await edge.unary(edge.chat.CompactConversation(chat_pb2.CompactConversationRequest(
-            owner_id=owner, conversation_id=conversation, expect_last_turn_id=expect),
-            timeout=edge.deadline_s * 6, metadata=token))  # it generates the summary: an engine's time
+        done = await edge.unary(compact_conversation(edge, owner, conversation, expect))
         view = await read_conversation(edge, owner, conversation)
     except ApiError as err:
         if err.status == 404:
@@ -98,7 +94,7 @@ async def compact(request: Request) -> Response:
         "output": [*(_user_item(m) for m in live if m.role is wire.Role.USER
                      and m.status is not MessageStatus.BLOCKED),
                    {"type": "compaction", "id": "cmp_" + uuid.UUID(last.turn).hex, "encrypted_content": token_of(last),
-                    "created_by": "chatmesh", "summary": done.summary_text}],
+                    "created_by": "chatmesh", "summary": done.summary}],
         "usage": {"input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": done.token_count if done.prompt_tokens else 0,
                   "output_tokens_details": {"reasoning_tokens": 0},

@@ -16,13 +16,12 @@ from chatmesh.gateway.openai.errors import OpenAIError, invalid, unsupported
 from chatmesh.gateway.openai.surface import Surface, owner_of, surface_of
 from chatmesh.gateway.openai.tool_wire import function_call_item
 from chatmesh.gateway.openai.stored import (
-    MessageStatus, StoredConversation, StoredMessage, owner_token, read_conversation,
+    MessageStatus, StoredConversation, StoredMessage, create_conversation, delete_conversation, read_conversation,
 )
 from chatmesh.gateway.openai.turns import Seeded, keep_phases, seeds_of
 from chatmesh.gateway.openai.wire import Phase
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.mesh.ids import ConversationId, OwnerId
-from chatmesh.v1 import chat_pb2
 
 def conversation_json(c: StoredConversation) -> dict[str, Any]:
     return {"id": ids.conversation_id(c.id), "object": "conversation",
@@ -83,13 +82,9 @@ async def create(request: Request) -> Response:
         messages = wire.conversation_items(body["items"], surface.edge.max_body_bytes)
         await surface.check_sizes(messages, "items")
         seed = seeds_of(messages)
-    reply = await surface.edge.unary(surface.edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
-        owner_id=owner, messages=seed.messages), timeout=surface.edge.deadline_s,
-        metadata=owner_token(surface.edge, owner)))
-    await keep_phases(surface.records, owner, ConversationId(reply.conversation.conversation_id), seed)
-    made = reply.conversation
-    return JSONResponse(conversation_json(StoredConversation(ConversationId(made.conversation_id),
-                                                             made.created_at_ms, ())))
+    made = await surface.edge.unary(create_conversation(surface.edge, owner, seed.messages))
+    await keep_phases(surface.records, owner, made.id, seed)
+    return JSONResponse(conversation_json(made))
 
 
 async def retrieve(request: Request) -> Response:
@@ -100,9 +95,7 @@ async def retrieve(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     surface, owner, conv = await _existing(request)
     try:
-        await surface.edge.unary(surface.edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
-            owner_id=owner, conversation_id=conv), timeout=surface.edge.deadline_s * 3,
-            metadata=owner_token(surface.edge, owner, conv)))
+        await surface.edge.unary(delete_conversation(surface.edge, owner, conv, surface.edge.deadline_s * 3))
     except ApiError as err:
         if err.status == 404:
             raise OpenAIError(404, "not_found", "conversation not found") from None

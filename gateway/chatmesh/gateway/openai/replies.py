@@ -19,13 +19,12 @@ from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.openai.surface import Surface
 from chatmesh.gateway.relay import Framing, Relay
 from chatmesh.gateway.routes import StreamSlot
-from chatmesh.gateway.openai.stored import owner_token
+from chatmesh.gateway.openai.stored import delete_conversation
 from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.sse import TurnRelay
 from chatmesh.model.tools import ToolCall
 from chatmesh.mesh import ids, logs
-from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 After = Callable[[events.Outcome], Awaitable[None]]
@@ -153,9 +152,7 @@ def discard(surface: Surface, owner: ids.OwnerId, opened: Opened) -> After:
     """A throwaway conversation (store=false, a front-end's background task) is deleted once its turn ends."""
     async def after(outcome: events.Outcome) -> None:
         try:
-            await surface.edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
-                owner_id=owner, conversation_id=opened.point.conversation), timeout=surface.edge.deadline_s,
-                metadata=owner_token(surface.edge, owner, opened.point.conversation))
+            await delete_conversation(surface.edge, owner, opened.point.conversation, surface.edge.deadline_s)
         except Exception as exc:
             log.warning("throwaway_delete_failed", error=type(exc).__name__)
     return after

@@ -40,11 +40,10 @@ from chatmesh.gateway.openai.tool_wire import NO_TOOLS
 from chatmesh.gateway.openai.surface import (
     TURN_KEY_HEADERS, Surface, header, owner_of, retry_count, surface_of,
 )
-from chatmesh.gateway.openai.stored import options_key, owner_token, read_turn
+from chatmesh.gateway.openai.stored import delete_turn, options_key, read_turn, stop_turn
 from chatmesh.gateway.openai.turns import Ask, Opened
 from chatmesh.mesh import logs
 from chatmesh.mesh.ids import OwnerId
-from chatmesh.v1 import chat_pb2
 
 log = logs.get("chatmesh.gateway.openai")
 T = TypeVar("T")
@@ -242,9 +241,7 @@ def _flag(request: Request, name: str) -> bool:
 
 async def delete(request: Request) -> Response:
     surface, owner, point = await _turn(request)
-    await _of_response(surface.edge.chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
-        metadata=owner_token(surface.edge, owner, point.conversation)))
+    await _of_response(delete_turn(surface.edge, owner, point))
     await surface.index.forget(owner, point.conversation)
     await surface.records.drop(owner, point.turn)
     return JSONResponse({"id": ids.response_id(point.conversation, point.turn), "object": "response",
@@ -255,9 +252,7 @@ async def cancel(request: Request) -> Response:
     """Stops the response's generation (chatmesh's stop: the partial reply is stored and kept) and answers the
     response once the stop has landed."""
     surface, owner, point = await _turn(request)
-    await _of_response(surface.edge.chat.StopTurn(chat_pb2.StopTurnRequest(
-        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=surface.edge.deadline_s,
-        metadata=owner_token(surface.edge, owner, point.conversation)))
+    await _of_response(stop_turn(surface.edge, owner, point))
     deadline = time.monotonic() + CANCEL_WAIT_S
     body = await _body(surface, owner, point)
     while body["status"] == "in_progress" and time.monotonic() < deadline:

@@ -1,13 +1,16 @@
-"""The OpenAI surface's protobuf boundary: its domain values as ChatService takes them (`options_pb`, `role_pb`),
-and what chat stores, as the surface reads it: a conversation's messages and a turn's reply, converted from
-ChatService's answers where they are read (`read_conversation`, `read_turn`), so the layers above work on domain
-values (tests/gateway/test_openai_layers.py keeps protobuf to the modules that call chat). A read's errors are
-the call's: `read_conversation` answers them as ApiError (`Edge.unary`), `read_turn` leaves the gRPC error to its
-caller (a response's NOT_FOUND is the response's, `responses._of_response`)."""
+"""The OpenAI surface's calls to ChatService and its protobuf boundary: every call but the two that open a turn
+(SendTurn, RegenerateTurn: turns.py, where the request is decided) is made here, its request built from domain
+values (`options_pb`, `role_pb`, `seed_pb`) and its answer read into them: a conversation's messages
+(`read_conversation`), a turn's reply (`read_turn`), a new conversation, a compaction; so the layers above work on
+domain values (tests/gateway/test_openai_layers.py keeps protobuf to this module and turns.py). A call's errors
+are the call's: `read_conversation` answers them as ApiError (`Edge.unary`); the others leave the gRPC error to
+their caller, which knows what it means there (a response's NOT_FOUND is the response's,
+`responses._of_response`)."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -16,6 +19,7 @@ from chatmesh.gateway.openai.history import Point
 from chatmesh.gateway.identity import Principal, Via
 from chatmesh.gateway.openai.wire import Options, Role
 from chatmesh.gateway.owner_tokens import Metadata
+from chatmesh.gateway.relay import TurnCall
 from chatmesh.gateway.routes import Edge
 from chatmesh.model.tools import AUTO, ChoiceMode, ToolCall
 from chatmesh.mesh.ids import ConversationId, OwnerId, TurnId
@@ -148,6 +152,71 @@ def _end_of(turn: chat_pb2.GetTurnResponse, usage: events.Usage) -> events.Reply
             return events.ReplyFailed(0, "", False)
         case _:
             return None
+
+
+@dataclass(frozen=True, slots=True)
+class Seed:
+    """A message a new conversation is stored with, as given (a client's earlier history, a fork's)."""
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant's calls
+    tool_results: tuple[tuple[str, str], ...] = ()  # a tool message's (call id, output)
+
+
+def seed_pb(s: Seed) -> common_pb2.SeedMessage:
+    return common_pb2.SeedMessage(
+        role=role_pb(s.role), content=s.content,
+        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in s.tool_calls],
+        tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c) for i, c in s.tool_results])
+
+
+async def create_conversation(edge: Edge, owner: OwnerId, seed: Sequence[Seed]) -> StoredConversation:
+    """A new conversation holding `seed` (its messages are not read back: `messages` is empty)."""
+    made = (await edge.chat.CreateConversation(chat_pb2.CreateConversationRequest(
+        owner_id=owner, messages=[seed_pb(s) for s in seed]), timeout=edge.deadline_s,
+        metadata=owner_token(edge, owner))).conversation  # owner-wide: the conversation does not exist yet
+    return StoredConversation(ConversationId(made.conversation_id), made.created_at_ms, ())
+
+
+@dataclass(frozen=True, slots=True)
+class Compacted:
+    summary: str
+    prompt_tokens: int  # of the summary's prompt; 0 when chat had a current summary already
+    token_count: int  # of the summary
+
+
+async def compact_conversation(edge: Edge, owner: OwnerId, conversation: ConversationId, expect: str) -> Compacted:
+    done = await edge.chat.CompactConversation(chat_pb2.CompactConversationRequest(
+        owner_id=owner, conversation_id=conversation, expect_last_turn_id=expect),
+        timeout=edge.deadline_s * 6, metadata=owner_token(edge, owner, conversation))  # an engine writes it
+    return Compacted(done.summary_text, done.prompt_tokens, done.token_count)
+
+
+def attach_turn(edge: Edge, owner: OwnerId, point: Point) -> TurnCall:
+    """The turn's events from its start (chat serves them live or from the stored progress)."""
+    return edge.chat.AttachTurn(chat_pb2.AttachTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn, after_sequence=0),
+        metadata=owner_token(edge, owner, point.conversation))
+
+
+async def delete_conversation(edge: Edge, owner: OwnerId, conversation: ConversationId, timeout_s: float) -> None:
+    await edge.chat.DeleteConversation(chat_pb2.DeleteConversationRequest(
+        owner_id=owner, conversation_id=conversation), timeout=timeout_s,
+        metadata=owner_token(edge, owner, conversation))
+
+
+async def delete_turn(edge: Edge, owner: OwnerId, point: Point) -> None:
+    await edge.chat.DeleteTurn(chat_pb2.DeleteTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=edge.deadline_s,
+        metadata=owner_token(edge, owner, point.conversation))
+
+
+async def stop_turn(edge: Edge, owner: OwnerId, point: Point) -> None:
+    """chatmesh's stop: the partial reply is stored and kept."""
+    await edge.chat.StopTurn(chat_pb2.StopTurnRequest(
+        owner_id=owner, conversation_id=point.conversation, turn_id=point.turn), timeout=edge.deadline_s,
+        metadata=owner_token(edge, owner, point.conversation))
 
 
 async def read_turn(edge: Edge, owner: OwnerId, point: Point) -> StoredTurn:

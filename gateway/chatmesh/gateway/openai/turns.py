@@ -43,7 +43,7 @@ from chatmesh.gateway.openai.errors import OpenAIError
 from chatmesh.gateway.openai.history import HistoryIndex, Point
 from chatmesh.gateway.openai.records import TurnRecords
 from chatmesh.gateway.openai.stored import (
-    MessageStatus, StoredMessage, options_pb, owner_token, read_conversation, role_pb,
+    MessageStatus, Seed, options_pb, owner_token, read_conversation, seed_pb,
 )
 from chatmesh.gateway.openai.wire import Message, Options, Phase, Role
 from chatmesh.gateway.routes import Edge
@@ -198,7 +198,7 @@ class Continuity:
 
     async def _start(self, ask: Ask, turn: TurnId, conversation: ConversationId, *, forks: int) -> Opened:
         seed = await self._seed(ask)
-        create = chat_pb2.NewConversation(messages=seed.messages)
+        create = chat_pb2.NewConversation(messages=[seed_pb(s) for s in seed.messages])
         opened = await self._send(ask, turn, conversation, create=create)
         if opened.replayed and not self._may_replay(ask):
             opened.call.cancel()
@@ -264,7 +264,7 @@ class Continuity:
                 raise OpenAIError(404, "not_found", "previous response not found", "previous_response_id")
             kept = await self.records.phases(ask.owner, ask.seed_from.conversation)
             forked = live[:ends[-1] + 1]
-            seed = Seeded(tuple(_seed_pb(m) for m in forked),
+            seed = Seeded(tuple(Seed(m.role, m.content, m.tool_calls, m.tool_results) for m in forked),
                           tuple((i, kept[m.index]) for i, m in enumerate(forked) if m.index in kept))
         return seed + seeds_of(ask.history)
 
@@ -277,20 +277,12 @@ class Continuity:
         return ConversationId(derived_id("conversation", ask.owner, ask.chat, ask.request_digest, base))
 
 
-def _seed_pb(m: StoredMessage) -> common_pb2.SeedMessage:
-    """A stored message seeding a fork, as chat takes it."""
-    return common_pb2.SeedMessage(
-        role=role_pb(m.role), content=m.content,
-        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
-        tool_results=[common_pb2.ToolResult(tool_call_id=i, content=c) for i, c in m.tool_results])
-
-
 @dataclass(frozen=True, slots=True)
 class Seeded:
     """The messages a new conversation is seeded with, and the phases of those that had one, by index (the store
     numbers seeded messages from 0 in order; records.py keeps the phases)."""
 
-    messages: tuple[common_pb2.SeedMessage, ...] = ()
+    messages: tuple[Seed, ...] = ()
     phases: tuple[tuple[int, Phase], ...] = ()
 
     def __add__(self, other: Seeded) -> Seeded:
@@ -302,18 +294,17 @@ class Seeded:
 def seeds_of(messages: Sequence[Message]) -> Seeded:
     """A client's messages as seed messages: each run of tool results one tool message (as chat stores a tool
     turn), an assistant's calls with it, empty messages left out."""
-    seed: list[common_pb2.SeedMessage] = []
+    seed: list[Seed] = []
     phases: list[tuple[int, Phase]] = []
     for m in messages:
         if m.role is Role.TOOL:
-            result = common_pb2.ToolResult(tool_call_id=m.tool_call_id, content=m.text)
-            if seed and seed[-1].role == common_pb2.ROLE_TOOL:
-                seed[-1].tool_results.append(result)
+            result = (m.tool_call_id, m.text)
+            if seed and seed[-1].role is Role.TOOL:
+                seed[-1] = Seed(Role.TOOL, tool_results=seed[-1].tool_results + (result,))
             else:
-                seed.append(common_pb2.SeedMessage(role=common_pb2.ROLE_TOOL, tool_results=[result]))
+                seed.append(Seed(Role.TOOL, tool_results=(result,)))
         elif m.text.strip() or m.tool_calls:
             if m.phase is not None:
                 phases.append((len(seed), m.phase))
-            seed.append(common_pb2.SeedMessage(role=role_pb(m.role), content=m.text, tool_calls=[
-                common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls]))
+            seed.append(Seed(m.role, m.text, m.tool_calls))
     return Seeded(tuple(seed), tuple(phases))
