@@ -182,7 +182,7 @@ async def test_a_client_killed_mid_stream_leaves_no_unretrieved_task_exception()
     unhandled: list[str] = []
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(str(ctx.get("message"))))
+    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(str(ctx.get("message")) + " | " + repr(ctx.get("exception")) + " | " + repr(ctx.get("task") or ctx.get("future"))[:300]))
     try:
         async with running() as address:
             for _ in range(3):
@@ -199,4 +199,4 @@ async def test_a_client_killed_mid_stream_leaves_no_unretrieved_task_exception()
             gc.collect()
     finally:
         loop.set_exception_handler(previous)
-    assert unhandled == []
+    assert unhandled == [], unhandled
