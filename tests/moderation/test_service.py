@@ -182,7 +182,12 @@ async def test_a_client_killed_mid_stream_leaves_no_unretrieved_task_exception()
     unhandled: list[str] = []
     loop = asyncio.get_running_loop()
     previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(str(ctx.get("message")) + " | " + repr(ctx.get("exception")) + " | " + repr(ctx.get("task") or ctx.get("future"))[:300]))
+
+    def record(_loop: object, ctx: dict[str, object]) -> None:  # the message, the exception and the task
+        unhandled.append(f"{ctx.get('message')} | {ctx.get('exception')!r} | {ctx.get('task') or ctx.get('future')!r}"
+                         [:600])
+
+    loop.set_exception_handler(record)
     try:
         async with running() as address:
             for _ in range(3):
