@@ -19,6 +19,7 @@ from chatmesh.gateway.app import create_app, server_for
 from chatmesh.mesh.config import Config
 from tests.conftest import free_port
 from tests.gateway.fake_chat import FakeChat, start_fake_chat
+from tests.gateway.openai_client import make_key
 from tests.trust import gateway_env
 
 
@@ -97,3 +98,14 @@ async def gateway(start_gateway: StartGateway) -> Gateway:
 @pytest.fixture
 def fake(fake_chat: tuple[FakeChat, str]) -> FakeChat:
     return fake_chat[0]
+
+
+@pytest.fixture
+async def key(tmp_path: Path) -> str:
+    """An API key of the user alice, made in the tables of the gateways this test starts (same data folder)."""
+    return await make_key(tmp_path, "alice")
+
+
+def http(gateway: Gateway, key: str) -> httpx.AsyncClient:
+    """A client of `gateway` presenting `key` as its bearer token."""
+    return gateway.client(headers={"authorization": f"Bearer {key}"})

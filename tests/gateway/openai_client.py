@@ -13,6 +13,8 @@ import openai
 from chatmesh.gateway.cli import accounts_for
 from chatmesh.mesh.config import Config
 
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model profile's id (CHATMESH_MODEL=smollm2)
+
 
 async def make_key(data_dir: Path, name: str, *, frontend: bool = False) -> str:
     accounts = accounts_for(Config(env={"CHATMESH_DATA_DIR": str(data_dir)}))

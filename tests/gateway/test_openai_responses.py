@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import Gateway, StartGateway
+from tests.gateway.conftest import Gateway, StartGateway, http
 from tests.gateway.fake_chat import FakeChat
-from tests.gateway.openai_client import make_key, sdk
+from tests.gateway.openai_client import MODEL, sdk
 from chatmesh.gateway.openai import ids
 from tests.gateway.openresponses_spec import check_compacted, check_error, check_response, check_stream
-
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-@pytest.fixture
-async def key(tmp_path: Path) -> str:
-    return await make_key(tmp_path, "alice")
-
-
-def http(gateway: Gateway, key: str) -> httpx.AsyncClient:
-    return gateway.client(headers={"authorization": f"Bearer {key}"})
 
 
 async def post(client: httpx.AsyncClient, body: dict[str, Any], **headers: str) -> httpx.Response:

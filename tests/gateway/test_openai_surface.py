@@ -16,14 +16,7 @@ from chatmesh.mesh.config import Config
 from chatmesh.model import profile
 from tests.gateway.conftest import Gateway, StartGateway
 from tests.gateway.fake_chat import FakeChat
-from tests.gateway.openai_client import dropping_proxy, make_key, sdk
-
-MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model profile's id (CHATMESH_MODEL=smollm2)
-
-
-@pytest.fixture
-async def key(tmp_path: Path) -> str:
-    return await make_key(tmp_path, "alice")
+from tests.gateway.openai_client import MODEL, dropping_proxy, make_key, sdk
 
 
 @pytest.fixture

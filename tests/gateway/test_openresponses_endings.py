@@ -8,28 +8,15 @@ in-test ChatService (`FakeChat.ending` ends a reply failed or blocked)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from chatmesh.v1 import chat_pb2
-from tests.gateway.conftest import Gateway, StartGateway
+from tests.gateway.conftest import Gateway, StartGateway, http
 from tests.gateway.fake_chat import FakeChat
-from tests.gateway.openai_client import make_key
+from tests.gateway.openai_client import MODEL
 from tests.gateway.openresponses_spec import check_error, check_response, check_stream
-
-MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-@pytest.fixture
-async def key(tmp_path: Path) -> str:
-    return await make_key(tmp_path, "alice")
-
-
-def http(gateway: Gateway, key: str) -> httpx.AsyncClient:
-    return gateway.client(headers={"authorization": f"Bearer {key}"})
 
 
 async def streamed(c: httpx.AsyncClient, **body: Any) -> list[dict[str, Any]]:
