@@ -133,26 +133,28 @@ class Continuity:
         self._holds[key] = (turn, now + HOLD_S)
         return True
 
+    @staticmethod
+    def _keyed(ask: Ask, key: str) -> TurnId:
+        # A tool round trip answers one message in several requests under one key (Open WebUI's native function
+        # calling sends the message id again with the results): each is a turn of its own, named by the key and
+        # the calls it answers, so a follow-up is neither a replay nor a reused key.
+        calls = "\0".join(call_id for call_id, _ in ask.results)
+        return TurnId(derived_id("key", ask.owner, key, *(("tools", calls) if calls else ())))
+
     def turn_id(self, ask: Ask) -> TurnId:
         if ask.fresh:
             return TurnId(str(uuid.uuid4()))
         if ask.key is not None:
-            # A tool round trip answers one message in several requests under one key (Open WebUI's native
-            # function calling sends the message id again with the results): each is a turn of its own, named
-            # by the key and the calls it answers, so a follow-up is neither a replay nor a reused key.
-            calls = "\0".join(call_id for call_id, _ in ask.results)
-            return TurnId(derived_id("key", ask.owner, ask.key, *(("tools", calls) if calls else ())))
+            return self._keyed(ask, ask.key)
         return TurnId(derived_id("request", ask.owner, ask.request_digest))
 
     async def open(self, ask: Ask) -> Opened:
         turn = self.turn_id(ask)
+        if ask.key is not None:  # the key names this request only (records.py), whether or not it is kept:
+            # a request that keeps nothing (fresh) has nothing to replay, but other content under its key is a 409
+            await self.records.claim(ask.owner, self._keyed(ask, ask.key), ask.request_digest)
         if ask.fresh:
-            if ask.key is not None:  # nothing is kept to replay, but a key reused for other content is still a 409
-                await self.records.claim(ask.owner, TurnId(derived_id("key", ask.owner, ask.key, "fresh")),
-                                         ask.request_digest)
             return await self._start(ask, turn, ConversationId(str(uuid.uuid4())), forks=0)
-        if ask.key is not None:  # the key names this turn for this request only (records.py)
-            await self.records.claim(ask.owner, turn, ask.request_digest)
         if ask.conversation is not None:
             return await self._append(ask, turn, ask.conversation)
         point = ask.after
