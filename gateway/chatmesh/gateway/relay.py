@@ -60,7 +60,7 @@ class Framing(Protocol):
         ...
 
 
-async def _noop_started(replayed: bool, prompt_tokens: int | None) -> None:
+async def noop_started(replayed: bool, prompt_tokens: int | None) -> None:
     return None
 
 
@@ -72,7 +72,7 @@ class Relay:
     """One turn stream read to its end (module docstring)."""
 
     def __init__(self, call: TurnCall, first: chat_pb2.TurnEvent, sanitiser: Sanitiser,
-                 on_started: OnStarted = _noop_started, on_end: OnEnd = _noop_end) -> None:
+                 on_started: OnStarted = noop_started, on_end: OnEnd = _noop_end) -> None:
         self.call = call
         self.first = first
         self._sanitiser = sanitiser

@@ -41,7 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from chatmesh.gateway import events
 from chatmesh.gateway.errors import ApiError, http_for_grpc
-from chatmesh.gateway.relay import STREAM_MESSAGES, Framing, OnEnd, OnStarted, Relay, TurnCall
+from chatmesh.gateway.relay import STREAM_MESSAGES, Framing, OnEnd, OnStarted, Relay, TurnCall, noop_started
 from chatmesh.gateway.sanitise import Sanitiser
 from chatmesh.gateway.observe import START_KEY
 from chatmesh.mesh import logs, metrics
@@ -82,10 +82,6 @@ def _prompt_tokens_trailer(err: grpc.aio.AioRpcError) -> int | None:
         if key == PROMPT_TOKENS_TRAILER:
             text = value.decode() if isinstance(value, bytes) else str(value)
             return int(text) if text.isdigit() else None
-    return None
-
-
-async def _noop_started(replayed: bool, prompt_tokens: int | None) -> None:
     return None
 
 
@@ -153,7 +149,7 @@ async def next_event(call: TurnCall) -> chat_pb2.TurnEvent | None:
 
 
 async def open_relay(call: TurnCall, *, sanitiser: Sanitiser, heartbeat_s: float, relays: Relays,
-                     on_end: OnEnd, on_started: OnStarted = _noop_started,
+                     on_end: OnEnd, on_started: OnStarted = noop_started,
                      ttft: metrics.HistogramChild | None = None, release: Release | None = None) -> TurnRelay:
     """Awaits the first event of `call` (see `first_event`), then relays the stream in chatmesh's own events."""
     return TurnRelay(Relay(call, await first_event(call), sanitiser, on_started, on_end), heartbeat_s, relays,
