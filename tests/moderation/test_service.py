@@ -184,8 +184,12 @@ async def test_a_client_killed_mid_stream_leaves_no_unretrieved_task_exception()
     previous = loop.get_exception_handler()
 
     def record(_loop: object, ctx: dict[str, object]) -> None:  # the message, the exception and the task
-        unhandled.append(f"{ctx.get('message')} | {ctx.get('exception')!r} | {ctx.get('task') or ctx.get('future')!r}"
-                         [:600])
+        what = f"{ctx.get('message')} | {ctx.get('exception')!r} | {ctx.get('task') or ctx.get('future')!r}"
+        # An earlier test's unclosed SDK client, collected by this test's gc.collect(), closes itself on this loop
+        # and fails ("Event loop is closed" in httpx's aclose): not this service's (seen in a fresh-clone CI run).
+        if "Event loop is closed" in what and "httpx" in what and "_client.py" in what:
+            return
+        unhandled.append(what[:600])
 
     loop.set_exception_handler(record)
     try:
